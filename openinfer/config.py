@@ -1,0 +1,202 @@
+"""One typed configuration, built once by the entrypoint and passed down.
+
+Every knob a user can set lives here and is validated in ``__post_init__`` so that a bad value fails at
+construction with a message naming the field, never deep inside a step.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype, hf_config: dict[str, Any], device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        # bf16 is the fast path on AMX CPUs and on every recent GPU; checkpoints saved in fp32 (tests)
+        # still run in bf16 unless the user asks for fp32 explicitly, like vLLM does for fp32 checkpoints.
+        return torch.bfloat16
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; choose one of auto, {', '.join(sorted(set(_DTYPES)))}")
+    return _DTYPES[dtype]
+
+
+def resolve_device(device: str | None) -> torch.device:
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} requested but CUDA is not available on this machine")
+    return dev
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the checkpoint is: the path, its raw config.json, and the dtype/device it runs in."""
+
+    path: str
+    hf_config: dict[str, Any]
+    dtype: torch.dtype
+    device: torch.device
+    max_model_len: int
+    tokenizer_path: str
+
+    @property
+    def architecture(self) -> str:
+        archs = self.hf_config.get("architectures") or []
+        return archs[0] if archs else ""
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config["vocab_size"])
+
+    @classmethod
+    def from_path(
+        cls,
+        path: str | os.PathLike,
+        dtype: str | torch.dtype = "auto",
+        device: str | None = None,
+        max_model_len: int | None = None,
+        tokenizer: str | None = None,
+    ) -> ModelConfig:
+        p = Path(path)
+        if not p.is_dir():
+            raise ValueError(f"model path {str(path)!r} does not exist or is not a directory")
+        cfg_file = p / "config.json"
+        if not cfg_file.is_file():
+            raise ValueError(f"model path {str(path)!r} has no config.json")
+        try:
+            hf_config = json.loads(cfg_file.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{cfg_file} is not valid JSON: {e}") from None
+        if "text_config" in hf_config and "vocab_size" not in hf_config:
+            # Multimodal wrappers nest the language model's fields.
+            hf_config = {**hf_config["text_config"], "architectures": hf_config.get("architectures")}
+        dev = resolve_device(device)
+        limit = int(hf_config.get("max_position_embeddings", 2048))
+        if max_model_len is None:
+            max_model_len = limit
+        if max_model_len <= 0:
+            raise ValueError(f"max_model_len must be > 0, got {max_model_len}")
+        if max_model_len > limit:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={limit}"
+            )
+        return cls(
+            path=str(p),
+            hf_config=hf_config,
+            dtype=resolve_dtype(dtype, hf_config, dev),
+            device=dev,
+            max_model_len=int(max_model_len),
+            tokenizer_path=str(tokenizer or p),
+        )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    # Memory for the KV cache; None = derive from memory free after warm-up (see executor.kv_sizing).
+    kv_cache_memory_gb: float | None = None
+    # Fraction of free device memory used when kv_cache_memory_gb is unset.
+    memory_utilization: float = 0.9
+    # Exact block count (tests use it to force preemption); overrides the memory-based size.
+    num_kv_blocks: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if not 0 < self.memory_utilization <= 1:
+            raise ValueError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be > 0, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError(f"max_num_batched_tokens must be > 0, got {self.max_num_batched_tokens}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    seed: int = 0
+    # "auto" picks the fast path; "reference" forces the plain torch attention (tests, debugging).
+    attention_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.attention_backend not in ("auto", "sdpa", "reference"):
+            raise ValueError(
+                f"attention_backend={self.attention_backend!r}; choose one of auto, sdpa, reference"
+            )
+        if self.scheduler.max_model_len != self.model.max_model_len:
+            raise ValueError("scheduler.max_model_len must equal model.max_model_len")
+
+    @classmethod
+    def create(
+        cls,
+        model: str,
+        *,
+        tokenizer: str | None = None,
+        dtype: str | torch.dtype = "auto",
+        device: str | None = None,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        kv_cache_memory_gb: float | None = None,
+        memory_utilization: float = 0.9,
+        num_kv_blocks: int | None = None,
+        seed: int = 0,
+        attention_backend: str = "auto",
+    ) -> EngineConfig:
+        mc = ModelConfig.from_path(model, dtype=dtype, device=device, max_model_len=max_model_len,
+                                   tokenizer=tokenizer)
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = max(2048, min(mc.max_model_len, 8192))
+        return cls(
+            model=mc,
+            cache=CacheConfig(
+                block_size=block_size,
+                enable_prefix_caching=enable_prefix_caching,
+                kv_cache_memory_gb=kv_cache_memory_gb,
+                memory_utilization=memory_utilization,
+                num_kv_blocks=num_kv_blocks,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=mc.max_model_len,
+            ),
+            seed=seed,
+            attention_backend=attention_backend,
+        )

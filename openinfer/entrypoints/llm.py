@@ -1,0 +1,123 @@
+"""The offline API, shaped like vLLM's: ``LLM(model=...).generate(prompts, sampling_params)``."""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from openinfer.assets_path import default_model_path
+from openinfer.config import EngineConfig
+from openinfer.engine.llm_engine import LLMEngine, PromptType
+from openinfer.outputs import RequestOutput
+from openinfer.sampling_params import SamplingParams
+from openinfer.tokenizer import apply_chat_template
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        enable_prefix_caching: bool = True,
+        block_size: int = 16,
+        kv_cache_memory_gb: float | None = None,
+        num_kv_blocks: int | None = None,
+        seed: int = 0,
+        device: str | None = None,
+        attention_backend: str = "auto",
+        chat_template: str | None = None,
+    ) -> None:
+        config = EngineConfig.create(
+            model or default_model_path(), tokenizer=tokenizer, dtype=dtype, device=device,
+            max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+            enable_prefix_caching=enable_prefix_caching, kv_cache_memory_gb=kv_cache_memory_gb,
+            num_kv_blocks=num_kv_blocks, seed=seed, attention_backend=attention_backend,
+        )
+        self.engine = LLMEngine(config, chat_template=chat_template)
+        self._counter = 0
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        return self.engine.default_sampling_params()
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                  and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling_params")
+        ids = []
+        try:
+            for prompt, params in zip(prompts, params_list):
+                ids.append(self.engine.add_request(f"offline-{self._counter}", prompt, params))
+                self._counter += 1
+        except Exception:
+            self.engine.abort_request(ids)  # all or nothing: a bad prompt leaves no stray requests
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        if not messages:
+            raise ValueError("messages must be a non-empty list")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
+        prompts = [
+            {"prompt_token_ids": apply_chat_template(self.engine.tokenizer, conv, add_generation_prompt,
+                                                     chat_template)}
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        t0 = time.perf_counter()
+        in_tokens = out_tokens = 0
+        wanted = set(ids)
+        while len(finished) < len(ids) and self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished and out.request_id in wanted and out.request_id not in finished:
+                    finished[out.request_id] = out
+                    if bar is not None:
+                        in_tokens += len(out.prompt_token_ids)
+                        out_tokens += sum(len(o.token_ids) for o in out.outputs)
+                        dt = max(time.perf_counter() - t0, 1e-9)
+                        bar.set_postfix_str(f"est. speed input: {in_tokens / dt:.1f} toks/s, "
+                                            f"output: {out_tokens / dt:.1f} toks/s", refresh=False)
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        missing = [i for i in ids if i not in finished]
+        if missing:
+            raise RuntimeError(f"engine stopped with {len(missing)} requests unfinished: {missing[:5]}")
+        return [finished[i] for i in ids]

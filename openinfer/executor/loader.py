@@ -1,0 +1,73 @@
+"""Build a model from an HF-format directory: registry lookup, safetensors tensors (never pickle), dtype."""
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from openinfer.config import ModelConfig
+from openinfer.models.registry import resolve_model_class
+from openinfer.models.weights import WeightLoadError
+
+logger = logging.getLogger(__name__)
+
+
+def safetensors_files(path: str | Path) -> list[Path]:
+    p = Path(path)
+    index = p / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise WeightLoadError(f"{index} is not a valid safetensors index: {e}") from None
+        files = sorted({p / f for f in weight_map.values()})
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise WeightLoadError(f"shards listed in {index.name} are missing: {missing}")
+        return files
+    files = sorted(p.glob("*.safetensors"))
+    if not files:
+        bins = list(p.glob("*.bin")) + list(p.glob("*.pt"))
+        hint = " (pickle .bin/.pt checkpoints are not loaded for safety; convert to safetensors)" if bins else ""
+        raise WeightLoadError(f"no *.safetensors files in {str(p)!r}{hint}")
+    return files
+
+
+def iterate_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for f in safetensors_files(path):
+        try:
+            handle = safe_open(str(f), framework="pt", device="cpu")
+        except Exception as e:  # safetensors raises its own error types for truncated/corrupt headers
+            raise WeightLoadError(f"cannot read {f.name}: {e} (file truncated or corrupt?)") from None
+        with handle:
+            for name in handle.keys():
+                try:
+                    tensor = handle.get_tensor(name)
+                except Exception as e:
+                    raise WeightLoadError(f"cannot read tensor {name!r} from {f.name}: {e} "
+                                          "(file truncated or corrupt?)") from None
+                yield name, tensor
+
+
+def load_model(mc: ModelConfig) -> nn.Module:
+    cls = resolve_model_class(mc.architecture)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(mc.dtype)
+    try:
+        with torch.device(mc.device):
+            model = cls(mc.hf_config)
+    finally:
+        torch.set_default_dtype(prev)
+    model.load_weights(iterate_weights(mc.path))
+    post = getattr(model, "post_load", None)
+    if post is not None:
+        post()
+    model.eval()
+    n = sum(p.numel() for p in model.parameters())
+    logger.info("loaded %s (%.1fM params, %s) from %s", mc.architecture, n / 1e6, mc.dtype, mc.path)
+    return model

@@ -1,0 +1,118 @@
+"""Batched sampling: penalties, min_tokens, temperature, top-k, top-p, min-p, seeded draws, logprobs.
+
+Sampling uses the exponential race ``argmax(p / q)``, ``q ~ Exp(1)``, which draws exactly from ``p``. A seeded
+request draws its ``q`` from a generator seeded by ``(seed, output position)``, so its tokens do not depend on
+which batch it lands in, on preemption, or on other requests.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from openinfer.sampling_params import SamplingParams
+
+_SEED_MIX = 0x9E3779B97F4A7C15
+
+
+@dataclass
+class SamplingRow:
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    idx = [i for i, r in enumerate(rows) if r.params.needs_penalties]
+    if not idx:
+        return logits
+    v = logits.shape[1]
+    dev = logits.device
+    for i in idx:  # penalised rows are rare; a per-row loop keeps this readable
+        p = rows[i].params
+        out = torch.tensor(rows[i].output_token_ids, dtype=torch.long, device=dev)
+        counts = torch.zeros(v, device=dev).index_add_(0, out, torch.ones(len(out), device=dev)) \
+            if len(out) else torch.zeros(v, device=dev)
+        row = logits[i]
+        if p.repetition_penalty != 1.0:
+            seen = counts > 0
+            if rows[i].prompt_token_ids:
+                seen[torch.tensor(rows[i].prompt_token_ids, device=dev)] = True
+            row = torch.where(seen & (row > 0), row / p.repetition_penalty,
+                              torch.where(seen, row * p.repetition_penalty, row))
+        row = row - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
+        logits[i] = row
+    return logits
+
+
+def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    for i, r in enumerate(rows):
+        p = r.params
+        if len(r.output_token_ids) < p.min_tokens:
+            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(p.eos_token_ids))
+            if banned:
+                logits[i, list(banned)] = float("-inf")
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                  ) -> torch.Tensor:
+    """Mask (to -inf) what top-k / top-p / min-p exclude. ``top_k`` 0 = off; rows are independent."""
+    v = logits.shape[1]
+    if bool((top_k > 0).any()) or bool((top_p < 1).any()):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        keep = torch.ones_like(sorted_logits, dtype=torch.bool)
+        k = torch.where(top_k > 0, top_k, v).clamp(max=v)
+        ranks = torch.arange(v, device=logits.device)
+        keep &= ranks[None, :] < k[:, None]
+        probs = torch.softmax(sorted_logits.masked_fill(~keep, float("-inf")), dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p (the token crossing the threshold stays).
+        mass_before = probs.cumsum(dim=-1) - probs
+        keep &= mass_before < top_p[:, None]
+        keep[:, 0] = True
+        mask = torch.zeros_like(keep).scatter(1, order, keep)
+        logits = logits.masked_fill(~mask, float("-inf"))
+    if bool((min_p > 0).any()):
+        probs = torch.softmax(logits, dim=-1)
+        thresh = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+        logits = logits.masked_fill(probs < thresh, float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None = None,
+           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logits: [S, V] fp32 (raw model output). Returns (token ids [S], raw logprobs [S, V] or None)."""
+    need_lp = any(r.params.logprobs is not None for r in rows)
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if need_lp else None
+    logits = logits.clone()
+    logits = apply_penalties(logits, rows)
+    logits = apply_min_tokens(logits, rows)
+    greedy = torch.tensor([r.params.greedy for r in rows], device=logits.device)
+    tokens = logits.argmax(dim=-1)
+    if bool(greedy.all()):
+        return tokens, raw_logprobs
+    dev = logits.device
+    temp = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in rows], device=dev)
+    top_k = torch.tensor([r.params.top_k for r in rows], device=dev)
+    top_p = torch.tensor([r.params.top_p for r in rows], device=dev)
+    min_p = torch.tensor([r.params.min_p for r in rows], device=dev)
+    scaled = filter_logits(logits / temp[:, None], top_k, top_p, min_p)
+    probs = torch.softmax(scaled, dim=-1)
+    q = torch.empty_like(probs).exponential_(generator=generator)
+    for i, r in enumerate(rows):
+        if r.params.seed is not None and not r.params.greedy:
+            g = torch.Generator(device=dev)
+            g.manual_seed((r.params.seed * _SEED_MIX + len(r.output_token_ids)) % (1 << 63))
+            q[i] = torch.empty(probs.shape[1], device=dev).exponential_(generator=g)
+    drawn = (probs / q).argmax(dim=-1)
+    return torch.where(greedy, tokens, drawn), raw_logprobs
+
+
+def top_logprobs(raw_logprobs: torch.Tensor, row: int, token_id: int, n: int) -> dict[int, float]:
+    lp = raw_logprobs[row]
+    out: dict[int, float] = {}
+    if n > 0:
+        vals, ids = lp.topk(n)
+        out = {int(i): float(v) for i, v in zip(ids.tolist(), vals.tolist())}
+    out[token_id] = float(lp[token_id])
+    return out

@@ -1,0 +1,114 @@
+"""Attention over the paged KV cache for mixed batches (decodes and prefill chunks in one step).
+
+Two backends share the cache layout ``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer:
+- ``reference``: per sequence, per query, explicit fp32 softmax over keys gathered slot by slot — slow and
+  obviously right; the fast path is tested against it.
+- ``sdpa``: all decodes in one padded batched ``scaled_dot_product_attention`` over gathered blocks; each
+  prefill chunk one causal SDPA (directly on the fresh K/V when nothing precedes it in the cache).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from openinfer.executor.forward_context import AttentionMetadata, get_forward_context
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads="
+                             f"{num_kv_heads}")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.backend = "sdpa"
+        # Bound by the model runner once the cache is allocated.
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hk, D]. Returns [T, Hq*D]."""
+        md = get_forward_context()
+        if self.k_cache is None:
+            raise RuntimeError("attention layer has no KV cache bound")
+        kc = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
+        vc = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
+        kc.index_copy_(0, md.slot_mapping, k.to(kc.dtype))
+        vc.index_copy_(0, md.slot_mapping, v.to(vc.dtype))
+        if self.backend == "reference":
+            out = reference_paged_attention(q, md, self.k_cache, self.v_cache, self.scale)
+        else:
+            out = self._sdpa(q, k, v, md)
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        out = torch.empty_like(q)
+        gqa = self.num_heads != self.num_kv_heads
+        nd = md.num_decodes
+        if nd:
+            bt = md.decode_block_tables
+            shape = (nd, -1, self.num_kv_heads, self.head_dim)
+            kd = self.k_cache[bt].view(shape).transpose(1, 2)
+            vd = self.v_cache[bt].view(shape).transpose(1, 2)
+            qd = q[:nd].unsqueeze(2)  # [B, Hq, 1, D]
+            od = F.scaled_dot_product_attention(qd, kd.to(q.dtype), vd.to(q.dtype), attn_mask=md.decode_mask,
+                                                scale=self.scale, enable_gqa=gqa)
+            out[:nd] = od.squeeze(2)
+        for span in md.prefills:
+            s, n = span.query_start, span.query_len
+            qs = q[s:s + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+            if span.context_len == n:
+                ks = k[s:s + n].transpose(0, 1).unsqueeze(0)
+                vs = v[s:s + n].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale,
+                                                   enable_gqa=gqa)
+            else:
+                ks, vs = _gather(self.k_cache, self.v_cache, span.block_table, span.context_len)
+                ks = ks.transpose(0, 1).unsqueeze(0).to(q.dtype)
+                vs = vs.transpose(0, 1).unsqueeze(0).to(q.dtype)
+                # Query i sits at absolute position context_len - n + i and sees keys 0..that position.
+                q_pos = torch.arange(span.context_len - n, span.context_len, device=q.device)
+                k_pos = torch.arange(span.context_len, device=q.device)
+                mask = k_pos[None, :] <= q_pos[:, None]
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
+            out[s:s + n] = o.squeeze(0).transpose(0, 1)
+        return out
+
+
+def _gather(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, length: int):
+    hk, d = k_cache.shape[-2:]
+    ks = k_cache[block_table].view(-1, hk, d)[:length]
+    vs = v_cache[block_table].view(-1, hk, d)[:length]
+    return ks, vs
+
+
+def reference_paged_attention(q: torch.Tensor, md: AttentionMetadata, k_cache: torch.Tensor,
+                              v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+    """Plain fp32 attention, one sequence and one query at a time, reading keys slot by slot."""
+    bs = md.block_size
+    hq = q.shape[1]
+    hk = k_cache.shape[2]
+    group = hq // hk
+    out = torch.empty_like(q)
+    seqs: list[tuple[int, int, int, torch.Tensor]] = []
+    for i in range(md.num_decodes):
+        seqs.append((i, 1, int(md.decode_seq_lens[i]), md.decode_block_tables[i]))
+    for span in md.prefills:
+        seqs.append((span.query_start, span.query_len, span.context_len, span.block_table))
+    for start, n, ctx, table in seqs:
+        slots = [int(table[p // bs]) * bs + p % bs for p in range(ctx)]
+        keys = k_cache.view(-1, hk, k_cache.shape[-1])[slots].float()  # [ctx, Hk, D]
+        vals = v_cache.view(-1, hk, v_cache.shape[-1])[slots].float()
+        for i in range(n):
+            pos = ctx - n + i
+            qi = q[start + i].float()  # [Hq, D]
+            kk = keys[:pos + 1].repeat_interleave(group, dim=1)  # [L, Hq, D]
+            vv = vals[:pos + 1].repeat_interleave(group, dim=1)
+            scores = torch.einsum("hd,lhd->hl", qi, kk) * scale
+            probs = torch.softmax(scores, dim=-1)
+            out[start + i] = torch.einsum("hl,lhd->hd", probs, vv).to(q.dtype)
+    return out

@@ -1,0 +1,31 @@
+"""Architecture name (config.json ``architectures[0]``) -> model class. New families register here."""
+from __future__ import annotations
+
+import importlib
+
+from torch import nn
+
+# Lazy imports keep start-up cheap and let a family's module fail without breaking the others.
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("openinfer.models.llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("openinfer.models.llama", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("openinfer.models.llama", "Qwen3ForCausalLM"),
+}
+
+
+def register_model(architecture: str, module: str, cls_name: str) -> None:
+    _MODELS[architecture] = (module, cls_name)
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def resolve_model_class(architecture: str) -> type[nn.Module]:
+    if architecture not in _MODELS:
+        raise ValueError(
+            f"architecture {architecture!r} is not supported; supported architectures: "
+            f"{', '.join(supported_architectures())}"
+        )
+    module, cls_name = _MODELS[architecture]
+    return getattr(importlib.import_module(module), cls_name)

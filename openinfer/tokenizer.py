@@ -1,0 +1,58 @@
+"""Tokenizer and chat template from an HF-format folder, offline (tokenizers via transformers)."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+
+def load_tokenizer(path: str, chat_template: str | None = None):
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as e:
+        raise ValueError(f"cannot load a tokenizer from {path!r}: {e}") from None
+    if chat_template is not None:
+        p = Path(chat_template)
+        tok.chat_template = p.read_text() if p.is_file() else chat_template
+    return tok
+
+
+def eos_token_ids(tokenizer, model_path: str) -> frozenset[int]:
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen = generation_config(model_path)
+    eos = gen.get("eos_token_id")
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif isinstance(eos, list):
+        ids.update(int(e) for e in eos)
+    return frozenset(ids)
+
+
+def generation_config(model_path: str) -> dict[str, Any]:
+    p = Path(model_path) / "generation_config.json"
+    if not p.is_file():
+        return {}
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError:
+        return {}
+
+
+def apply_chat_template(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                        chat_template: str | None = None, **kwargs: Any) -> list[int]:
+    if not messages:
+        raise ValueError("messages must be a non-empty list")
+    if not (chat_template or getattr(tokenizer, "chat_template", None)):
+        raise ValueError("this tokenizer has no chat template; pass chat_template=")
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         chat_template=chat_template, **kwargs)
+    # The template already wrote any BOS it wants.
+    return tokenizer.encode(text, add_special_tokens=False)

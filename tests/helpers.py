@@ -1,0 +1,86 @@
+"""Tiny checkpoints written by the tests themselves (HF format, random weights) and HF reference runs."""
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+import torch
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def write_char_tokenizer(path: str | Path, vocab_size: int) -> None:
+    """A character-level tokenizer (fast, offline, deterministic) padded with filler tokens to vocab_size."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<s>", "</s>", "<unk>", "<|user|>", "<|assistant|>", "<|system|>"]
+    chars = [c for c in string.printable if c not in "\x0b\x0c\r"]
+    vocab = {t: i for i, t in enumerate(specials + chars)}
+    i = len(vocab)
+    while len(vocab) < vocab_size:
+        vocab[f"<x{i}>"] = i
+        i += 1
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"<\|[a-z]+\|>|<x\d+>|</?s>|."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.add_special_tokens({"additional_special_tokens": specials[3:]})
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(path))
+
+
+def make_dense_checkpoint(path: str | Path, arch: str = "llama", seed: int = 0, vocab_size: int = 256,
+                          tie: bool = False, **overrides) -> Path:
+    """Write a tiny random fp32 Llama/Qwen2/Qwen3 checkpoint with tokenizer; returns the path."""
+    import transformers
+
+    path = Path(path)
+    kw = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+              tie_word_embeddings=tie, bos_token_id=0, eos_token_id=1, rms_norm_eps=1e-6)
+    kw.update(overrides)
+    cfg_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }[arch]
+    if arch == "qwen3":
+        kw.setdefault("head_dim", 16)
+    cfg = cfg_cls(**kw)
+    torch.manual_seed(seed)
+    model = model_cls(cfg).float()
+    with torch.no_grad():  # larger-than-init weights make logits spread, so greedy ties are unlikely
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif "bias" in name:
+                p.normal_(0, 0.1)
+            else:
+                p.normal_(0, 0.08)
+    model.save_pretrained(str(path), safe_serialization=True)
+    write_char_tokenizer(path, vocab_size)
+    return path
+
+
+@torch.inference_mode()
+def hf_greedy(path: str | Path, prompts: list[list[int]], max_new_tokens: int):
+    """HF reference: greedy tokens and the logprob of each chosen token, one prompt at a time (no padding)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    results = []
+    for ids in prompts:
+        out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                             do_sample=False, output_scores=True, return_dict_in_generate=True,
+                             pad_token_id=0)
+        toks = out.sequences[0, len(ids):].tolist()
+        full = torch.tensor([ids + toks])
+        logits = model(full).logits[0].float()
+        lp = torch.log_softmax(logits, dim=-1)
+        lps = [float(lp[len(ids) - 1 + i, t]) for i, t in enumerate(toks)]
+        results.append((toks, lps))
+    return results
