@@ -1,0 +1,4 @@
+from openinfer.entrypoints.cli import main
+
+if __name__ == "__main__":
+    main()

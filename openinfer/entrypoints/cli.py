@@ -1,0 +1,45 @@
+"""``openinfer`` console script: generate | serve | bench <kind>. Subcommands live in their own modules, each
+exposing ``add_parser(subparsers)`` that registers its arguments and sets ``func``."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+_SUBCOMMANDS = [
+    "openinfer.entrypoints.generate_cli",
+    "openinfer.server.cli",
+    "openinfer.bench.cli",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="openinfer", description="openinfer: LLM inference and serving engine")
+    parser.add_argument("--log-level", default="INFO", help="logging level (DEBUG, INFO, WARNING)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for mod in _SUBCOMMANDS:
+        try:
+            module = importlib.import_module(mod)
+        except ModuleNotFoundError as e:
+            if e.name and e.name.startswith("openinfer"):
+                continue  # subcommand not built in this tree
+            raise
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+                        format="%(levelname)s %(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    if not getattr(args, "func", None):
+        parser.print_help()
+        sys.exit(2)
+    try:
+        rc = args.func(args)
+    except ValueError as e:  # user errors: one clear line, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(rc or 0)
