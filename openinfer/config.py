@@ -9,35 +9,35 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch is imported lazily so the scheduler's configs load without it
+    import torch
 
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
+_DTYPE_NAMES = {
+    "float32": "float32", "fp32": "float32", "float": "float32",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "fp16": "float16", "half": "float16",
 }
 
 
 def resolve_dtype(dtype: str | torch.dtype, hf_config: dict[str, Any], device: torch.device) -> torch.dtype:
+    import torch
+
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
         # bf16 is the fast path on AMX CPUs and on every recent GPU; checkpoints saved in fp32 (tests)
         # still run in bf16 unless the user asks for fp32 explicitly, like vLLM does for fp32 checkpoints.
         return torch.bfloat16
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not supported; choose one of auto, {', '.join(sorted(set(_DTYPES)))}")
-    return _DTYPES[dtype]
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError(f"dtype={dtype!r} is not supported; choose one of auto, {', '.join(sorted(_DTYPE_NAMES))}")
+    return getattr(torch, _DTYPE_NAMES[dtype])
 
 
 def resolve_device(device: str | None) -> torch.device:
+    import torch
+
     if device in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device(device)

@@ -72,11 +72,13 @@ def hf_greedy(path: str | Path, prompts: list[list[int]], max_new_tokens: int):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    # No EOS: generation runs the full length without HF's min_new_tokens EOS suppression, which would
+    # change the argmax (openinfer's ignore_eos keeps EOS sampleable, like vLLM).
+    model.generation_config.eos_token_id = None
     results = []
     for ids in prompts:
-        out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                             do_sample=False, output_scores=True, return_dict_in_generate=True,
-                             pad_token_id=0)
+        out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens,
+                             do_sample=False, return_dict_in_generate=True, pad_token_id=0)
         toks = out.sequences[0, len(ids):].tolist()
         full = torch.tensor([ids + toks])
         logits = model(full).logits[0].float()

@@ -11,10 +11,14 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from openinfer.config import SchedulerConfig
+from typing import TYPE_CHECKING
+
 from openinfer.engine.kv_cache_manager import KVCacheManager
 from openinfer.engine.request import Request, RequestStatus
 from openinfer.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the scheduler stays importable without torch
+    from openinfer.config import SchedulerConfig
 
 
 @dataclass

@@ -28,7 +28,10 @@ def available_memory_bytes(device: torch.device) -> int:
     return 8 << 30
 
 
-def num_blocks_for(cache: CacheConfig, device: torch.device, bytes_per_block: int) -> int:
+def num_blocks_for(cache: CacheConfig, device: torch.device, bytes_per_block: int, max_useful_blocks: int) -> int:
+    """``max_useful_blocks``: what max_num_seqs full-length requests could ever hold at once. On CPU,
+    without an explicit budget, the cache is capped at twice that (the rest is prefix-cache headroom):
+    zeroing gigabytes of RAM nobody can use only slows start-up."""
     if cache.num_kv_blocks is not None:
         return cache.num_kv_blocks
     if cache.kv_cache_memory_gb is not None:
@@ -37,7 +40,7 @@ def num_blocks_for(cache: CacheConfig, device: torch.device, bytes_per_block: in
         free = available_memory_bytes(device)
         budget = int(free * cache.memory_utilization)
         if device.type != "cuda":
-            budget = min(budget // 2, int(CPU_DEFAULT_KV_GB * (1 << 30)))
+            budget = min(budget // 2, int(CPU_DEFAULT_KV_GB * (1 << 30)), 2 * max_useful_blocks * bytes_per_block)
     n = budget // max(bytes_per_block, 1)
     if n < 2:
         raise ValueError(f"KV cache budget of {budget / 2**20:.1f} MiB holds fewer than 2 blocks of "

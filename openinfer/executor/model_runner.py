@@ -48,7 +48,9 @@ class ModelRunner:
         """Warm up at the largest step, then size and allocate the cache from what is left."""
         self.profile_run()
         bytes_per_block = self.kv_bytes_per_token() * self.block_size
-        self.num_blocks = num_blocks_for(self.config.cache, self.device, bytes_per_block)
+        sc = self.config.scheduler
+        useful = sc.max_num_seqs * -(-sc.max_model_len // self.block_size)
+        self.num_blocks = num_blocks_for(self.config.cache, self.device, bytes_per_block, useful)
         self._allocate(self.num_blocks)
         return self.num_blocks
 
