@@ -46,6 +46,20 @@ def generation_config(model_path: str) -> dict[str, Any]:
         return {}
 
 
+def default_sampling_params(model_path: str):
+    """Defaults from the checkpoint's generation_config.json, like vLLM's ``--generation-config auto``."""
+    from openinfer.sampling_params import SamplingParams
+
+    gen = generation_config(model_path)
+    kw: dict[str, Any] = {}
+    for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+        if gen.get(key) is not None:
+            kw[key] = gen[key]
+    if gen.get("do_sample") is False:
+        kw["temperature"] = 0.0
+    return SamplingParams(**kw)
+
+
 def apply_chat_template(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                         chat_template: str | None = None, **kwargs: Any) -> list[int]:
     if not messages:

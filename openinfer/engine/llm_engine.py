@@ -19,7 +19,7 @@ from openinfer.engine.scheduler import Scheduler
 from openinfer.executor.model_runner import ModelRunner
 from openinfer.outputs import RequestOutput
 from openinfer.sampling_params import SamplingParams
-from openinfer.tokenizer import eos_token_ids, load_tokenizer
+from openinfer.tokenizer import default_sampling_params, eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -191,15 +191,4 @@ class LLMEngine:
         return self.kv.reset_prefix_cache()
 
     def default_sampling_params(self) -> SamplingParams:
-        """Defaults from the checkpoint's generation_config.json, like vLLM's ``--generation-config auto``."""
-        from openinfer.tokenizer import generation_config
-
-        gen = generation_config(self.config.model.path)
-        kw: dict[str, Any] = {}
-        for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
-            if key in gen and gen[key] is not None:
-                kw[key] = gen[key]
-        if gen.get("do_sample") is False:
-            kw["temperature"] = 0.0
-        return SamplingParams(**kw)
-
+        return default_sampling_params(self.config.model.path)

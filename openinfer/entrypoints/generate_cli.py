@@ -55,15 +55,18 @@ def sampling_params_from_args(args: argparse.Namespace, defaults):
 
 def run(args: argparse.Namespace) -> int:
     from openinfer import LLM
+    from openinfer.assets_path import default_model_path
+    from openinfer.tokenizer import default_sampling_params
 
     if args.prompts_file:
         with open(args.prompts_file) as f:
             prompts = [line.rstrip("\n") for line in f if line.strip()]
     else:
         prompts = args.prompt or ["The list object"]
+    # Sampling flags are checked before the model loads, so a typo fails in a second, not after loading.
+    params = sampling_params_from_args(args, default_sampling_params(args.model or default_model_path()))
     llm = LLM(**engine_kwargs(args))
     print(llm.engine.startup_message, file=sys.stderr)
-    params = sampling_params_from_args(args, llm.get_default_sampling_params())
     if args.chat:
         outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
     else:
