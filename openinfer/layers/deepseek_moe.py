@@ -1,0 +1,172 @@
+"""DeepSeekMoE: the router (``route``), stacked routed experts and shared experts, HF-shaped module names.
+
+Routing (DeepSeek-V3, ``topk_method="noaux_tc"``):
+  scores = score_fn(x @ Wg.T) in fp32                  (sigmoid for V3)
+  choice = scores + e_score_correction_bias            (the bias only *selects*; weights come from scores)
+  group-limited: keep the ``topk_group`` of ``n_group`` groups with the largest sum-of-top-2 choice score,
+  then top-k experts among the kept groups; weights = scores at those experts, optionally renormalised,
+  times ``routed_scaling_factor``.
+Ties are broken towards the lowest expert index (a stable sort), never by whatever ``torch.topk`` happens to
+do: a kernel's tie order can depend on tensor length, which would make routing batch-dependent.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from openinfer.layers.activation import SiluAndMul
+from openinfer.layers.moe import fused_experts
+
+# New score functions (V4's sqrtsoftplus) are added here; RouterConfig validates against this table.
+SCORING_FUNCS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "sigmoid": torch.sigmoid,
+    "softmax": lambda logits: logits.softmax(dim=-1),
+}
+TOPK_METHODS = ("noaux_tc",)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Routing hyper-parameters under their HF config names, validated once at model construction."""
+
+    n_routed_experts: int
+    num_experts_per_tok: int
+    scoring_func: str = "sigmoid"
+    topk_method: str = "noaux_tc"
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        e, k = self.n_routed_experts, self.num_experts_per_tok
+        if not isinstance(e, int) or e <= 0:
+            raise ValueError(f"n_routed_experts={e!r} must be a positive int")
+        if not isinstance(k, int) or not 0 < k <= e:
+            raise ValueError(f"num_experts_per_tok={k!r} must be in [1, n_routed_experts={e}]")
+        if self.scoring_func not in SCORING_FUNCS:
+            raise ValueError(f"scoring_func={self.scoring_func!r} is not supported "
+                             f"(supported: {', '.join(SCORING_FUNCS)})")
+        if self.topk_method not in TOPK_METHODS:
+            raise ValueError(f"topk_method={self.topk_method!r} is not supported "
+                             f"(supported: {', '.join(TOPK_METHODS)})")
+        if not isinstance(self.n_group, int) or self.n_group <= 0 or e % self.n_group:
+            raise ValueError(f"n_group={self.n_group!r} must be a positive divisor of n_routed_experts={e}")
+        if not isinstance(self.topk_group, int) or not 0 < self.topk_group <= self.n_group:
+            raise ValueError(f"topk_group={self.topk_group!r} must be in [1, n_group={self.n_group}]")
+        per_group = e // self.n_group
+        if self.n_group > 1 and per_group < 2:
+            raise ValueError(f"n_group={self.n_group} leaves {per_group} expert per group; the group score "
+                             "is the sum of the top-2 experts, so each group needs at least 2")
+        if k > self.topk_group * per_group:
+            raise ValueError(f"num_experts_per_tok={k} exceeds the {self.topk_group * per_group} experts in "
+                             f"topk_group={self.topk_group} groups")
+        if self.routed_scaling_factor <= 0:
+            raise ValueError(f"routed_scaling_factor={self.routed_scaling_factor!r} must be > 0")
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> RouterConfig:
+        # transformers drops scoring_func/topk_method when it saves V3 (spec §12): absent = sigmoid/noaux_tc.
+        return cls(
+            n_routed_experts=cfg.get("n_routed_experts"),
+            num_experts_per_tok=cfg.get("num_experts_per_tok"),
+            scoring_func=cfg.get("scoring_func") or "sigmoid",
+            topk_method=cfg.get("topk_method") or "noaux_tc",
+            n_group=cfg.get("n_group") or 1,
+            topk_group=cfg.get("topk_group") or 1,
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+            routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+        )
+
+
+def _topk_lowest_index(x: torch.Tensor, k: int) -> torch.Tensor:
+    return torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+def route(router_logits: torch.Tensor, cfg: RouterConfig,
+          e_score_correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] -> (topk_weights fp32 [T, K], topk_ids int64 [T, K]); see the module docstring."""
+    t, e = router_logits.shape
+    scores = SCORING_FUNCS[cfg.scoring_func](router_logits.float())
+    choice = scores if e_score_correction_bias is None else scores + e_score_correction_bias.float()
+    if cfg.topk_group < cfg.n_group:
+        grouped = choice.view(t, cfg.n_group, e // cfg.n_group)
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # values only: tie order is irrelevant
+        keep = torch.zeros_like(group_scores, dtype=torch.bool)
+        keep.scatter_(1, _topk_lowest_index(group_scores, cfg.topk_group), True)
+        choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(t, e)
+    topk_ids = _topk_lowest_index(choice, cfg.num_experts_per_tok)
+    topk_weights = scores.gather(1, topk_ids)
+    if cfg.norm_topk_prob:
+        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return topk_weights * cfg.routed_scaling_factor, topk_ids
+
+
+class DeepseekTopkRouter(nn.Module):
+    """``mlp.gate``: router weight in the model dtype (as HF), correction bias kept in fp32 (as HF)."""
+
+    def __init__(self, hidden_size: int, cfg: RouterConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, hidden_size), requires_grad=False)
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.n_routed_experts, dtype=torch.float32),
+                                                    requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # fp32 logits: in bf16 near-equal experts would otherwise swap places against the reference.
+        logits = x.float() @ self.weight.float().t()
+        return route(logits, self.cfg, self.e_score_correction_bias)
+
+
+class DeepseekExperts(nn.Module):
+    """``mlp.experts``: all routed experts stacked for ``fused_experts`` (gate rows then up rows in w13).
+    HF stores one module per expert; the model's loader places ``experts.{e}.{gate,up,down}_proj.weight``."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 swiglu_limit: float | None = None) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.swiglu_limit = swiglu_limit
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size),
+                                       requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size),
+                                      requires_grad=False)
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        return fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.swiglu_limit)
+
+
+class DeepseekMLP(nn.Module):
+    """Dense SwiGLU MLP (dense layers, shared experts); HF's gate_proj/up_proj load into one fused matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class DeepseekMoE(nn.Module):
+    """Routed experts + always-on shared experts (a dense MLP of n_shared_experts x moe_intermediate_size)."""
+
+    def __init__(self, hidden_size: int, moe_intermediate_size: int, n_shared_experts: int,
+                 cfg: RouterConfig) -> None:
+        super().__init__()
+        self.gate = DeepseekTopkRouter(hidden_size, cfg)
+        self.experts = DeepseekExperts(cfg.n_routed_experts, hidden_size, moe_intermediate_size)
+        self.shared_experts = (DeepseekMLP(hidden_size, moe_intermediate_size * n_shared_experts)
+                               if n_shared_experts else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = self.gate(x)
+        out = self.experts(x, topk_weights, topk_ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out

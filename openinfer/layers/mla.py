@@ -1,0 +1,210 @@
+"""Multi-head latent attention (DeepSeek-V2/V3) over a paged *latent* cache, and DeepSeek's rotary embedding.
+
+The cache holds, per token and per layer, one ``[c_kv (kv_lora_rank) | k_pe (qk_rope_head_dim)]`` vector
+shared by all heads: layout ``[num_blocks, block_size, kv_lora_rank + rope]`` (576 values/token for V3 instead
+of 128 heads x 2 x 128 for plain MHA). With ``kv_b_proj`` split per head into W_UK [Dn, L] and W_UV [Dv, L]:
+  k_h = [W_UK_h c_kv | k_pe],  v_h = W_UV_h c_kv.
+Backends:
+- ``sdpa`` (fast): decodes use the weight-absorbed form — q'_h = W_UK_h^T q_nope_h, so scores are
+  q'_h . c_kv + q_pe_h . k_pe and out_h = W_UV_h (p_h @ c_kv) — one batched MQA over the latent with no
+  per-token decompression. Prefill chunks decompress K/V per sequence and run causal MHA: with many queries
+  per key that is fewer FLOPs (head dim 192+128 instead of 576+512 for V3) and the decompression is amortised.
+- ``reference``: per sequence and per query, fp32, keys read slot by slot and decompressed: plainly correct.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from openinfer.executor.forward_context import AttentionMetadata, get_forward_context
+
+
+# -- rotary ------------------------------------------------------------------------------------------
+def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_inv_freq(dim: int, params: dict[str, Any], max_position: int) -> tuple[torch.Tensor, float]:
+    """HF ``_compute_yarn_parameters``: NTK-by-parts frequencies and the cos/sin attention factor."""
+    base = float(params["rope_theta"])
+    orig = params.get("original_max_position_embeddings")
+    if not orig:
+        raise ValueError("rope_scaling yarn needs original_max_position_embeddings")
+    factor = params.get("factor") or max_position / orig
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, mscale_all_dim)
+                            if mscale and mscale_all_dim else yarn_get_mscale(factor))
+    beta_fast, beta_slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+def softmax_scale(qk_head_dim: int, params: dict[str, Any]) -> float:
+    """qk_head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 under YaRN (HF ``yarn_apply_mscale``)."""
+    scale = qk_head_dim ** -0.5
+    if params["rope_type"] != "default" and params.get("mscale_all_dim"):
+        m = yarn_get_mscale(float(params["factor"]), float(params["mscale_all_dim"]))
+        scale *= m * m
+    return scale
+
+
+class DeepseekRotaryEmbedding(nn.Module):
+    """RoPE on the decoupled rope dims only. ``interleave`` (DeepSeek's layout, HF ``rope_interleave``): pairs
+    are (x0, x1), (x2, x3), ...; the output is written de-interleaved ([evens' | odds']) exactly as HF
+    does: q and k get the same permutation, so q.k is unchanged and the cache stores k_pe in that layout."""
+
+    def __init__(self, rope_dim: int, max_position: int, params: dict[str, Any], interleave: bool) -> None:
+        super().__init__()
+        kind = params["rope_type"]
+        if kind == "default":
+            inv_freq = 1.0 / (float(params["rope_theta"]) **
+                              (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim))
+            attention_factor = 1.0
+        elif kind == "yarn":
+            inv_freq, attention_factor = _yarn_inv_freq(rope_dim, params, max_position)
+        else:
+            raise ValueError(f"rope_scaling type {kind!r} is not supported for DeepSeek "
+                             "(supported: default, yarn)")
+        self.interleave = interleave
+        # fp32 tables computed the way HF does (fp32 position x fp32 inv_freq), so angles match bit for bit.
+        freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        self.register_buffer("cos", freqs.cos() * attention_factor, persistent=False)
+        self.register_buffer("sin", freqs.sin() * attention_factor, persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (cos, sin), each [T, rope_dim // 2] fp32; computed once per step and shared by all layers."""
+        return self.cos[positions], self.sin[positions]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """x [T, ..., R]; cos/sin [T, R/2] broadcast over the middle dims."""
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
+    cos, sin = cos.view(shape), sin.view(shape)
+    xf = x.float()
+    x1, x2 = (xf[..., 0::2], xf[..., 1::2]) if interleave else xf.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+# -- attention ---------------------------------------------------------------------------------------
+class MLAAttention(nn.Module):
+    def __init__(self, num_heads: int, kv_lora_rank: int, qk_nope_head_dim: int, qk_rope_head_dim: int,
+                 v_head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.kv_lora_rank = kv_lora_rank
+        self.qk_nope_head_dim = qk_nope_head_dim
+        self.qk_rope_head_dim = qk_rope_head_dim
+        self.v_head_dim = v_head_dim
+        self.scale = scale
+        self.backend = "sdpa"
+        # [num_blocks, block_size, kv_lora_rank + rope]; bound by the model's allocate_kv_cache.
+        self.kv_cache: torch.Tensor | None = None
+
+    @property
+    def latent_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
+                kv_b_weight: torch.Tensor) -> torch.Tensor:
+        """q_nope [T, H, Dn], q_pe [T, H, R] (rotated), c_kv [T, L] (normed), k_pe [T, R] (rotated),
+        kv_b_weight [H*(Dn+Dv), L] -> [T, H*Dv]. Writes this step's latents into the cache first."""
+        md = get_forward_context()
+        if self.kv_cache is None:
+            raise RuntimeError("MLA layer has no latent KV cache bound")
+        latent = torch.cat((c_kv, k_pe), dim=-1)
+        flat = self.kv_cache.view(-1, self.latent_dim)
+        flat.index_copy_(0, md.slot_mapping, latent.to(flat.dtype))
+        if self.backend == "reference":
+            out = reference_mla(q_nope, q_pe, md, self.kv_cache, kv_b_weight, self.kv_lora_rank, self.scale)
+        else:
+            out = self._fast(q_nope, q_pe, latent, kv_b_weight, md)
+        return out.reshape(q_nope.shape[0], self.num_heads * self.v_head_dim)
+
+    def _split_kv_b(self, kv_b_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        w = kv_b_weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        return w[:, :self.qk_nope_head_dim], w[:, self.qk_nope_head_dim:]  # W_UK [H,Dn,L], W_UV [H,Dv,L]
+
+    def _fast(self, q_nope, q_pe, latent, kv_b_weight, md: AttentionMetadata) -> torch.Tensor:
+        h, lr, dv = self.num_heads, self.kv_lora_rank, self.v_head_dim
+        w_uk, w_uv = self._split_kv_b(kv_b_weight)
+        out = q_nope.new_empty(q_nope.shape[0], h, dv)
+        nd = md.num_decodes
+        if nd:
+            q_lat = torch.einsum("bhd,hdl->bhl", q_nope[:nd], w_uk)
+            q = torch.cat((q_lat, q_pe[:nd]), dim=-1).unsqueeze(2)  # [B, H, 1, L+R]
+            kv = self.kv_cache[md.decode_block_tables].view(nd, 1, -1, self.latent_dim).to(q.dtype)
+            o = F.scaled_dot_product_attention(q, kv, kv[..., :lr], attn_mask=md.decode_mask,
+                                               scale=self.scale, enable_gqa=True)  # [B, H, 1, L]
+            out[:nd] = torch.einsum("bhl,hvl->bhv", o.squeeze(2), w_uv)
+        for span in md.prefills:
+            s, n, ctx = span.query_start, span.query_len, span.context_len
+            if ctx == n:  # nothing cached before this chunk: use the fresh latents, skip the gather
+                lat = latent[s:s + n]
+            else:
+                lat = self.kv_cache[span.block_table].view(-1, self.latent_dim)[:ctx].to(q_nope.dtype)
+            k, v = decompress(lat, kv_b_weight, h, self.qk_nope_head_dim, lr)
+            q = torch.cat((q_nope[s:s + n], q_pe[s:s + n]), dim=-1).transpose(0, 1).unsqueeze(0)
+            k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+            if ctx == n:
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+            else:
+                # Query i sits at absolute position ctx - n + i and sees keys 0..that position.
+                q_pos = torch.arange(ctx - n, ctx, device=q.device)
+                mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+            out[s:s + n] = o.squeeze(0).transpose(0, 1)
+        return out
+
+
+def decompress(latent: torch.Tensor, kv_b_weight: torch.Tensor, num_heads: int, qk_nope_head_dim: int,
+               kv_lora_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """latent [S, L+R] -> K [S, H, Dn+R], V [S, H, Dv] (k_pe shared by every head)."""
+    s = latent.shape[0]
+    c_kv, k_pe = latent[:, :kv_lora_rank], latent[:, kv_lora_rank:]
+    kv = (c_kv @ kv_b_weight.t()).view(s, num_heads, -1)
+    k_nope, v = kv[..., :qk_nope_head_dim], kv[..., qk_nope_head_dim:]
+    k = torch.cat((k_nope, k_pe[:, None, :].expand(s, num_heads, k_pe.shape[-1])), dim=-1)
+    return k, v
+
+
+def reference_mla(q_nope: torch.Tensor, q_pe: torch.Tensor, md: AttentionMetadata, kv_cache: torch.Tensor,
+                  kv_b_weight: torch.Tensor, kv_lora_rank: int, scale: float) -> torch.Tensor:
+    """Plain fp32 MHA, one sequence and one query at a time, on K/V decompressed from latents read slot
+    by slot."""
+    bs = md.block_size
+    h, dn = q_nope.shape[1], q_nope.shape[2]
+    out = q_nope.new_empty(q_nope.shape[0], h, kv_b_weight.shape[0] // h - dn)
+    seqs: list[tuple[int, int, int, torch.Tensor]] = []
+    for i in range(md.num_decodes):
+        seqs.append((i, 1, int(md.decode_seq_lens[i]), md.decode_block_tables[i]))
+    for span in md.prefills:
+        seqs.append((span.query_start, span.query_len, span.context_len, span.block_table))
+    flat = kv_cache.view(-1, kv_cache.shape[-1])
+    for start, n, ctx, table in seqs:
+        slots = [int(table[p // bs]) * bs + p % bs for p in range(ctx)]
+        keys, vals = decompress(flat[slots].float(), kv_b_weight.float(), h, dn, kv_lora_rank)
+        for i in range(n):
+            pos = ctx - n + i
+            qi = torch.cat((q_nope[start + i], q_pe[start + i]), dim=-1).float()  # [H, Dn+R]
+            scores = torch.einsum("hd,lhd->hl", qi, keys[:pos + 1]) * scale
+            out[start + i] = torch.einsum("hl,lhd->hd", torch.softmax(scores, dim=-1), vals[:pos + 1])
+    return out
