@@ -163,12 +163,9 @@ class _ShardWriter:
 
 
 def _write_tokenizer(path: Path, vocab_size: int) -> None:
-    # The tests' char tokenizer: offline, deterministic, padded to any vocab size.
-    sys.path.insert(0, str(ROOT / "tests"))
-    try:
-        from helpers import write_char_tokenizer
-    finally:
-        sys.path.remove(str(ROOT / "tests"))
+    # A char tokenizer: offline, deterministic, padded to any vocab size.
+    from openinfer.utils.char_tokenizer import write_char_tokenizer
+
     write_char_tokenizer(path, vocab_size)
 
 
