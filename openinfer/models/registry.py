@@ -10,6 +10,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("openinfer.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("openinfer.models.llama", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("openinfer.models.llama", "Qwen3ForCausalLM"),
+    "DeepseekV4ForCausalLM": ("openinfer.models.deepseek_v4", "DeepseekV4ForCausalLM"),
     "DeepseekV3ForCausalLM": ("openinfer.models.deepseek_v3", "DeepseekV3ForCausalLM"),
 }
 

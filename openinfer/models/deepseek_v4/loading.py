@@ -1,0 +1,139 @@
+"""Checkpoint names -> DeepseekV4ForCausalLM parameters, for both naming styles (spec §3, §12).
+
+- transformers' ``save_pretrained``: DeepSeek's original leaf names under ``model.`` (``model.layers.N.attn.wq_a``,
+  ``model.embed_tokens.weight``, ``model.hc_head.hc_fn``, ``head.weight``), no MTP tensors.
+- DeepSeek's release: unprefixed (``embed.weight``, ``layers.N...``, ``hc_head_fn``, ``head.weight``, ``mtp.K...``).
+Per-expert ``w1``/``w3``/``w2`` go into the stacked ``gate_up_proj`` / ``down_proj``; the shared expert's
+``w1``/``w3`` into its fused ``gate_up_proj``.
+"""
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable
+
+import torch
+
+from openinfer.models.weights import WeightLoadError, copy_into
+
+logger = logging.getLogger(__name__)
+
+_TOP_LEVEL = {
+    "embed.weight": "model.embed_tokens.weight", "embed_tokens.weight": "model.embed_tokens.weight",
+    "head.weight": "lm_head.weight", "lm_head.weight": "lm_head.weight", "norm.weight": "model.norm.weight",
+    "hc_head_fn": "model.hc_head.hc_fn", "hc_head_base": "model.hc_head.hc_base",
+    "hc_head_scale": "model.hc_head.hc_scale", "hc_head.hc_fn": "model.hc_head.hc_fn",
+    "hc_head.hc_base": "model.hc_head.hc_base", "hc_head.hc_scale": "model.hc_head.hc_scale",
+}
+
+# Applied in order to ".<rest>" of a layer's tensor name (the part after "layers.N" / "mtp.K").
+_LAYER_RENAMES = [
+    (r"^\.attn_norm\.", ".input_layernorm."),
+    (r"^\.ffn_norm\.", ".post_attention_layernorm."),
+    (r"^\.hc_(attn|ffn)_(fn|base|scale)$", r".\1_hc.\2"),
+    (r"^\.hc_head_(fn|base|scale)$", r".hc_head.hc_\1"),
+    (r"^\.attn\.", ".self_attn."),
+    (r"^\.ffn\.", ".mlp."),
+    (r"\.wq_a\.", ".q_a_proj."),
+    (r"\.q_norm\.", ".q_a_norm."),
+    (r"\.wq_b\.", ".q_b_proj."),
+    (r"\.wkv\.", ".kv_proj."),
+    (r"\.wgate\.", ".gate_proj."),
+    (r"\.wo_a\.", ".o_a_proj."),
+    (r"\.wo_b\.", ".o_b_proj."),
+    (r"\.attn_sink$", ".sinks"),
+    (r"\.ape$", ".position_bias"),
+    (r"^(\.self_attn(\.indexer)?(\.compressor)?)\.norm\.", r"\1.kv_norm."),
+    (r"\.gate\.bias$", ".gate.e_score_correction_bias"),
+]
+_EXPERT = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.w([123])\.weight$")
+_SHARED = re.compile(r"^(.*\.mlp\.shared_experts)\.w([123])\.weight$")
+_LAYER = re.compile(r"^(layers|mtp)\.(\d+)(\..+)$")
+
+
+def canonical_name(name: str) -> tuple[str, tuple[int | None, int] | None]:
+    """Checkpoint name -> (parameter name, shard). shard = (expert or None, part): part 0/1 = gate/up rows of a
+    fused gate_up tensor, 2 = a routed expert's down_proj slice."""
+    if name.startswith("model."):
+        name = name[len("model."):]
+    if name in _TOP_LEVEL:
+        return _TOP_LEVEL[name], None
+    m = _LAYER.match(name)
+    if m is None:
+        return name, None
+    kind, idx, rest = m.groups()
+    for pattern, repl in _LAYER_RENAMES:
+        rest = re.sub(pattern, repl, rest)
+    full = (f"model.layers.{idx}" if kind == "layers" else f"mtp.{idx}") + rest
+    if (e := _EXPERT.match(full)) is not None:
+        part = {"1": 0, "3": 1, "2": 2}[e.group(3)]
+        proj = "down_proj" if part == 2 else "gate_up_proj"
+        return f"{e.group(1)}.experts.{proj}", (int(e.group(2)), part)
+    if (s := _SHARED.match(full)) is not None:
+        if s.group(2) == "2":
+            return f"{s.group(1)}.down_proj.weight", None
+        return f"{s.group(1)}.gate_up_proj.weight", (None, 0 if s.group(2) == "1" else 1)
+    return full, None
+
+
+def _targets(model) -> dict[str, torch.Tensor]:
+    targets = dict(model.named_parameters())
+    targets.update({n: b for n, b in model.named_buffers() if n.endswith("tid2eid")})
+    return targets
+
+
+def _copy_shard(param: torch.Tensor, tensor: torch.Tensor, name: str, shard: tuple[int | None, int]) -> None:
+    expert, part = shard
+    dest = param if expert is None else param[expert] if 0 <= expert < param.shape[0] else None
+    if dest is None:
+        raise WeightLoadError(f"checkpoint tensor {name!r}: expert {expert} is out of range")
+    if part < 2:
+        half = dest.shape[0] // 2
+        dest = dest[part * half:(part + 1) * half]
+    copy_into(dest, tensor, name)
+
+
+def load_v4_weights(model, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    targets = _targets(model)
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        pname, shard = canonical_name(name)
+        if pname.startswith("mtp.") and model.mtp is None:
+            if int(pname.split(".")[1]) >= model.config.num_nextn_predict_layers:
+                raise WeightLoadError(f"checkpoint tensor {name!r}: config has only "
+                                      f"{model.config.num_nextn_predict_layers} MTP layers")
+            model.build_mtp()
+            targets = _targets(model)
+        if model.config.tie_word_embeddings and pname == "lm_head.weight":
+            continue
+        if pname not in targets:
+            raise WeightLoadError(f"checkpoint tensor {name!r} does not belong to this model (mapped to {pname!r})")
+        if shard is None:
+            copy_into(targets[pname], tensor, name)
+            loaded.add(pname)
+        else:
+            _copy_shard(targets[pname], tensor, name, shard)
+            loaded.add(f"{pname}#{shard}")
+    expected = _expected(model, targets)
+    missing = sorted(expected - loaded)
+    if missing:
+        raise WeightLoadError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
+    if model.mtp is None and model.config.num_nextn_predict_layers:
+        logger.info("checkpoint has no MTP weights (mtp.*): the model runs, speculative decoding is unavailable")
+    return loaded
+
+
+def _expected(model, targets: dict[str, torch.Tensor]) -> set[str]:
+    expected: set[str] = set()
+    for pname, t in targets.items():
+        if model.config.tie_word_embeddings and pname == "lm_head.weight":
+            continue
+        if pname.endswith("experts.gate_up_proj"):
+            expected.update(f"{pname}#{(e, p)}" for e in range(t.shape[0]) for p in (0, 1))
+        elif pname.endswith("experts.down_proj"):
+            expected.update(f"{pname}#{(e, 2)}" for e in range(t.shape[0]))
+        elif pname.endswith("shared_experts.gate_up_proj.weight"):
+            expected.update(f"{pname}#{(None, p)}" for p in (0, 1))
+        else:
+            expected.add(pname)
+    return expected

@@ -1,0 +1,143 @@
+"""DeepSeek-V4 (V4-Flash) decoder over a flat token batch, HF-shaped (spec §4.1).
+
+  X = embed(ids) repeated on hc_mult streams
+  per layer: x = hc_pre_attn(X); X = hc_post(attn(input_layernorm(x)), X)
+             x = hc_pre_ffn(X);  X = hc_post(moe(post_attention_layernorm(x), ids), X)
+  hidden = norm(hc_head(X)); logits = lm_head(hidden)
+Each hc_post is fused with the following hc_pre (``fused_post_pre``), so the streams are read once per boundary.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from openinfer.executor.forward_context import get_forward_context
+from openinfer.models.deepseek_v4.attention import DeepseekV4Attention
+from openinfer.models.deepseek_v4.cache import StepIndex, V4LayerCache, layer_bytes_per_block
+from openinfer.models.deepseek_v4.common import Linear, V4RMSNorm
+from openinfer.models.deepseek_v4.config import DeepseekV4Config
+from openinfer.models.deepseek_v4.hc import HyperConnection, HyperHead, fused_post_pre, hc_post
+from openinfer.models.deepseek_v4.moe import DeepseekV4MoE
+from openinfer.models.deepseek_v4.rope import V4Rotary
+
+logger = logging.getLogger(__name__)
+
+# The engine's default block size, used by kv_bytes_per_token before any cache was allocated.
+DEFAULT_BLOCK_SIZE = 16
+
+
+class DeepseekV4DecoderLayer(nn.Module):
+    def __init__(self, cfg: DeepseekV4Config, layer_idx: int) -> None:
+        super().__init__()
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.self_attn = DeepseekV4Attention(cfg, layer_idx)
+        self.mlp = DeepseekV4MoE(cfg, layer_idx)
+        self.input_layernorm = V4RMSNorm(h, eps)
+        self.post_attention_layernorm = V4RMSNorm(h, eps)
+        self.attn_hc = HyperConnection(cfg.hc_mult, h, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
+        self.ffn_hc = HyperConnection(cfg.hc_mult, h, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
+
+
+class DeepseekV4MTPLayer(DeepseekV4DecoderLayer):
+    """One multi-token-prediction block (spec §4.7). Weights only for now: speculative decoding comes later."""
+
+    def __init__(self, cfg: DeepseekV4Config, layer_idx: int) -> None:
+        super().__init__(cfg, layer_idx)
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.e_proj = Linear(h, h, bias=False)
+        self.h_proj = Linear(h, h, bias=False)
+        self.enorm = V4RMSNorm(h, eps)
+        self.hnorm = V4RMSNorm(h, eps)
+        self.norm = V4RMSNorm(h, eps)
+        self.hc_head = HyperHead(cfg.hc_mult, h, cfg.hc_eps, eps)
+
+
+class DeepseekV4Model(nn.Module):
+    def __init__(self, cfg: DeepseekV4Config) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DeepseekV4DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = V4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hc_head = HyperHead(cfg.hc_mult, cfg.hidden_size, cfg.hc_eps, cfg.rms_norm_eps)
+        self.rotary = nn.ModuleDict({"main": V4Rotary(cfg.main_rope), "compress": V4Rotary(cfg.compress_rope)})
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        step = StepIndex.build(get_forward_context(), positions)
+        rope = {name: rot.cos_sin(positions) for name, rot in self.rotary.items()}
+        x = self.embed_tokens(input_ids)
+        X = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+        layers = self.layers
+        x_in, post, comb = layers[0].attn_hc(X)
+        for i, layer in enumerate(layers):
+            y = layer.self_attn(layer.input_layernorm(x_in), step, rope)
+            X, x_in, post, comb = fused_post_pre(y, X, post, comb, layer.ffn_hc)
+            y = layer.mlp(layer.post_attention_layernorm(x_in), input_ids)
+            if i + 1 < len(layers):
+                X, x_in, post, comb = fused_post_pre(y, X, post, comb, layers[i + 1].attn_hc)
+            else:
+                X = hc_post(y, X, post, comb)
+        return self.norm(self.hc_head(X))
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    def __init__(self, hf_config: dict[str, Any]) -> None:
+        super().__init__()
+        self.config = DeepseekV4Config.from_hf(hf_config)
+        self.model = DeepseekV4Model(self.config)
+        self.lm_head = Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        # Built by load_weights only when the checkpoint carries mtp.* tensors (a V4-Flash MTP block is ~3% of
+        # the model); None otherwise.
+        self.mtp: nn.ModuleList | None = None
+        self._block_size = DEFAULT_BLOCK_SIZE
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def attention_layers(self) -> list[DeepseekV4Attention]:
+        return [layer.self_attn for layer in self.model.layers]
+
+    def build_mtp(self) -> nn.ModuleList:
+        ref = self.lm_head.weight
+        n = self.config.num_hidden_layers
+        with torch.device(ref.device):
+            prev = torch.get_default_dtype()
+            torch.set_default_dtype(ref.dtype)
+            try:
+                self.mtp = nn.ModuleList(DeepseekV4MTPLayer(self.config, n + i)
+                                         for i in range(self.config.num_nextn_predict_layers))
+            finally:
+                torch.set_default_dtype(prev)
+        return self.mtp
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        from openinfer.models.deepseek_v4.loading import load_v4_weights
+
+        return load_v4_weights(self, weights)
+
+    # -- KV cache hooks (see cache.py for the layout) --------------------------------------------------
+    def kv_bytes_per_token(self, block_size: int | None = None) -> int:
+        """Bytes the layout allocates per token, for ``block_size`` (default: the last allocation's, else 16).
+        Entry stores hold ceil(block_size / ratio) entries per block, hence the dependence on block_size."""
+        bs = block_size or self._block_size
+        elem = self.lm_head.weight.element_size()
+        total = sum(layer_bytes_per_block(self.config, i, bs, elem) for i in range(self.config.num_hidden_layers))
+        return -(-total // bs)
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        self._block_size = block_size
+        for i, attn in enumerate(self.attention_layers()):
+            attn.cache = V4LayerCache(self.config, i, num_blocks, block_size, dtype, device)
+
+    def free_kv_cache(self) -> None:
+        for attn in self.attention_layers():
+            attn.cache = None

@@ -1,0 +1,263 @@
+"""DeepSeek-V4 in openinfer: parity with transformers' DeepseekV4ForCausalLM on a tiny random checkpoint
+(4 layers SWA / HCA / CSA / HCA, window 16, CSA 4 / HCA 16, hash MoE on layer 0), through batching, chunked
+prefill, prefix-cache hits and preemption; fast paths against plain references; config and name handling.
+
+HF quirk this avoids on purpose: the lightning indexer scores are sums of ReLUs, so exact ties (all heads <= 0 ->
+score 0) happen, and HF's ``torch.topk`` breaks them by tensor length, i.e. differently in prefill and decode
+(spec §10). We break ties towards the lowest index; to compare with HF on a deterministic case the checkpoint
+uses 16 indexer heads (a score is exactly 0 only when all 16 ReLUs are), while index_topk=8 < the up to 28
+visible entries still makes the top-k selection matter.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from openinfer import LLM, SamplingParams
+from openinfer.models.deepseek_v4.config import DeepseekV4Config
+from openinfer.models.deepseek_v4.hc import HyperConnection, fused_post_pre, hc_post
+from openinfer.models.deepseek_v4.moe import DeepseekV4MoE, reference_route
+from openinfer.layers.moe import reference_experts, swiglu
+from tests.helpers import hf_greedy
+
+ROOT = Path(__file__).resolve().parents[1]
+NEW_TOKENS = 32
+LENGTHS = [3, 17, 33, 40, 52, 64, 75, 80]
+
+
+def _generator():
+    spec = importlib.util.spec_from_file_location("make_v4", ROOT / "scripts" / "make_deepseek_v4_checkpoint.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(6, 256, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    return _generator().make_checkpoint(tmp_path_factory.mktemp("v4") / "tiny", "tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return _prompts(1, LENGTHS)
+
+
+@pytest.fixture(scope="module")
+def hf_ref(ckpt, prompts):
+    return hf_greedy(ckpt, prompts, NEW_TOKENS)
+
+
+def _run(llm: LLM, prompts: list[list[int]], max_tokens: int = NEW_TOKENS):
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+
+
+def _assert_matches(outs, ref) -> None:
+    for i, (out, (toks, lps)) in enumerate(zip(outs, ref)):
+        got = out.outputs[0].token_ids
+        assert got == toks, f"prompt {i}: {got} != HF {toks}"
+        diff = max(abs(out.outputs[0].logprobs[j][t] - lps[j]) for j, t in enumerate(got))
+        assert diff < 1e-3, f"prompt {i}: logprob differs from HF by {diff}"
+
+
+def test_parity_with_hf_one_batch(ckpt, prompts, hf_ref):
+    _assert_matches(_run(LLM(str(ckpt), dtype="float32", max_model_len=128, num_kv_blocks=96), prompts), hf_ref)
+
+
+def test_reference_backend_matches_fast_path(ckpt, prompts, hf_ref):
+    kw = dict(dtype="float32", max_model_len=128, num_kv_blocks=96, max_num_batched_tokens=64)
+    fast = _run(LLM(str(ckpt), **kw), prompts[:4], 8)
+    ref_llm = LLM(str(ckpt), attention_backend="reference", **kw)
+    assert {a.backend for a in ref_llm.engine.runner.model.attention_layers()} == {"reference"}
+    ref = _run(ref_llm, prompts[:4], 8)
+    for a, b in zip(fast, ref):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for j, t in enumerate(a.outputs[0].token_ids):
+            assert abs(a.outputs[0].logprobs[j][t] - b.outputs[0].logprobs[j][t]) < 1e-4
+    _assert_matches(ref, [(t[:8], lp[:8]) for t, lp in hf_ref[:4]])
+
+
+def test_chunked_prefill_and_prefix_cache_hits(ckpt, prompts, hf_ref):
+    # block_size 8 < HCA ratio 16: a compressed entry's window spans two blocks, so this also checks that a
+    # sequence diverging inside a window never writes into the shared block before it (the third batch would
+    # then read a corrupted entry).
+    llm = LLM(str(ckpt), dtype="float32", max_model_len=128, block_size=8, max_num_batched_tokens=8,
+              num_kv_blocks=160)
+    _assert_matches(_run(llm, prompts), hf_ref)
+    g = torch.Generator().manual_seed(7)
+    branches = [prompts[i][:cut] + torch.randint(6, 256, (9,), generator=g).tolist()
+                for i, cut in ((7, 20), (6, 41), (5, 50), (4, 27))]
+    outs = _run(llm, branches, 16)
+    assert [o.num_cached_tokens for o in outs] == [16, 40, 48, 24]
+    _assert_matches(outs, hf_greedy(ckpt, branches, 16))
+    again = _run(llm, prompts[4:])
+    # Every full prompt block was cached by the first batch (the last prompt token is never served from cache).
+    assert [o.num_cached_tokens for o in again] == [(len(p) - 1) // 8 * 8 for p in prompts[4:]]
+    _assert_matches(again, hf_ref[4:])
+
+
+def test_preemption_recomputes_identically(ckpt, prompts, hf_ref):
+    # The four longest prompts need 4 x 7 blocks of 16 at the end; 12 blocks force recompute-preemption.
+    llm = LLM(str(ckpt), dtype="float32", max_model_len=128, num_kv_blocks=12, max_num_batched_tokens=64)
+    _assert_matches(_run(llm, prompts[4:]), hf_ref[4:])
+    assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_fused_hc_post_pre_matches_plain():
+    torch.manual_seed(0)
+    n, d, t = 4, 32, 5
+    nxt = HyperConnection(n, d, sinkhorn_iters=20, hc_eps=1e-6, norm_eps=1e-6)
+    with torch.no_grad():
+        nxt.fn.normal_(0, 0.1), nxt.base.normal_(0, 0.5), nxt.scale.normal_(1, 0.3)
+    X, y = torch.randn(t, n, d), torch.randn(t, d)
+    post = 2 * torch.sigmoid(torch.randn(t, n))
+    comb = torch.softmax(torch.randn(t, n, n), -1)
+    new, x_in, p, c = fused_post_pre(y, X, post, comb, nxt)
+    plain = hc_post(y, X, post, comb)
+    want = nxt(plain)
+    torch.testing.assert_close(new, plain)
+    for got, exp in zip((x_in, p, c), want):
+        torch.testing.assert_close(got, exp, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(c.sum(-1), torch.ones(t, n), atol=1e-3, rtol=0)  # doubly stochastic
+    torch.testing.assert_close(c.sum(-2), torch.ones(t, n), atol=1e-3, rtol=0)
+
+
+def _tiny_cfg(**kw) -> dict:
+    base = dict(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, head_dim=16,
+        qk_rope_head_dim=8, q_lora_rank=16, o_groups=2, o_lora_rank=8, sliding_window=4,
+        compress_ratios=[0, 4, 0], num_nextn_predict_layers=1, index_n_heads=2, index_head_dim=8, index_topk=2,
+        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=3, moe_intermediate_size=16,
+        scoring_func="sqrtsoftplus", routed_scaling_factor=1.5, num_hash_layers=1, swiglu_limit=10.0,
+        hc_mult=4, rope_scaling={"type": "yarn", "factor": 4, "original_max_position_embeddings": 64})
+    base.update(kw)
+    return base
+
+
+@pytest.mark.parametrize("layer_idx", [0, 1])
+def test_moe_routing_matches_plain_reference(layer_idx):
+    cfg = DeepseekV4Config.from_hf(_tiny_cfg())
+    torch.manual_seed(layer_idx)
+    moe = DeepseekV4MoE(cfg, layer_idx)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.3)
+        if moe.gate.is_hash:
+            moe.gate.tid2eid.copy_(torch.stack([torch.randperm(8)[:3] for _ in range(64)]))
+        else:  # a bias large enough to change the selection against the raw scores
+            moe.gate.e_score_correction_bias.normal_(0, 0.5)
+    x, ids = torch.randn(6, 32), torch.randint(0, 64, (6,))
+    w, e = moe.gate(x, ids)
+    rw, re_ = reference_route(moe.gate, x, ids)
+    assert torch.equal(e, re_)
+    torch.testing.assert_close(w, rw.float(), rtol=1e-5, atol=1e-6)
+    if not moe.gate.is_hash:
+        raw = torch.nn.functional.softplus(x @ moe.gate.weight.t()).sqrt().topk(3).indices
+        assert not all(set(a.tolist()) == set(b.tolist()) for a, b in zip(raw, e)), "bias never mattered"
+    shared = moe.shared_experts.down_proj(swiglu(moe.shared_experts.gate_up_proj(x), 10.0))
+    want = reference_experts(x, moe.experts.gate_up_proj, moe.experts.down_proj, rw, re_, 10.0) + shared
+    torch.testing.assert_close(moe(x, ids), want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("field, change", [
+    ("compress_ratios", {"compress_ratios": [0, 4]}),
+    ("hc_mult", {"hc_mult": None}),
+    ("index_topk", {"index_topk": 0}),
+    ("scoring_func", {"scoring_func": "relu"}),
+])
+def test_malformed_config_is_rejected_naming_the_field(field, change):
+    cfg = _tiny_cfg(**change)
+    cfg = {k: v for k, v in cfg.items() if v is not None}
+    with pytest.raises(ValueError, match=field):
+        DeepseekV4Config.from_hf(cfg)
+
+
+def test_both_config_styles_parse_alike(ckpt):
+    hf_style = DeepseekV4Config.from_hf(json.loads((ckpt / "config.json").read_text()))
+    ds = _deepseek_style_config(json.loads((ckpt / "config.json").read_text()))
+    assert DeepseekV4Config.from_hf(ds) == hf_style
+    assert hf_style.layer_types[-1] == "sliding_attention" and hf_style.compress_ratios == (0, 16, 4, 16, 0)
+    assert hf_style.compress_rope.factor == 4.0 and hf_style.main_rope.factor is None
+
+
+def _deepseek_style_config(hf: dict) -> dict:
+    ds = {k: v for k, v in hf.items() if k not in (
+        "layer_types", "compress_rates", "mlp_layer_types", "rope_parameters", "partial_rotary_factor")}
+    rates = hf["compress_rates"]
+    ds["compress_ratios"] = [rates.get(t, 0) for t in hf["layer_types"]] + [0] * hf["num_nextn_predict_layers"]
+    ds["num_hash_layers"] = hf["mlp_layer_types"].count("hash_moe")
+    ds["qk_rope_head_dim"] = int(hf["head_dim"] * hf["partial_rotary_factor"])
+    comp = hf["rope_parameters"]["compress"]
+    ds["rope_scaling"] = {"type": "yarn", "factor": comp["factor"], "beta_fast": comp["beta_fast"],
+                          "beta_slow": comp["beta_slow"],
+                          "original_max_position_embeddings": comp["original_max_position_embeddings"]}
+    ds["compress_rope_theta"] = comp["rope_theta"]
+    return ds
+
+
+def test_deepseek_release_names_and_mtp(ckpt, prompts, hf_ref, tmp_path, caplog):
+    """The same weights in DeepSeek's release layout (unprefixed names, compress_ratios config, an mtp.0 block)
+    give the same tokens; the MTP block loads into ``model.mtp``; without it a single log line says so."""
+    with caplog.at_level(logging.INFO, logger="openinfer.models.deepseek_v4.loading"):
+        hf_llm = LLM(str(ckpt), dtype="float32", max_model_len=128, num_kv_blocks=32)
+    assert hf_llm.engine.runner.model.mtp is None
+    assert sum("no MTP weights" in r.message for r in caplog.records) == 1
+
+    sd = load_file(str(ckpt / "model.safetensors"))
+    out = {}
+    for name, t in sd.items():
+        name = name.removeprefix("model.")
+        name = {"embed_tokens.weight": "embed.weight"}.get(name, name)
+        out[name.replace("hc_head.hc_", "hc_head_")] = t
+    h, n = sd["model.embed_tokens.weight"].shape[1], 4
+    g = torch.Generator().manual_seed(3)
+    for name, t in list(out.items()):  # MTP block: layer 0's shapes (SWA), non-hash gate, plus its own heads
+        if name.startswith("layers.0.") and not name.endswith("tid2eid"):
+            out["mtp.0." + name[len("layers.0."):]] = torch.randn(t.shape, generator=g)
+    out["mtp.0.ffn.gate.bias"] = torch.randn(8, generator=g)
+    for leaf, shape in {"e_proj.weight": (h, h), "h_proj.weight": (h, h), "enorm.weight": (h,),
+                        "hnorm.weight": (h,), "norm.weight": (h,), "hc_head_fn": (n, n * h),
+                        "hc_head_base": (n,), "hc_head_scale": (1,)}.items():
+        out[f"mtp.0.{leaf}"] = torch.randn(shape, generator=g)
+    ds_dir = tmp_path / "release"
+    ds_dir.mkdir()
+    save_file(out, str(ds_dir / "model.safetensors"))
+    cfg = _deepseek_style_config(json.loads((ckpt / "config.json").read_text()))
+    (ds_dir / "config.json").write_text(json.dumps(cfg))
+    for f in ckpt.iterdir():
+        if f.name not in ("config.json", "model.safetensors"):
+            (ds_dir / f.name).write_bytes(f.read_bytes())
+    # tokenizer from the HF-style dir: transformers' AutoTokenizer parses config.json, and its DeepseekV4Config
+    # only maps compress_ratios values 0/4/128 (this tiny model uses 16).
+    llm = LLM(str(ds_dir), tokenizer=str(ckpt), dtype="float32", max_model_len=128, num_kv_blocks=32)
+    model = llm.engine.runner.model
+    assert model.mtp is not None
+    torch.testing.assert_close(model.mtp[0].self_attn.q_a_proj.weight, out["mtp.0.attn.wq_a.weight"])
+    torch.testing.assert_close(model.mtp[0].mlp.experts.gate_up_proj[3, 64:], out["mtp.0.ffn.experts.3.w3.weight"])
+    _assert_matches(_run(llm, prompts[:2], 8), [(t[:8], lp[:8]) for t, lp in hf_ref[:2]])
+
+
+def test_generator_writes_loadable_checkpoints(ckpt, tmp_path):
+    """The tiny checkpoint every other test loads comes from the generator too; here the bench size."""
+    assert (ckpt / "config.json").is_file() and (ckpt / "tokenizer.json").is_file()
+    gen = _generator()
+    bench = gen.make_checkpoint(tmp_path / "bench", "bench", seed=0, dtype=torch.bfloat16)
+    cfg = json.loads((bench / "config.json").read_text())
+    assert cfg["architectures"] == ["DeepseekV4ForCausalLM"]
+    llm = LLM(str(bench), dtype="bfloat16", num_kv_blocks=16, max_num_batched_tokens=64)
+    n = sum(p.numel() for p in llm.engine.runner.model.parameters())
+    assert 100e6 <= n <= 300e6, n
+    out = _run(llm, [list(range(6, 40))], 4)
+    assert len(out[0].outputs[0].token_ids) == 4
+    assert llm.engine.runner.model.kv_bytes_per_token() > 0
