@@ -20,7 +20,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from openinfer import LLM, SamplingParams
+from openinfer.models.deepseek_v4.cache import StepIndex, layer_bytes_per_block
 from openinfer.models.deepseek_v4.config import DeepseekV4Config
+from openinfer.models.deepseek_v4.indexer import Indexer
 from openinfer.models.deepseek_v4.hc import HyperConnection, fused_post_pre, hc_post
 from openinfer.models.deepseek_v4.moe import DeepseekV4MoE, reference_route
 from openinfer.layers.moe import reference_experts, swiglu
@@ -72,7 +74,11 @@ def _assert_matches(outs, ref) -> None:
 
 
 def test_parity_with_hf_one_batch(ckpt, prompts, hf_ref):
-    _assert_matches(_run(LLM(str(ckpt), dtype="float32", max_model_len=128, num_kv_blocks=96), prompts), hf_ref)
+    llm = LLM(str(ckpt), dtype="float32", max_model_len=128, num_kv_blocks=96)
+    _assert_matches(_run(llm, prompts), hf_ref)
+    model = llm.engine.runner.model  # the reported size is what is allocated
+    allocated = sum(getattr(a.cache, n).nbytes for a in model.attention_layers() for n in a.cache.names)
+    assert allocated == model.kv_bytes_per_token() * 16 * 96
 
 
 def test_reference_backend_matches_fast_path(ckpt, prompts, hf_ref):
@@ -181,6 +187,40 @@ def test_malformed_config_is_rejected_naming_the_field(field, change):
     cfg = {k: v for k, v in cfg.items() if v is not None}
     with pytest.raises(ValueError, match=field):
         DeepseekV4Config.from_hf(cfg)
+
+
+def test_v4_flash_config_and_cache_size():
+    """V4-Flash's released config.json (spec §2, DeepSeek style): schedule, RoPE, and this layout's KV size."""
+    ratios = [0, 0] + [4 if i % 2 == 0 else 128 for i in range(2, 43)] + [0]
+    cfg = DeepseekV4Config.from_hf(dict(
+        vocab_size=129280, hidden_size=4096, num_hidden_layers=43, num_attention_heads=64, head_dim=512,
+        qk_rope_head_dim=64, q_lora_rank=1024, o_groups=8, o_lora_rank=1024, sliding_window=128,
+        compress_ratios=ratios, compress_rope_theta=160000, rope_theta=10000, max_position_embeddings=1048576,
+        rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
+                      "beta_fast": 32, "beta_slow": 1},
+        index_n_heads=64, index_head_dim=128, index_topk=512, n_routed_experts=256, n_shared_experts=1,
+        num_experts_per_tok=6, moe_intermediate_size=2048, scoring_func="sqrtsoftplus", topk_method="noaux_tc",
+        norm_topk_prob=True, routed_scaling_factor=1.5, num_hash_layers=3, swiglu_limit=10.0, hc_mult=4,
+        hc_sinkhorn_iters=20, hc_eps=1e-6, rms_norm_eps=1e-6, num_nextn_predict_layers=1))
+    kinds = cfg.layer_types[:43]
+    assert (kinds.count("compressed_sparse_attention"), kinds.count("heavily_compressed_attention")) == (21, 20)
+    assert cfg.layer_types[43] == "sliding_attention" and not cfg.is_hash_layer(43) and cfg.is_hash_layer(2)
+    assert cfg.main_rope.factor is None and cfg.compress_rope.factor == 16 and cfg.compress_rope.theta == 160000
+    per_block = sum(layer_bytes_per_block(cfg, i, 16, 2) for i in range(43))
+    assert per_block // 16 == 200512  # bf16, block 16: see cache.py for the comparison with production
+
+
+def test_indexer_breaks_ties_towards_lowest_entry():
+    """All-zero indexer queries make every score ReLU(0) = 0: the choice must be the lowest visible entries."""
+    idx = Indexer(hidden_size=8, q_lora_rank=4, n_heads=2, head_dim=8, ratio=4, topk=3, eps=1e-6)
+    with torch.no_grad():
+        idx.q_b_proj.weight.zero_(), idx.weights_proj.weight.fill_(1.0)
+    step = StepIndex(tables=torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]]), token_seq=torch.tensor([0, 1, 1]),
+                     positions=torch.tensor([40, 7, 9]), block_size=16)
+    entries = torch.randn(8 * 4, 8)
+    cos, sin = torch.ones(3, 4), torch.zeros(3, 4)
+    chosen = idx.select(torch.randn(3, 4), torch.randn(3, 8), step, entries, 4, cos, sin)
+    assert chosen.tolist() == [[0, 1, 2], [0, 1, -1], [0, 1, -1]]
 
 
 def test_both_config_styles_parse_alike(ckpt):

@@ -19,19 +19,21 @@ sharing safe when m > bs: a block is only shared between sequences whose tokens 
 block, hence over the whole window; a block holding w*m can be shared by sequences that diverge later in the
 window, and both would write their different entry w into it.
 
-Size versus the production layout (spec §5). For V4-Flash (d 512, di 128, 21 CSA m=4, 20 HCA m=128, 2+1 SWA
-layers incl. MTP... MTP is not cached here) in bf16 with bs=16 this layout costs about 196 KiB/token:
-each CSA layer 2*(512 + 2048 + 512) + 2*(512+128)/4 = 6464 B, each HCA layer 2*(512 + 1024) + 2*512/16 = 3136 B,
-each SWA layer 1024 B. Production (vLLM fp8_ds_mla) is ~3.85 KB/token because it (1) keeps only a 128-token SWA
-ring per sequence instead of every token's latent, (2) keeps the compressor's not-yet-closed rows in a small
-per-sequence fp32 state (coff*m rows) instead of per token, (3) stores entries as fp8 (584 B) and indexer keys as
-fp8/fp4. Here the per-token ``comp`` rows dominate (they are dead once their window, or for CSA the next one,
-has closed). Getting there without breaking the invariant: (a) free SWA blocks outside the window: the
-scheduler would release blocks whose tokens are all older than sliding_window *and* older than the oldest open
-compressor window, while keeping the block-table slots (entries of those blocks must move to a separate,
-never-freed entry pool indexed per sequence, and prefix-cache hashes must still cover the freed blocks' tokens);
-(b) move ``comp``/``index_comp`` to a per-block "open window" state written only for the last incomplete window,
-which needs a step-aware allocator; (c) fp8 entries with per-64 UE8M0 scales.
+Size versus the production layout (spec §5). ``kv_bytes_per_token`` reports what this layout allocates. For
+V4-Flash (d 512, di 128; 21 CSA m=4, 20 HCA m=128, 2 SWA-only layers; the MTP layer has no cache yet) in bf16
+with block_size 16 that is 200,512 B = ~196 KiB/token: per CSA layer 2*(512 + 2048 + 512) + 2*640/4 = 6464 B,
+per HCA layer 2*(512 + 1024) + 2*512/16 = 3136 B, per SWA layer 1024 B. Production (vLLM fp8_ds_mla) needs
+~3.85 KB/token and V3 (FlashMLA) 40 KB. Where the difference goes:
+- ``comp``/``index_comp`` (~4.4 KiB of each CSA layer's 6.3): raw rows are dead once their window (for CSA: the
+  next window) closes. Next step: replace them by a per-block running state (online-softmax max / sum / weighted
+  sum of the open window(s), fp32; for CSA also the next entry's "Ca" part): a partially filled block is never
+  shared, and a full block's final state is exactly what a prefix-cache hit starting after it needs. That is
+  ~6*d*4 B per block, cutting V4-Flash to ~80 KiB/token; prefill then needs segment-wise online-softmax merges.
+- ``kv`` (43 x 1 KiB): tokens older than sliding_window are never read again. Freeing them means the block
+  manager releasing a sequence's blocks that lie wholly outside the window (and behind every open compressor
+  window) while keeping their block-table positions and prefix hashes; entries must then move to their own
+  pool (or stay in the un-freed blocks' slots), since entry w is read for the whole sequence lifetime.
+- fp8 entries/latents with UE8M0 scales (584 B per 512-d entry) and fp8/fp4 indexer keys.
 """
 from __future__ import annotations
 
@@ -98,20 +100,18 @@ class StepIndex:
     @classmethod
     def build(cls, md: AttentionMetadata, positions: torch.Tensor) -> StepIndex:
         dev = positions.device
-        rows: list[torch.Tensor] = []
-        counts: list[int] = []
-        if md.num_decodes:
-            rows.extend(md.decode_block_tables.unbind(0))
-            counts.extend([1] * md.num_decodes)
-        for span in md.prefills:
-            rows.append(span.block_table)
-            counts.append(span.query_len)
-        width = max(int(r.numel()) for r in rows)
-        tables = torch.zeros(len(rows), width, dtype=torch.long, device=dev)
-        for i, r in enumerate(rows):
-            tables[i, :r.numel()] = r.to(dev)
-        token_seq = torch.repeat_interleave(torch.arange(len(rows), device=dev),
-                                            torch.tensor(counts, device=dev))
+        nd = md.num_decodes
+        widths = [int(s.block_table.numel()) for s in md.prefills]
+        if nd:
+            widths.append(int(md.decode_block_tables.shape[1]))
+        tables = torch.zeros(nd + len(md.prefills), max(widths), dtype=torch.long, device=dev)
+        counts = torch.ones(nd + len(md.prefills), dtype=torch.long, device=dev)
+        if nd:
+            tables[:nd, :md.decode_block_tables.shape[1]] = md.decode_block_tables
+        for i, span in enumerate(md.prefills):  # a handful of prompt chunks per step
+            tables[nd + i, :span.block_table.numel()] = span.block_table
+            counts[nd + i] = span.query_len
+        token_seq = torch.repeat_interleave(torch.arange(tables.shape[0], device=dev), counts)
         return cls(tables, token_seq, positions, md.block_size)
 
     def slice(self, start: int, end: int) -> StepIndex:
