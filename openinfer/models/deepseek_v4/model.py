@@ -8,7 +8,6 @@ Each hc_post is fused with the following hc_pre (``fused_post_pre``), so the str
 """
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from typing import Any
 
@@ -23,8 +22,6 @@ from openinfer.models.deepseek_v4.config import DeepseekV4Config
 from openinfer.models.deepseek_v4.hc import HyperConnection, HyperHead, fused_post_pre, hc_post
 from openinfer.models.deepseek_v4.moe import DeepseekV4MoE
 from openinfer.models.deepseek_v4.rope import V4Rotary
-
-logger = logging.getLogger(__name__)
 
 # The engine's default block size, used by kv_bytes_per_token before any cache was allocated.
 DEFAULT_BLOCK_SIZE = 16
@@ -60,7 +57,9 @@ class DeepseekV4Model(nn.Module):
     def __init__(self, cfg: DeepseekV4Config) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # _weight skips nn.Embedding's normal_ init (seconds for a 129k x 4096 table); the checkpoint fills it.
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DeepseekV4DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = V4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hc_head = HyperHead(cfg.hc_mult, cfg.hidden_size, cfg.hc_eps, cfg.rms_norm_eps)
