@@ -21,14 +21,29 @@ _DTYPE_NAMES = {
 }
 
 
+def cpu_has_fast_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"amx_bf16", "avx512_bf16"})
+    except OSError:
+        pass
+    return False
+
+
 def resolve_dtype(dtype: str | torch.dtype, hf_config: dict[str, Any], device: torch.device) -> torch.dtype:
     import torch
 
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        # bf16 is the fast path on AMX CPUs and on every recent GPU; checkpoints saved in fp32 (tests)
-        # still run in bf16 unless the user asks for fp32 explicitly, like vLLM does for fp32 checkpoints.
+        # bf16 is the fast path on GPUs and on CPUs with bf16 matrix units (AMX / AVX512-BF16). On other
+        # CPUs (e.g. AVX2-only EPYC) oneDNN emulates bf16 and matmuls run ~3x slower than fp32, so auto
+        # picks fp32 there; an explicit dtype is always honoured.
+        if device.type == "cpu" and not cpu_has_fast_bf16():
+            return torch.float32
         return torch.bfloat16
     if dtype not in _DTYPE_NAMES:
         raise ValueError(f"dtype={dtype!r} is not supported; choose one of auto, {', '.join(sorted(_DTYPE_NAMES))}")

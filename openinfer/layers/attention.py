@@ -53,7 +53,7 @@ class Attention(nn.Module):
             bt = md.decode_block_tables
             shape = (nd, -1, self.num_kv_heads, self.head_dim)
             # On CPU, single-query attention is many tiny batched matmuls, which run ~2.5x faster in fp32
-            # than in bf16 (measured with torch 2.13 on AMX); on GPUs the cache dtype is the fast one.
+            # than in bf16 (torch 2.13, measured on AVX2 and AMX hosts); on GPUs the cache dtype is the fast one.
             dt = torch.float32 if q.device.type == "cpu" else q.dtype
             kd = self.k_cache[bt].view(shape).transpose(1, 2).to(dt)
             vd = self.v_cache[bt].view(shape).transpose(1, 2).to(dt)
