@@ -52,8 +52,8 @@ class Attention(nn.Module):
         if nd:
             bt = md.decode_block_tables
             shape = (nd, -1, self.num_kv_heads, self.head_dim)
-            # On CPU, single-query attention is many tiny batched matmuls, which run ~2.5x faster in fp32
-            # than in bf16 (torch 2.13, measured on AVX2 and AMX hosts); on GPUs the cache dtype is the fast one.
+            # On CPU, single-query attention is many tiny batched matmuls, which ran ~2.5x faster in fp32
+            # than in bf16 (torch 2.13 on an AVX2 host); on GPUs the cache dtype is the fast one.
             dt = torch.float32 if q.device.type == "cpu" else q.dtype
             kd = self.k_cache[bt].view(shape).transpose(1, 2).to(dt)
             vd = self.v_cache[bt].view(shape).transpose(1, 2).to(dt)
