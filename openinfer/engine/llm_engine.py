@@ -17,6 +17,7 @@ from openinfer.engine.output_processor import OutputProcessor
 from openinfer.engine.request import Request, RequestStatus
 from openinfer.engine.scheduler import Scheduler
 from openinfer.executor.model_runner import ModelRunner
+from openinfer.logging_utils import init_logging
 from openinfer.outputs import RequestOutput
 from openinfer.sampling_params import SamplingParams
 from openinfer.tokenizer import default_sampling_params, eos_token_ids, load_tokenizer
@@ -40,6 +41,7 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, chat_template: str | None = None) -> None:
+        init_logging()
         self.config = config
         mc = config.model
         self.tokenizer = load_tokenizer(mc.tokenizer_path, chat_template)

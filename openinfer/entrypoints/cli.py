@@ -16,7 +16,8 @@ _SUBCOMMANDS = [
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="openinfer", description="openinfer: LLM inference and serving engine")
-    parser.add_argument("--log-level", default="INFO", help="logging level (DEBUG, INFO, WARNING)")
+    parser.add_argument("--log-level", default="INFO", type=str.upper,
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="logging level")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for mod in _SUBCOMMANDS:
         try:
@@ -32,8 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
-                        format="%(levelname)s %(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    from openinfer.logging_utils import init_logging
+
+    init_logging()
+    logging.getLogger("openinfer").setLevel(args.log_level)
     if not getattr(args, "func", None):
         parser.print_help()
         sys.exit(2)

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 from openinfer.entrypoints.engine_args import add_engine_args, engine_kwargs
 
@@ -65,8 +64,7 @@ def run(args: argparse.Namespace) -> int:
         prompts = args.prompt or ["The list object"]
     # Sampling flags are checked before the model loads, so a typo fails in a second, not after loading.
     params = sampling_params_from_args(args, default_sampling_params(args.model or default_model_path()))
-    llm = LLM(**engine_kwargs(args))
-    print(llm.engine.startup_message, file=sys.stderr)
+    llm = LLM(**engine_kwargs(args))  # logs the KV-cache summary line
     if args.chat:
         outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
     else:
