@@ -1,0 +1,2 @@
+"""``openinfer serve``: an OpenAI-compatible HTTP server around one ``LLMEngine`` driven from its own
+thread."""

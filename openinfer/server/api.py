@@ -1,0 +1,239 @@
+"""The FastAPI app: routes, auth and body-size guard, health, metrics, drain.
+
+``build_app(engine, settings)`` wires an already-loaded ``LLMEngine``; the core thread starts with the app's
+lifespan and stops with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from contextlib import asynccontextmanager
+
+import msgspec
+from fastapi import FastAPI, Request
+from starlette.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from openinfer.engine.llm_engine import LLMEngine
+from openinfer.server.async_engine import AsyncEngine, EngineUnavailable
+from openinfer.server.errors import APIError, error_body, install_error_handlers
+from openinfer.server.metrics import CONTENT_TYPE, ServerMetrics
+from openinfer.server.protocol import DetokenizeRequest, TokenizeRequest
+from openinfer.server.serving import ServerSettings, ServingContext, json_bytes
+from openinfer.server.serving_chat import create_chat_completion, messages_to_dicts
+from openinfer.server.serving_completion import create_completion
+from openinfer.server.tokenizer_service import TokenizerService
+
+logger = logging.getLogger(__name__)
+
+READY_STALL_S = 60.0  # a single engine step running longer than this makes /health/ready fail
+_OPEN_PATHS = {"/health", "/health/ready", "/metrics", "/ping", "/version"}
+
+
+class GuardMiddleware:
+    """Pure ASGI (no buffering, no interference with streaming or cancellation): API key, then body size
+    from Content-Length. Bodies without a length are capped while they are read (``read_body``)."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        if self.api_key is not None and scope["path"] not in _OPEN_PATHS:
+            auth = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(auth, b"Bearer " + self.api_key):
+                return await _send_error(
+                    send,
+                    "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                    401,
+                    {"WWW-Authenticate": "Bearer"},
+                )
+        length = headers.get(b"content-length")
+        if length is not None:
+            try:
+                n = int(length)
+            except ValueError:
+                return await _send_error(send, "invalid Content-Length header", 400)
+            if n > self.max_body_bytes:
+                return await _send_error(
+                    send, f"request body of {n} bytes exceeds the limit of {self.max_body_bytes} bytes", 413
+                )
+        await self.app(scope, receive, send)
+
+
+async def _send_error(send: Send, message: str, status: int, headers: dict[str, str] | None = None) -> None:
+    body = msgspec.json.encode(error_body(message, status))
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(f"request body exceeds the limit of {limit} bytes", 413)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def build_app(engine: LLMEngine, settings: ServerSettings, chat_template: str | None = None) -> FastAPI:
+    holder: dict[str, AsyncEngine] = {}
+    metrics = ServerMetrics(settings.served_model_names[0], lambda: holder["engine"].stats)
+    async_engine = AsyncEngine(engine, settings.max_queue, metrics)
+    holder["engine"] = async_engine
+    tokenizers = TokenizerService(engine.config.model.tokenizer_path, chat_template)
+    ctx = ServingContext(engine, async_engine, tokenizers, settings, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async_engine.start()
+        try:
+            yield
+        finally:
+            async_engine.abort_all()
+            await async_engine.stop()
+            tokenizers.close()
+
+    app = FastAPI(title="openinfer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.ctx = ctx
+    app.state.async_engine = async_engine
+    install_error_handlers(app)
+    app.add_middleware(GuardMiddleware, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
+
+    def json_response(obj, status: int = 200) -> Response:
+        return Response(json_bytes(obj), status_code=status, media_type="application/json")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await create_completion(ctx, request, await read_body(request, settings.max_body_bytes))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await create_chat_completion(ctx, request, await read_body(request, settings.max_body_bytes))
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        cards = [
+            {
+                "id": name,
+                "object": "model",
+                "created": ctx.created,
+                "owned_by": "openinfer",
+                "root": ctx.model_path,
+                "max_model_len": ctx.max_model_len,
+            }
+            for name in settings.served_model_names
+        ]
+        return json_response({"object": "list", "data": cards})
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not async_engine.alive:
+            return json_response(error_body(async_engine.dead_reason or "engine stopped", 503), 503)
+        return json_response({"status": "ok"})
+
+    @app.get("/health/ready")
+    async def ready() -> Response:
+        s = async_engine.stats
+        now = time.monotonic()
+        info = {
+            "num_running": s.num_running,
+            "num_waiting": s.num_waiting,
+            "num_steps": s.num_steps,
+            "heartbeat_age_s": round(now - s.heartbeat_s, 3),
+            "draining": async_engine.draining,
+        }
+        problem = None
+        if not async_engine.alive:
+            problem = async_engine.dead_reason or "engine stopped"
+        elif async_engine.draining:
+            problem = "draining for shutdown"
+        elif s.step_started_s is not None and now - s.step_started_s > READY_STALL_S:
+            problem = f"an engine step has been running for {now - s.step_started_s:.0f}s"
+        elif s.step_started_s is None and now - s.heartbeat_s > READY_STALL_S:
+            problem = f"the engine loop has not iterated for {now - s.heartbeat_s:.0f}s"
+        if problem:
+            return json_response({"status": "unavailable", "reason": problem, **info}, 503)
+        return json_response({"status": "ready", **info})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/version")
+    async def version() -> Response:
+        from openinfer import __version__
+
+        return json_response({"version": __version__})
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        req = ctx.parse(TokenizeRequest, await read_body(request, settings.max_body_bytes))
+        ctx.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError("send exactly one of 'prompt' or 'messages'", 400, "prompt")
+        if req.messages is not None:
+            try:
+                ids = await tokenizers.apply_chat_template(
+                    messages_to_dicts(req.messages), req.add_generation_prompt
+                )
+            except APIError:
+                raise
+            except Exception as e:
+                raise APIError(f"cannot apply the chat template: {e}", 400, "messages") from None
+        else:
+            ids = await tokenizers.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        out = {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
+        if req.return_token_strs:
+            out["token_strs"] = await tokenizers.token_strs(ids)
+        return json_response(out)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        req = ctx.parse(DetokenizeRequest, await read_body(request, settings.max_body_bytes))
+        ctx.check_model(req.model)
+        bad = next((t for t in req.tokens if not 0 <= t < ctx.vocab_size), None)
+        if bad is not None:
+            raise APIError(
+                f"token id {bad} is out of range: ids must be in [0, {ctx.vocab_size})", 400, "tokens"
+            )
+        return json_response({"prompt": await tokenizers.decode(req.tokens)})
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        try:
+            dropped = await async_engine.control("reset_prefix_cache")
+        except EngineUnavailable as e:
+            raise APIError(str(e), 503, code="unavailable") from None
+        return json_response({"status": "ok", "num_blocks_dropped": dropped})
+
+    return app
+
+
+async def drain(app: FastAPI, timeout_s: float) -> None:
+    """Stop admitting (new requests get 503), let running ones finish for up to ``timeout_s``, then abort
+    what is left and wait for those streams to close."""
+    eng: AsyncEngine = app.state.async_engine
+    eng.draining = True
+    logger.info("draining: %d sequences in flight, waiting up to %.0fs", eng.num_in_flight, timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while eng.num_in_flight > 0 and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if eng.num_in_flight > 0:
+        logger.warning("drain timeout: aborting %d sequences", eng.num_in_flight)
+        eng.abort_all()
+        end = time.monotonic() + 5.0
+        while eng.num_in_flight > 0 and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+    await asyncio.sleep(0.1)  # let the last SSE chunks reach their sockets
+    logger.info("drain complete")

@@ -1,0 +1,100 @@
+"""``openinfer serve``: load the engine, then serve the OpenAI-compatible API with uvicorn.
+
+SIGTERM drains: new requests get 503 while running ones finish (up to ``--drain-timeout-s``), then the process
+exits 0. SIGINT does the same with no grace period; a second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from openinfer.entrypoints.engine_args import add_engine_args, engine_config_from_args
+
+logger = logging.getLogger(__name__)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve an OpenAI-compatible HTTP API",
+        description="OpenAI-compatible server: /v1/completions, /v1/chat/completions, /v1/models, "
+        "/health, /health/ready, /metrics, /tokenize, /detokenize, /reset_prefix_cache.",
+    )
+    add_engine_args(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0 for all)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENINFER_API_KEY"),
+        help="require 'Authorization: Bearer KEY' (default: $OPENINFER_API_KEY)",
+    )
+    g.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="model name(s) clients use; the first is reported (default: the --model value)",
+    )
+    g.add_argument(
+        "--max-queue",
+        type=int,
+        default=1024,
+        help="sequences that may wait beyond --max-num-seqs before new requests get 429",
+    )
+    g.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024, help="larger bodies get 413")
+    g.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, how long running requests may take to finish before they are aborted",
+    )
+    g.add_argument("--uvicorn-log-level", default="warning")
+    g.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from openinfer.engine.llm_engine import LLMEngine
+    from openinfer.server.api import build_app
+    from openinfer.server.runner import DrainingServer
+    from openinfer.server.serving import ServerSettings
+
+    if args.max_queue < 0:
+        raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.max_body_bytes < 1024:
+        raise ValueError(f"--max-body-bytes must be >= 1024, got {args.max_body_bytes}")
+    config, chat_template = engine_config_from_args(args)
+    engine = LLMEngine(config, chat_template=chat_template)
+    print(engine.startup_message, file=sys.stderr, flush=True)
+    names = args.served_model_name or [args.model or os.path.basename(config.model.path)]
+    settings = ServerSettings(
+        served_model_names=names,
+        api_key=args.api_key,
+        max_queue=args.max_queue,
+        max_body_bytes=args.max_body_bytes,
+        drain_timeout_s=args.drain_timeout_s,
+    )
+    app = build_app(engine, settings, chat_template)
+    uv_config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.uvicorn_log_level,
+        access_log=args.access_log,
+        timeout_graceful_shutdown=args.drain_timeout_s + 10,
+        lifespan="on",
+    )
+    server = DrainingServer(uv_config, app, args.drain_timeout_s)
+    logger.info("serving %s on http://%s:%d", names[0], args.host, args.port)
+    server.run()
+    # The server has drained and shut down cleanly; skip the interpreter teardown (seconds of torch module
+    # finalization) so a restart or a rolling deploy is not kept waiting.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -1,0 +1,236 @@
+"""Prometheus metrics under vLLM's names with the ``openinfer:`` prefix (see docs/design/metrics.md in vLLM).
+
+Counters and histograms are fed by the engine-core thread as outputs appear (prometheus_client is
+thread-safe); gauges and the engine's own cumulative counters (prefix cache, preemptions) are read from the
+latest ``StatsSnapshot`` at scrape time, so the KV pool state in /metrics is never older than one core-loop
+iteration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from openinfer.server.messages import StatsSnapshot
+
+PREFIX = "openinfer:"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+_ITL_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
+_TOKEN_BUCKETS = tuple(float(b * 10**e) for e in range(0, 6) for b in (1, 2, 5))
+
+
+class _EngineStatsCollector(Collector):
+    def __init__(self, model_name: str, source: Callable[[], StatsSnapshot]) -> None:
+        self.model_name = model_name
+        self.source = source
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.source()
+        labels = [self.model_name]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            g.add_metric(labels, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            c.add_metric(labels, value)
+            return c
+
+        yield gauge("num_requests_running", "Requests in the model's running batch.", s.num_running)
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
+        yield gauge(
+            "kv_cache_usage_perc", "KV-cache usage: 1 = all blocks in use (vLLM's name).", s.kv_cache_usage
+        )
+        yield gauge(
+            "kv_cache_free_blocks",
+            "KV blocks free (cached-but-unreferenced blocks count as free).",
+            s.num_free_blocks,
+        )
+        yield gauge("kv_cache_total_blocks", "KV blocks in the pool.", s.num_blocks)
+        yield counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries
+        )
+        yield counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.", s.prefix_cache_hits)
+        yield counter(
+            "num_preemptions", "Requests preempted (recomputed) for lack of KV blocks.", s.num_preemptions
+        )
+        yield counter("engine_steps", "Engine steps executed.", s.num_steps)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, stats_source: Callable[[], StatsSnapshot]) -> None:
+        disable_created_metrics()  # process-wide; the *_created series only add noise to each scrape
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.model_name = model_name
+        reg = self.registry
+        m = ["model_name"]
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prefill tokens processed.", m, registry=reg)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", m, registry=reg)
+        self.request_success = Counter(
+            PREFIX + "request_success",
+            "Finished requests by finish reason.",
+            m + ["finished_reason"],
+            registry=reg,
+        )
+        self.requests_rejected = Counter(
+            PREFIX + "request_rejected", "Requests refused before admission.", m + ["reason"], registry=reg
+        )
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "Time to first token (from arrival).",
+            m,
+            buckets=_LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.itl = Histogram(
+            PREFIX + "inter_token_latency_seconds",
+            "Time between output steps of a request.",
+            m,
+            buckets=_ITL_BUCKETS,
+            registry=reg,
+        )
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds",
+            "Arrival to finish.",
+            m,
+            buckets=_E2E_BUCKETS,
+            registry=reg,
+        )
+        self.queue_time = Histogram(
+            PREFIX + "request_queue_time_seconds",
+            "Arrival to first scheduled.",
+            m,
+            buckets=_E2E_BUCKETS,
+            registry=reg,
+        )
+        self.req_prompt_tokens = Histogram(
+            PREFIX + "request_prompt_tokens",
+            "Prompt tokens per request.",
+            m,
+            buckets=_TOKEN_BUCKETS,
+            registry=reg,
+        )
+        self.req_generation_tokens = Histogram(
+            PREFIX + "request_generation_tokens",
+            "Generated tokens per request.",
+            m,
+            buckets=_TOKEN_BUCKETS,
+            registry=reg,
+        )
+        reg.register(_EngineStatsCollector(model_name, stats_source))
+        # Bound children: labels() takes a lock and a dict lookup; the hot path calls these per step.
+        self._prompt = self.prompt_tokens.labels(model_name)
+        self._gen = self.generation_tokens.labels(model_name)
+        self._ttft = self.ttft.labels(model_name)
+        self._itl = self.itl.labels(model_name)
+        self._e2e = self.e2e.labels(model_name)
+        self._queue = self.queue_time.labels(model_name)
+        self._req_prompt = self.req_prompt_tokens.labels(model_name)
+        self._req_gen = self.req_generation_tokens.labels(model_name)
+
+    # Called from the engine-core thread.
+    def on_first_token(self, num_prompt_tokens: int, ttft_s: float | None, queue_s: float | None) -> None:
+        self._prompt.inc(num_prompt_tokens)
+        if ttft_s is not None:
+            self._ttft.observe(max(ttft_s, 0.0))
+        if queue_s is not None:
+            self._queue.observe(max(queue_s, 0.0))
+
+    def on_tokens(self, num_new_tokens: int, itl_s: float | None) -> None:
+        self._gen.inc(num_new_tokens)
+        if itl_s is not None:
+            self._itl.observe(itl_s)
+
+    def on_finished(
+        self, finish_reason: str, e2e_s: float, num_prompt_tokens: int, num_generation_tokens: int
+    ) -> None:
+        self.request_success.labels(self.model_name, finish_reason).inc()
+        self._e2e.observe(max(e2e_s, 0.0))
+        self._req_prompt.observe(num_prompt_tokens)
+        self._req_gen.observe(num_generation_tokens)
+
+    # Called from the event loop.
+    def on_rejected(self, reason: str) -> None:
+        self.requests_rejected.labels(self.model_name, reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

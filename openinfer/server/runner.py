@@ -1,0 +1,45 @@
+"""uvicorn's server with a drain on the first SIGTERM/SIGINT instead of an immediate stop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import uvicorn
+from fastapi import FastAPI
+
+from openinfer.server.api import drain
+
+logger = logging.getLogger(__name__)
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, app: FastAPI, drain_timeout_s: float) -> None:
+        super().__init__(config)
+        self.app = app
+        self.drain_timeout_s = drain_timeout_s
+        self._draining = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        # Runs in the main thread from the signal handler. The first signal starts a drain on the loop (the
+        # listener stays open so new requests get a clean 503); a second one exits at once.
+        if self._draining or self._loop is None or not self.started:
+            self.should_exit = True
+            self.force_exit = self._draining
+            return
+        self._draining = True
+        timeout_s = self.drain_timeout_s if sig == signal.SIGTERM else 0.0
+        logger.info("received %s: draining (timeout %.0fs)", signal.Signals(sig).name, timeout_s)
+        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain_then_exit(timeout_s)))
+
+    async def _drain_then_exit(self, timeout_s: float) -> None:
+        try:
+            await drain(self.app, timeout_s)
+        finally:
+            self.should_exit = True

@@ -1,0 +1,335 @@
+"""What /v1/completions and /v1/chat/completions share: model check, context-length check, sampling params,
+admission, disconnect handling, usage, SSE framing."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import msgspec
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from openinfer.engine.llm_engine import LLMEngine
+from openinfer.sampling_params import SamplingParams
+from openinfer.server.async_engine import AsyncEngine, EngineOverloaded, EngineUnavailable, RequestStream
+from openinfer.server.errors import APIError, validation_message
+from openinfer.server.messages import AddRequest, RequestUpdate
+from openinfer.server.metrics import ServerMetrics
+from openinfer.server.protocol import GenerationRequest, StreamOptions
+from openinfer.server.tokenizer_service import TokenizerService
+
+M = TypeVar("M", bound=BaseModel)
+DONE = b"data: [DONE]\n\n"
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class ServerSettings:
+    served_model_names: list[str]
+    api_key: str | None = None
+    max_queue: int = 1024
+    max_body_bytes: int = 8 * 1024 * 1024
+    drain_timeout_s: float = 30.0
+
+
+class ServingContext:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        async_engine: AsyncEngine,
+        tokenizers: TokenizerService,
+        settings: ServerSettings,
+        metrics: ServerMetrics | None = None,
+    ) -> None:
+        self.engine = engine
+        self.async_engine = async_engine
+        self.tokenizers = tokenizers
+        self.settings = settings
+        self.metrics = metrics
+        self.model_name = settings.served_model_names[0]
+        self.model_path = engine.config.model.path
+        self.max_model_len = engine.config.model.max_model_len
+        self.vocab_size = engine.config.model.vocab_size
+        self.kv_capacity_tokens = engine.kv.pool.num_blocks * engine.config.cache.block_size
+        self.defaults = engine.default_sampling_params()
+        self.created = int(time.time())
+
+    # -- validation ------------------------------------------------------------------------------
+    @staticmethod
+    def parse(model: type[M], body: bytes) -> M:
+        try:
+            return model.model_validate_json(body or b"null")
+        except ValidationError as e:
+            message, param = validation_message(e)
+            raise APIError(message, 400, param) from None
+
+    def check_model(self, name: str | None) -> str:
+        if name is None or name in self.settings.served_model_names:
+            return name or self.model_name
+        raise APIError(
+            f"The model `{name}` does not exist. Served: {', '.join(self.settings.served_model_names)}",
+            400,
+            "model",
+            "model_not_found",
+        )
+
+    def check_prompt_ids(self, ids: list[int], param: str = "prompt") -> None:
+        if not ids:
+            raise APIError("the prompt is empty (0 tokens)", 400, param)
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise APIError(
+                f"token id {bad} is out of range: ids must be in [0, {self.vocab_size})", 400, param
+            )
+
+    def resolve_max_tokens(
+        self, requested: int | None, prompt_len: int, param: str = "max_tokens", prompt_param: str = "prompt"
+    ) -> int:
+        """vLLM's strict rule: prompt + max_tokens must fit in max_model_len, else 400 with both numbers."""
+        limit = self.max_model_len
+        if prompt_len >= limit:
+            raise APIError(
+                f"This model's maximum context length is {limit} tokens. However, your request has "
+                f"{prompt_len} input tokens. Please reduce the length of the input messages.",
+                400,
+                prompt_param,
+                "context_length_exceeded",
+            )
+        if requested is None:
+            # Whatever room is left, but never more than the whole KV pool can hold.
+            return max(1, min(limit, self.kv_capacity_tokens) - prompt_len)
+        if requested < 1:
+            raise APIError(f"{param} must be at least 1, got {requested}", 400, param)
+        if prompt_len + requested > limit:
+            raise APIError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_len + requested} tokens ({prompt_len} in the messages, {requested} in the "
+                f"completion). Please reduce the length of the messages or completion.",
+                400,
+                param,
+                "context_length_exceeded",
+            )
+        return requested
+
+    def check_common(self, req: GenerationRequest) -> None:
+        if req.logit_bias:
+            raise APIError("logit_bias is not supported by this server", 400, "logit_bias")
+        if req.best_of is not None and req.best_of != req.n:
+            raise APIError("best_of is not supported (use n)", 400, "best_of")
+        if not isinstance(req.n, int) or req.n < 1:
+            raise APIError(f"n must be an integer >= 1, got {req.n}", 400, "n")
+        if req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= MAX_LOGPROBS:
+            raise APIError(
+                f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {req.prompt_logprobs}",
+                400,
+                "prompt_logprobs",
+            )
+
+    def sampling_params(
+        self, req: GenerationRequest, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None
+    ) -> SamplingParams:
+        d = self.defaults
+
+        def pick(value: Any, default: Any) -> Any:
+            return default if value is None else value
+
+        try:
+            return SamplingParams(
+                n=req.n,
+                temperature=pick(req.temperature, d.temperature),
+                top_p=pick(req.top_p, d.top_p),
+                top_k=pick(req.top_k, d.top_k),
+                min_p=pick(req.min_p, d.min_p),
+                seed=req.seed,
+                presence_penalty=pick(req.presence_penalty, 0.0),
+                frequency_penalty=pick(req.frequency_penalty, 0.0),
+                repetition_penalty=pick(req.repetition_penalty, d.repetition_penalty),
+                max_tokens=max_tokens,
+                min_tokens=req.min_tokens,
+                stop=req.stop,
+                stop_token_ids=req.stop_token_ids,
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                ignore_eos=req.ignore_eos,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                skip_special_tokens=req.skip_special_tokens,
+            )
+        except (ValueError, TypeError) as e:
+            msg = str(e)
+            raise APIError(msg, 400, msg.split(" ", 1)[0] if msg else None) from None
+
+    # -- admission -------------------------------------------------------------------------------
+    async def start(self, adds: list[AddRequest]) -> tuple[RequestStream, list[RequestUpdate]]:
+        """Admit the engine requests and wait until the core has accepted (or rejected) each one, so a bad
+        request is still a clean 4xx before any streaming starts. Returns the stream and any outputs that
+        arrived meanwhile."""
+        seqs = sum(a.params.n for a in adds)
+        if seqs > self.async_engine.capacity:
+            raise APIError(
+                f"this request asks for {seqs} sequences but the server holds at most "
+                f"{self.async_engine.capacity} (max_num_seqs + max_queue)",
+                400,
+                "n",
+            )
+        try:
+            stream = self.async_engine.submit(adds)
+        except EngineOverloaded as e:
+            if self.metrics is not None:
+                self.metrics.on_rejected("queue_full")
+            raise APIError(str(e), 429, code="queue_full", headers={"Retry-After": "1"}) from None
+        except EngineUnavailable as e:
+            if self.metrics is not None:
+                self.metrics.on_rejected("unavailable")
+            raise APIError(str(e), 503, code="unavailable") from None
+        waiting = set(stream.request_ids)
+        buffered: list[RequestUpdate] = []
+        error: RequestUpdate | None = None
+        try:
+            while waiting:
+                u = await stream.get()
+                if u.request_id in waiting and (u.accepted or u.error):
+                    waiting.discard(u.request_id)
+                    if u.error and error is None:
+                        error = u
+                elif not u.accepted:
+                    buffered.append(u)
+        except BaseException:
+            stream.abort()
+            raise
+        if error is not None:
+            stream.abort()
+            if error.error_kind == "invalid":
+                raise APIError(error.error or "invalid request", 400)
+            raise APIError(error.error or "engine error", 503, code="engine_error")
+        return stream, buffered
+
+    @staticmethod
+    def new_id(prefix: str) -> str:
+        return f"{prefix}-{uuid.uuid4().hex}"
+
+
+async def updates(stream: RequestStream, buffered: list[RequestUpdate]) -> AsyncIterator[RequestUpdate]:
+    for u in buffered:
+        yield u
+    while not stream.done:
+        for u in await stream.get_batch():
+            yield u
+
+
+async def update_batches(
+    stream: RequestStream,
+    buffered: list[RequestUpdate],
+) -> AsyncIterator[list[RequestUpdate]]:
+    if buffered:
+        yield buffered
+    while not stream.done:
+        yield await stream.get_batch()
+
+
+# -- usage ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class UsageTracker:
+    prompt_tokens: dict[str, int] = field(default_factory=dict)
+    cached_tokens: dict[str, int] = field(default_factory=dict)
+    completion_tokens: dict[str, int] = field(default_factory=dict)
+
+    def add(self, u: RequestUpdate) -> None:
+        rid = u.request_id
+        if u.num_prompt_tokens:
+            self.prompt_tokens[rid] = u.num_prompt_tokens
+        self.cached_tokens[rid] = max(self.cached_tokens.get(rid, 0), u.num_cached_tokens)
+        self.completion_tokens[rid] = self.completion_tokens.get(rid, 0) + sum(
+            len(d.token_ids) for d in u.outputs
+        )
+
+    def usage(self, request_id: str | None = None) -> dict:
+        keys = [request_id] if request_id is not None else list(self.prompt_tokens)
+        p = sum(self.prompt_tokens.get(k, 0) for k in keys)
+        c = sum(self.completion_tokens.get(k, 0) for k in keys)
+        cached = sum(self.cached_tokens.get(k, 0) for k in keys)
+        return {
+            "prompt_tokens": p,
+            "completion_tokens": c,
+            "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+
+def stream_flags(options: StreamOptions | None) -> tuple[bool, bool]:
+    if options is None:
+        return False, False
+    return options.include_usage, options.continuous_usage_stats
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + msgspec.json.encode(obj) + b"\n\n"
+
+
+def json_bytes(obj: Any) -> bytes:
+    return msgspec.json.encode(obj)
+
+
+# -- disconnects ---------------------------------------------------------------------------------
+
+
+class EngineStreamingResponse(StreamingResponse):
+    """SSE response that aborts its engine requests however the response ends: finished, client gone
+    (Starlette cancels the body task), or a send error."""
+
+    def __init__(self, content: AsyncIterator[bytes], stream: RequestStream) -> None:
+        super().__init__(
+            content,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self.engine_stream = stream
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.engine_stream.abort()
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(Exception):
+                    await aclose()
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[Any], stream: RequestStream) -> Any:
+    """Run a non-streaming handler's work, but abort its engine requests as soon as the client goes away
+    (Starlette does not cancel non-streaming handlers on disconnect)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            stream.abort()
+    if task in done:
+        return task.result()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    raise ClientDisconnected()

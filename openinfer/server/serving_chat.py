@@ -1,0 +1,291 @@
+"""POST /v1/chat/completions, streaming and not."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from openinfer.server.errors import APIError, error_body
+from openinfer.server.messages import AddRequest, RequestUpdate
+from openinfer.server.protocol import ChatCompletionRequest, ChatMessage
+from openinfer.server.serving import (
+    DONE,
+    MAX_LOGPROBS,
+    ClientDisconnected,
+    EngineStreamingResponse,
+    ServingContext,
+    UsageTracker,
+    cancel_on_disconnect,
+    json_bytes,
+    sse,
+    stream_flags,
+    update_batches,
+    updates,
+)
+
+_ROLES = {"system", "developer", "user", "assistant", "tool"}
+
+
+@dataclass
+class _Choice:
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+def messages_to_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    if not messages:
+        raise APIError("messages must be a non-empty list", 400, "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if m.role not in _ROLES:
+            raise APIError(
+                f"messages[{i}].role must be one of {sorted(_ROLES)}, got {m.role!r}",
+                400,
+                f"messages.{i}.role",
+            )
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise APIError(
+                        f"messages[{i}]: only text content parts are supported, got {part.type!r}",
+                        400,
+                        f"messages.{i}.content",
+                    )
+                texts.append(part.text)
+            content = "\n".join(texts)
+        d: dict[str, Any] = {**(m.model_extra or {}), "role": m.role, "content": content or ""}
+        if m.name is not None:
+            d["name"] = m.name
+        out.append(d)
+    return out
+
+
+async def _chat_logprobs(
+    ctx: ServingContext, ids: list[int], lps: list[dict[int, float]], top_n: int
+) -> list:
+    tops = [sorted(lp.items(), key=lambda kv: -kv[1])[:top_n] for lp in lps]
+    strs = await ctx.tokenizers.token_strs(ids + [t for top in tops for t, _ in top])
+    names = iter(strs[len(ids) :])
+    content = []
+    for tok_id, tok, lp, top in zip(ids, strs[: len(ids)], lps, tops):
+        entries = []
+        for _, v in top:
+            name = next(names)
+            entries.append({"token": name, "logprob": v, "bytes": list(name.encode("utf-8"))})
+        content.append(
+            {
+                "token": tok,
+                "logprob": lp.get(tok_id),
+                "bytes": list(tok.encode("utf-8")),
+                "top_logprobs": entries,
+            }
+        )
+    return content
+
+
+async def create_chat_completion(ctx: ServingContext, request: Request, body: bytes) -> Response:
+    arrival_s = time.monotonic()
+    req = ctx.parse(ChatCompletionRequest, body)
+    model = ctx.check_model(req.model)
+    ctx.check_common(req)
+    if req.tools and req.tool_choice != "none":
+        raise APIError(
+            "tool calling is not supported by this server (send tool_choice='none' or no tools)", 400, "tools"
+        )
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise APIError("response_format other than {'type': 'text'} is not supported", 400, "response_format")
+    if req.top_logprobs is not None:
+        if not req.logprobs:
+            raise APIError("top_logprobs requires logprobs=true", 400, "top_logprobs")
+        if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise APIError(
+                f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}", 400, "top_logprobs"
+            )
+    if req.continue_final_message and req.add_generation_prompt:
+        raise APIError(
+            "continue_final_message and add_generation_prompt cannot both be true",
+            400,
+            "continue_final_message",
+        )
+    messages = messages_to_dicts(req.messages)
+    try:
+        ids = await ctx.tokenizers.apply_chat_template(
+            messages,
+            req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            **(req.chat_template_kwargs or {}),
+        )
+    except APIError:
+        raise
+    except Exception as e:  # template errors are the client's messages meeting the template
+        raise APIError(f"cannot apply the chat template: {e}", 400, "messages") from None
+    ctx.check_prompt_ids(ids, "messages")
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    max_tokens = ctx.resolve_max_tokens(requested, len(ids), param, "messages")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    params = ctx.sampling_params(req, max_tokens, logprobs, req.prompt_logprobs)
+    rid = ctx.new_id("chatcmpl")
+    echo = ""
+    if req.echo and messages[-1]["role"] == "assistant":
+        echo = messages[-1]["content"] or ""
+    stream, buffered = await ctx.start([AddRequest(rid, ids, params, None, arrival_s)])
+    created = int(time.time())
+    top_n = req.top_logprobs or 0
+    if req.stream:
+        return EngineStreamingResponse(
+            _stream(ctx, req, model, rid, created, ids, echo, top_n, stream, buffered), stream
+        )
+    try:
+        result = await cancel_on_disconnect(
+            request, _collect(ctx, req, model, rid, created, ids, echo, top_n, stream, buffered), stream
+        )
+    except ClientDisconnected:
+        return Response(status_code=499)
+    return Response(json_bytes(result), media_type="application/json")
+
+
+async def _collect(
+    ctx: ServingContext,
+    req: ChatCompletionRequest,
+    model: str,
+    rid: str,
+    created: int,
+    prompt_ids: list[int],
+    echo: str,
+    top_n: int,
+    stream,
+    buffered,
+) -> dict:
+    usage = UsageTracker()
+    choices: dict[int, _Choice] = {}
+    async for u in updates(stream, buffered):
+        usage.add(u)
+        if u.error:
+            raise APIError(u.error, 503, code="engine_error")
+        for d in u.outputs:
+            c = choices.setdefault(d.index, _Choice())
+            c.text.append(d.text)
+            c.token_ids.extend(d.token_ids)
+            if d.logprobs:
+                c.logprobs.extend(d.logprobs)
+            if d.finish_reason is not None:
+                c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
+    if any(c.finish_reason == "error" for c in choices.values()):
+        raise APIError("the engine failed while generating this request", 500, code="engine_error")
+    out = []
+    for i in range(req.n):
+        c = choices.get(i, _Choice(finish_reason="abort"))
+        logprobs = None
+        if req.logprobs:
+            logprobs = {"content": await _chat_logprobs(ctx, c.token_ids, c.logprobs, top_n)}
+        choice = {
+            "index": i,
+            "message": {"role": "assistant", "content": echo + "".join(c.text)},
+            "logprobs": logprobs,
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+        }
+        if req.return_token_ids:
+            choice["token_ids"] = c.token_ids
+        out.append(choice)
+    resp = {
+        "id": rid,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": out,
+        "usage": usage.usage(),
+    }
+    if req.return_token_ids:
+        resp["prompt_token_ids"] = prompt_ids
+    return resp
+
+
+async def _stream(
+    ctx: ServingContext,
+    req: ChatCompletionRequest,
+    model: str,
+    rid: str,
+    created: int,
+    prompt_ids: list[int],
+    echo: str,
+    top_n: int,
+    stream,
+    buffered: list[RequestUpdate],
+) -> AsyncIterator[bytes]:
+    include_usage, continuous = stream_flags(req.stream_options)
+    usage = UsageTracker()
+    started: set[int] = set()
+    failed = False
+    async for batch in update_batches(stream, buffered):
+        out: list[bytes] = []
+        for u in batch:
+            usage.add(u)
+            if u.error or any(d.finish_reason == "error" for d in u.outputs):
+                out.append(
+                    sse(
+                        error_body(
+                            u.error or "the engine failed while generating this request",
+                            500,
+                            code="engine_error",
+                        )
+                    )
+                )
+                failed = True
+                break
+            for d in u.outputs:
+                delta: dict[str, Any] = {}
+                if d.index not in started:
+                    started.add(d.index)
+                    delta["role"] = "assistant"
+                    delta["content"] = echo + d.text
+                else:
+                    delta["content"] = d.text
+                choice: dict[str, Any] = {
+                    "index": d.index,
+                    "delta": delta,
+                    "logprobs": None,
+                    "finish_reason": d.finish_reason,
+                    "stop_reason": d.stop_reason,
+                }
+                if req.logprobs and d.logprobs:
+                    choice["logprobs"] = {
+                        "content": await _chat_logprobs(ctx, d.token_ids, d.logprobs, top_n)
+                    }
+                if req.return_token_ids:
+                    choice["token_ids"] = d.token_ids
+                chunk = {
+                    "id": rid,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": model,
+                    "choices": [choice],
+                }
+                if include_usage:
+                    chunk["usage"] = usage.usage() if continuous else None
+                out.append(sse(chunk))
+        if out:
+            yield b"".join(out)
+        if failed:
+            stream.abort()
+            break
+    final = {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": usage.usage(),
+    }
+    yield (sse(final) if include_usage else b"") + DONE
