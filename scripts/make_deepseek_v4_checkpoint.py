@@ -3,6 +3,11 @@
 
   python scripts/make_deepseek_v4_checkpoint.py --size tiny  --out /tmp/v4-tiny    # ~1M params, tests
   python scripts/make_deepseek_v4_checkpoint.py --size bench --out /tmp/v4-bench   # ~200M params, benchmarks
+  python scripts/make_deepseek_v4_checkpoint.py --size tiny --out /tmp/v4-fp8 --quantize release-fp4
+
+``--quantize`` writes the weights the way DeepSeek ships V4 (``quantize_checkpoint``): ``release-fp4`` =
+V4-Flash (unprefixed names, FP8 linears with UE8M0 ``.scale``, MXFP4 experts), ``hf-fp8`` = V4-Flash-Base converted by
+HF (``model.`` names, FP8 linears and experts with fp32 ``weight_scale_inv``).
 
 Weights are drawn with a larger std than HF's init (and the mHC / sink / ape / gate-bias / tid2eid tensors, which
 HF initialises to constants, are randomised) so that logits spread out and greedy ties are unlikely.
@@ -10,6 +15,9 @@ HF initialises to constants, are randomised) so that logits spread out and greed
 from __future__ import annotations
 
 import argparse
+import json
+import re
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,6 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, str(ROOT))
 
+from openinfer.layers.fp8 import quantize_fp8_block  # noqa: E402
+from openinfer.layers.mxfp4 import quantize_mxfp4  # noqa: E402
 from openinfer.utils.char_tokenizer import write_char_tokenizer  # noqa: E402
 
 SWA, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -98,6 +108,53 @@ def make_checkpoint(out: str | Path, size: str = "tiny", seed: int = 0, std: flo
     return out
 
 
+# The linears DeepSeek ships in FP8 (spec §3, §4.8); compressor, indexer weights_proj, gate, embed, head and
+# norms stay unquantised. Routed experts follow expert_dtype.
+FP8_LINEAR = re.compile(r"\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|shared_experts\.w[123]"
+                        r"|[eh]_proj)\.weight$")
+ROUTED_EXPERT = re.compile(r"\.experts\.\d+\.w[123]\.weight$")
+QUANT_FORMATS = {  # name -> (naming, scale suffix, FP8 scale format, expert_dtype)
+    "release-fp4": ("release", ".scale", "ue8m0", "fp4"),
+    "hf-fp8": ("hf", ".weight_scale_inv", "float32", "fp8"),
+}
+
+
+def quantize_checkpoint(src: str | Path, out: str | Path, fmt: str = "release-fp4",
+                        block: tuple[int, int] = (128, 128)) -> Path:
+    """Write ``src`` (a make_checkpoint output) quantised in one of QUANT_FORMATS; the config stays HF-style
+    plus ``quantization_config`` and ``expert_dtype``. Returns ``out``."""
+    from safetensors.torch import load_file, save_file
+
+    naming, suffix, scale_fmt, expert_dtype = QUANT_FORMATS[fmt]
+    src, out = Path(src), Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(src.glob("*.safetensors")):
+        for name, t in load_file(str(f)).items():
+            if naming == "release":
+                name = name.removeprefix("model.").replace("hc_head.hc_", "hc_head_")
+                name = "embed.weight" if name == "embed_tokens.weight" else name
+            if ROUTED_EXPERT.search(name) and expert_dtype == "fp4":
+                q, scale = quantize_mxfp4(t)
+            elif FP8_LINEAR.search(name) or ROUTED_EXPERT.search(name):
+                q, scale = quantize_fp8_block(t, block, scale_fmt)
+            else:
+                tensors[name] = t
+                continue
+            tensors[name] = q
+            tensors[name.removesuffix(".weight") + suffix] = scale
+    save_file(tensors, str(out / "model.safetensors"))
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": list(block), "scale_fmt": scale_fmt}
+    cfg["expert_dtype"] = expert_dtype
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    for f in src.iterdir():
+        if f.is_file() and f.name != "config.json" and not f.name.startswith("model.safetensors"):
+            shutil.copy(f, out / f.name)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", choices=sorted(SIZES), default="tiny")
@@ -105,9 +162,17 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                     help="default: float32 for tiny, bfloat16 for bench")
+    ap.add_argument("--quantize", choices=sorted(QUANT_FORMATS), default=None,
+                    help="write the weights quantised the way DeepSeek ships them (see the module docstring)")
     args = ap.parse_args()
     dtype = args.dtype or ("float32" if args.size == "tiny" else "bfloat16")
-    path = make_checkpoint(args.out, args.size, args.seed, dtype=getattr(torch, dtype))
+    if args.quantize:
+        plain = make_checkpoint(Path(args.out) / "unquantised", args.size, args.seed,
+                                dtype=getattr(torch, dtype))
+        path = quantize_checkpoint(plain, args.out, args.quantize)
+        shutil.rmtree(plain)
+    else:
+        path = make_checkpoint(args.out, args.size, args.seed, dtype=getattr(torch, dtype))
     from safetensors import safe_open
 
     n = 0

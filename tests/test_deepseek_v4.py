@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import math
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,8 @@ from openinfer.models.deepseek_v4.cache import StepIndex, layer_bytes_per_block
 from openinfer.models.deepseek_v4.config import DeepseekV4Config
 from openinfer.models.deepseek_v4.indexer import Indexer
 from openinfer.models.deepseek_v4.hc import HyperConnection, fused_post_pre, hc_post
-from openinfer.models.deepseek_v4.moe import DeepseekV4MoE, reference_route
+from openinfer.models.deepseek_v4.moe import DeepseekV4MoE
+from openinfer.layers.deepseek_moe import RouterConfig, route
 from openinfer.layers.moe import reference_experts, swiglu
 from tests.helpers import hf_greedy
 
@@ -151,11 +153,40 @@ def _tiny_cfg(**kw) -> dict:
     return base
 
 
+def _plain_scores(logits: list[float], scoring_func: str) -> list[float]:
+    if scoring_func == "sqrtsoftplus":
+        return [math.sqrt(math.log1p(math.exp(v))) for v in logits]
+    if scoring_func == "sigmoid":
+        return [1 / (1 + math.exp(-v)) for v in logits]
+    total = sum(math.exp(v) for v in logits)
+    return [math.exp(v) / total for v in logits]
+
+
+def reference_route(gate, x: torch.Tensor, input_ids: torch.Tensor):
+    """Token by token in plain Python: hash table or biased top-k (ties -> lowest id); weights from scores."""
+    cfg = gate.cfg
+    weights, ids = [], []
+    for i in range(x.shape[0]):
+        s = _plain_scores([float(v) for v in gate.weight.float() @ x[i].float()], cfg.scoring_func)
+        if gate.is_hash:
+            chosen = [int(e) for e in gate.tid2eid[int(input_ids[i])]]
+        else:
+            bias = gate.e_score_correction_bias.tolist()
+            chosen = sorted(range(len(s)), key=lambda e: (-(s[e] + bias[e]), e))[:cfg.num_experts_per_tok]
+        w = [s[e] for e in chosen]
+        total = sum(w) + 1e-20 if cfg.norm_topk_prob else 1.0
+        weights.append([v / total * cfg.routed_scaling_factor for v in w])
+        ids.append(chosen)
+    return torch.tensor(weights), torch.tensor(ids)
+
+
 @pytest.mark.parametrize("layer_idx", [0, 1])
 def test_moe_routing_matches_plain_reference(layer_idx):
     cfg = DeepseekV4Config.from_hf(_tiny_cfg())
     torch.manual_seed(layer_idx)
     moe = DeepseekV4MoE(cfg, layer_idx)
+    assert moe.gate.is_hash == (layer_idx == 0)
+    assert hasattr(moe.gate, "e_score_correction_bias") != moe.gate.is_hash  # hash layers carry no bias
     with torch.no_grad():
         for p in moe.parameters():
             p.normal_(0, 0.3)
@@ -172,8 +203,33 @@ def test_moe_routing_matches_plain_reference(layer_idx):
         raw = torch.nn.functional.softplus(x @ moe.gate.weight.t()).sqrt().topk(3).indices
         assert not all(set(a.tolist()) == set(b.tolist()) for a, b in zip(raw, e)), "bias never mattered"
     shared = moe.shared_experts.down_proj(swiglu(moe.shared_experts.gate_up_proj(x), 10.0))
-    want = reference_experts(x, moe.experts.gate_up_proj, moe.experts.down_proj, rw, re_, 10.0) + shared
+    want = reference_experts(x, moe.experts.w13_weight, moe.experts.w2_weight, rw, re_, 10.0) + shared
     torch.testing.assert_close(moe(x, ids), want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("scoring_func", ["sqrtsoftplus", "sigmoid", "softmax"])
+def test_route_hash_path_matches_plain_reference(scoring_func):
+    """route(hash_ids=...): the table alone selects (group limits do not apply), the scores weight,
+    renormalised and scaled; the same rows through the top-k path pick differently, so the table did matter."""
+    cfg = RouterConfig(n_routed_experts=16, num_experts_per_tok=4, scoring_func=scoring_func, n_group=4,
+                       topk_group=1, routed_scaling_factor=1.5)
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(7, 16, generator=g)
+    table = torch.stack([torch.randperm(16, generator=g)[:4] for _ in range(7)])  # spans all four groups
+    w, e = route(logits, cfg, hash_ids=table.int())
+    assert e.dtype == torch.long and torch.equal(e, table)
+    for row, chosen, got in zip(logits.tolist(), table.tolist(), w.tolist()):
+        s = _plain_scores(row, scoring_func)
+        want = [s[c] / (sum(s[c] for c in chosen) + 1e-20) * 1.5 for c in chosen]
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-7)
+    assert not torch.equal(route(logits, cfg)[1].sort(-1).values, table.sort(-1).values)
+    with pytest.raises(ValueError, match="no e_score_correction_bias"):
+        route(logits, cfg, torch.zeros(16), hash_ids=table)
+    with pytest.raises(ValueError, match="hash_ids has shape"):
+        route(logits, cfg, hash_ids=table[:, :3])
+    gate = DeepseekV4MoE(DeepseekV4Config.from_hf(_tiny_cfg()), 0).gate
+    with pytest.raises(ValueError, match="token ids"):
+        gate(torch.randn(2, 32))
 
 
 @pytest.mark.parametrize("field, change", [
@@ -284,7 +340,8 @@ def test_deepseek_release_names_and_mtp(ckpt, prompts, hf_ref, tmp_path, caplog)
     model = llm.engine.runner.model
     assert model.mtp is not None
     torch.testing.assert_close(model.mtp[0].self_attn.q_a_proj.weight, out["mtp.0.attn.wq_a.weight"])
-    torch.testing.assert_close(model.mtp[0].mlp.experts.gate_up_proj[3, 64:], out["mtp.0.ffn.experts.3.w3.weight"])
+    w3 = out["mtp.0.ffn.experts.3.w3.weight"]
+    torch.testing.assert_close(model.mtp[0].mlp.experts.w13_weight[3, 64:], w3)
     _assert_matches(_run(llm, prompts[:2], 8), [(t[:8], lp[:8]) for t, lp in hf_ref[:2]])
 
 

@@ -1,13 +1,15 @@
-"""DeepSeekMoE: the router (``route``), stacked routed experts and shared experts, HF-shaped module names.
+"""DeepSeekMoE for V3 and V4: the router (``route``), stacked routed and shared experts, HF-shaped names.
 
-Routing (DeepSeek-V3, ``topk_method="noaux_tc"``):
-  scores = score_fn(x @ Wg.T) in fp32                  (sigmoid for V3)
+Routing (``topk_method="noaux_tc"``):
+  scores = score_fn(x @ Wg.T) in fp32                  (sigmoid for V3, sqrtsoftplus for V4)
   choice = scores + e_score_correction_bias            (the bias only *selects*; weights come from scores)
   group-limited: keep the ``topk_group`` of ``n_group`` groups with the largest sum-of-top-2 choice score,
-  then top-k experts among the kept groups; weights = scores at those experts, optionally renormalised,
-  times ``routed_scaling_factor``.
+  then top-k experts among the kept groups;
+  hash routing (V4's first layers): the experts are ``tid2eid[token_id]``, a frozen table (no bias/groups);
+  weights = scores at the chosen experts, optionally renormalised, times ``routed_scaling_factor``.
 Ties are broken towards the lowest expert index (a stable sort), never by whatever ``torch.topk`` happens to
 do: a kernel's tie order can depend on tensor length, which would make routing batch-dependent.
+V4's experts (routed and shared) clamp the SwiGLU inputs at ``swiglu_limit``; V3's do not (``None``).
 """
 from __future__ import annotations
 
@@ -16,15 +18,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from openinfer.layers.activation import SiluAndMul
-from openinfer.layers.moe import fused_experts
+from openinfer.layers.moe import fused_experts, swiglu
 
-# New score functions (V4's sqrtsoftplus) are added here; RouterConfig validates against this table.
+# New score functions are added here; RouterConfig validates against this table.
 SCORING_FUNCS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "sigmoid": torch.sigmoid,
     "softmax": lambda logits: logits.softmax(dim=-1),
+    "sqrtsoftplus": lambda logits: F.softplus(logits).sqrt(),
 }
 TOPK_METHODS = ("noaux_tc",)
 
@@ -88,38 +91,68 @@ def _topk_lowest_index(x: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def route(router_logits: torch.Tensor, cfg: RouterConfig,
-          e_score_correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits [T, E] -> (topk_weights fp32 [T, K], topk_ids int64 [T, K]); see the module docstring."""
+          e_score_correction_bias: torch.Tensor | None = None,
+          hash_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] -> (topk_weights fp32 [T, K], topk_ids int64 [T, K]); see the module docstring.
+
+    ``hash_ids`` [T, K] (``tid2eid[token_ids]``) replaces the selection; a hash layer has no correction
+    bias, so passing both is a caller bug and raises."""
     t, e = router_logits.shape
     scores = SCORING_FUNCS[cfg.scoring_func](router_logits.float())
-    choice = scores if e_score_correction_bias is None else scores + e_score_correction_bias.float()
-    if cfg.topk_group < cfg.n_group:
-        grouped = choice.view(t, cfg.n_group, e // cfg.n_group)
-        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # values only: tie order is irrelevant
-        keep = torch.zeros_like(group_scores, dtype=torch.bool)
-        keep.scatter_(1, _topk_lowest_index(group_scores, cfg.topk_group), True)
-        choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(t, e)
-    topk_ids = _topk_lowest_index(choice, cfg.num_experts_per_tok)
+    if hash_ids is not None:
+        if e_score_correction_bias is not None:
+            raise ValueError("hash routing takes no e_score_correction_bias: the table alone selects")
+        if tuple(hash_ids.shape) != (t, cfg.num_experts_per_tok):
+            raise ValueError(f"hash_ids has shape {tuple(hash_ids.shape)}, expected "
+                             f"({t}, num_experts_per_tok={cfg.num_experts_per_tok})")
+        topk_ids = hash_ids.long()
+    else:
+        topk_ids = _select(scores, cfg, e_score_correction_bias)
     topk_weights = scores.gather(1, topk_ids)
     if cfg.norm_topk_prob:
         topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
     return topk_weights * cfg.routed_scaling_factor, topk_ids
 
 
-class DeepseekTopkRouter(nn.Module):
-    """``mlp.gate``: router weight in the model dtype (as HF), correction bias kept in fp32 (as HF)."""
+def _select(scores: torch.Tensor, cfg: RouterConfig, bias: torch.Tensor | None) -> torch.Tensor:
+    t, e = scores.shape
+    choice = scores if bias is None else scores + bias.float()
+    if cfg.topk_group < cfg.n_group:
+        grouped = choice.view(t, cfg.n_group, e // cfg.n_group)
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # values only: tie order is irrelevant
+        keep = torch.zeros_like(group_scores, dtype=torch.bool)
+        keep.scatter_(1, _topk_lowest_index(group_scores, cfg.topk_group), True)
+        choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(t, e)
+    return _topk_lowest_index(choice, cfg.num_experts_per_tok)
 
-    def __init__(self, hidden_size: int, cfg: RouterConfig) -> None:
+
+class DeepseekTopkRouter(nn.Module):
+    """``mlp.gate``: router weight in the model dtype (as HF), correction bias kept in fp32 (as HF).
+
+    With ``hash_vocab_size`` (V4's hash layers) the gate holds the frozen ``tid2eid [vocab, K]`` table
+    instead of the bias, and ``forward`` needs the token ids."""
+
+    def __init__(self, hidden_size: int, cfg: RouterConfig, hash_vocab_size: int | None = None) -> None:
         super().__init__()
         self.cfg = cfg
+        self.is_hash = hash_vocab_size is not None
         self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, hidden_size), requires_grad=False)
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.n_routed_experts, dtype=torch.float32),
-                                                    requires_grad=False)
+        if self.is_hash:
+            self.register_buffer("tid2eid", torch.zeros(hash_vocab_size, cfg.num_experts_per_tok,
+                                                        dtype=torch.long))
+        else:
+            bias = torch.zeros(cfg.n_routed_experts, dtype=torch.float32)
+            self.e_score_correction_bias = nn.Parameter(bias, requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor,
+                token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         # fp32 logits: in bf16 near-equal experts would otherwise swap places against the reference.
         logits = x.float() @ self.weight.float().t()
-        return route(logits, self.cfg, self.e_score_correction_bias)
+        if not self.is_hash:
+            return route(logits, self.cfg, self.e_score_correction_bias)
+        if token_ids is None:
+            raise ValueError("a hash-routed MoE layer needs the token ids")
+        return route(logits, self.cfg, hash_ids=self.tid2eid[token_ids])
 
 
 class DeepseekExperts(nn.Module):
@@ -140,32 +173,44 @@ class DeepseekExperts(nn.Module):
         return fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.swiglu_limit)
 
 
+class CheckpointLinear(nn.Linear):
+    """nn.Linear without the kaiming init: every weight comes from the checkpoint (the loaders reject missing
+    tensors), and initialising a V4-Flash-sized model at construction would cost minutes."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
 class DeepseekMLP(nn.Module):
     """Dense SwiGLU MLP (dense layers, shared experts); HF's gate_proj/up_proj load into one fused matmul."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, swiglu_limit: float | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-        self.act_fn = SiluAndMul()
+        self.gate_up_proj = CheckpointLinear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = CheckpointLinear(intermediate_size, hidden_size, bias=False)
+        self.swiglu_limit = swiglu_limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.down_proj(swiglu(self.gate_up_proj(x), self.swiglu_limit))
 
 
 class DeepseekMoE(nn.Module):
-    """Routed experts + always-on shared experts (a dense MLP of n_shared_experts x moe_intermediate_size)."""
+    """Routed experts + always-on shared experts (a dense MLP of n_shared_experts x moe_intermediate_size).
+    ``swiglu_limit`` clamps routed and shared experts alike; ``hash_vocab_size`` makes the gate hash-routed.
+    """
 
     def __init__(self, hidden_size: int, moe_intermediate_size: int, n_shared_experts: int,
-                 cfg: RouterConfig) -> None:
+                 cfg: RouterConfig, swiglu_limit: float | None = None,
+                 hash_vocab_size: int | None = None) -> None:
         super().__init__()
-        self.gate = DeepseekTopkRouter(hidden_size, cfg)
-        self.experts = DeepseekExperts(cfg.n_routed_experts, hidden_size, moe_intermediate_size)
-        self.shared_experts = (DeepseekMLP(hidden_size, moe_intermediate_size * n_shared_experts)
-                               if n_shared_experts else None)
+        self.gate = DeepseekTopkRouter(hidden_size, cfg, hash_vocab_size)
+        self.experts = DeepseekExperts(cfg.n_routed_experts, hidden_size, moe_intermediate_size, swiglu_limit)
+        self.shared_experts = (
+            DeepseekMLP(hidden_size, moe_intermediate_size * n_shared_experts, swiglu_limit)
+            if n_shared_experts else None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        topk_weights, topk_ids = self.gate(x)
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        topk_weights, topk_ids = self.gate(x, token_ids)
         out = self.experts(x, topk_weights, topk_ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)

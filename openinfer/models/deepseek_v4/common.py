@@ -4,13 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-
-class Linear(nn.Linear):
-    """nn.Linear without the kaiming init: every weight comes from the checkpoint, and initialising a
-    V4-Flash-sized model at construction would cost minutes."""
-
-    def reset_parameters(self) -> None:
-        pass
+# nn.Linear without the kaiming init (every weight comes from the checkpoint); shared with the MoE layers.
+from openinfer.layers.deepseek_moe import CheckpointLinear as Linear
 
 
 class V4RMSNorm(nn.Module):

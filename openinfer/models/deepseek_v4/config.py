@@ -11,9 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from openinfer.layers.deepseek_moe import RouterConfig
+from openinfer.layers.fp8 import fp8_block_size
+
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 ATTN_TYPES = (SLIDING, CSA, HCA)
-SCORING_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
+EXPERT_DTYPES = ("bf16", "fp8", "fp4")
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,10 @@ class DeepseekV4Config:
     max_position_embeddings: int
     num_nextn_predict_layers: int
     tie_word_embeddings: bool = False
+    # FP8 block size of the quantised linears (None: unquantised) and the routed experts' storage format
+    # (spec §2: V4-Flash "fp4" = MXFP4, V4-Flash-Base "fp8"); both are dequantised at load.
+    fp8_block: tuple[int, int] | None = None
+    expert_dtype: str | None = None
 
     def __post_init__(self) -> None:
         n = self.num_hidden_layers + self.num_nextn_predict_layers
@@ -73,9 +80,10 @@ class DeepseekV4Config:
                              f"num_hidden_layers + num_nextn_predict_layers = {n}")
         if self.index_topk <= 0:
             raise ValueError(f"index_topk must be > 0, got {self.index_topk}")
-        if self.scoring_func not in SCORING_FUNCS:
-            raise ValueError(f"scoring_func={self.scoring_func!r} is not supported; choose one of "
-                             f"{', '.join(SCORING_FUNCS)}")
+        _ = self.router  # validates scoring_func, num_experts_per_tok and routed_scaling_factor
+        if self.expert_dtype not in (None, *EXPERT_DTYPES):
+            raise ValueError(f"expert_dtype={self.expert_dtype!r} is not supported (supported: "
+                             f"{', '.join(EXPERT_DTYPES)})")
         if self.hc_mult <= 0 or self.hc_sinkhorn_iters <= 0:
             raise ValueError(f"hc_mult and hc_sinkhorn_iters must be > 0, got {self.hc_mult}, "
                              f"{self.hc_sinkhorn_iters}")
@@ -83,14 +91,18 @@ class DeepseekV4Config:
             raise ValueError(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even and <= head_dim")
         if (self.num_attention_heads * self.head_dim) % self.o_groups:
             raise ValueError(f"o_groups={self.o_groups} must divide num_attention_heads * head_dim")
-        if self.num_experts_per_tok > self.n_routed_experts:
-            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} exceeds n_routed_experts="
-                             f"{self.n_routed_experts}")
         for i, (kind, ratio) in enumerate(zip(self.layer_types, self.compress_ratios)):
             if kind not in ATTN_TYPES or (ratio == 0) != (kind == SLIDING) or ratio < 0:
                 raise ValueError(f"layer {i}: layer type {kind!r} with compress ratio {ratio} is invalid")
         if self.sliding_window <= 0:
             raise ValueError(f"sliding_window must be > 0, got {self.sliding_window}")
+
+    @property
+    def router(self) -> RouterConfig:
+        """The shared router's settings (layers/deepseek_moe.py); V4 has no group-limited routing."""
+        return RouterConfig(n_routed_experts=self.n_routed_experts,
+                            num_experts_per_tok=self.num_experts_per_tok, scoring_func=self.scoring_func,
+                            norm_topk_prob=self.norm_topk_prob, routed_scaling_factor=self.routed_scaling_factor)
 
     def is_hash_layer(self, layer_idx: int) -> bool:
         return layer_idx < self.num_hash_layers  # MTP layers sit past num_hidden_layers, never hash-routed
@@ -123,6 +135,8 @@ class DeepseekV4Config:
         else:
             num_hash = int(cfg.get("num_hash_layers", 0))
         limit = cfg.get("swiglu_limit")
+        # V4-Flash puts expert_dtype at the top level, V4.1 inside quantization_config (spec §2, §7).
+        expert_dtype = cfg.get("expert_dtype") or (cfg.get("quantization_config") or {}).get("expert_dtype")
         return cls(
             vocab_size=int(need("vocab_size")),
             hidden_size=int(need("hidden_size")),
@@ -157,6 +171,8 @@ class DeepseekV4Config:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             num_nextn_predict_layers=nextn,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            fp8_block=fp8_block_size(cfg),
+            expert_dtype=expert_dtype,
         )
 
 

@@ -3,8 +3,8 @@
 - transformers' ``save_pretrained``: DeepSeek's original leaf names under ``model.`` (``model.layers.N.attn.wq_a``,
   ``model.embed_tokens.weight``, ``model.hc_head.hc_fn``, ``head.weight``), no MTP tensors.
 - DeepSeek's release: unprefixed (``embed.weight``, ``layers.N...``, ``hc_head_fn``, ``head.weight``, ``mtp.K...``).
-Per-expert ``w1``/``w3``/``w2`` go into the stacked ``gate_up_proj`` / ``down_proj``; the shared expert's
-``w1``/``w3`` into its fused ``gate_up_proj``.
+Per-expert ``w1``/``w3``/``w2`` go into the stacked ``w13_weight`` / ``w2_weight``; the shared expert's
+``w1``/``w3`` into its fused ``gate_up_proj``. FP8 / MXFP4 weights are dequantised on the way (quant.py).
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from collections.abc import Iterable
 
 import torch
 
+from openinfer.models.deepseek_v4.quant import Dequantizer
 from openinfer.models.weights import WeightLoadError, copy_into
 
 logger = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ _LAYER = re.compile(r"^(layers|mtp)\.(\d+)(\..+)$")
 
 def canonical_name(name: str) -> tuple[str, tuple[int | None, int] | None]:
     """Checkpoint name -> (parameter name, shard). shard = (expert or None, part): part 0/1 = gate/up rows of a
-    fused gate_up tensor, 2 = a routed expert's down_proj slice."""
+    fused gate_up tensor, 2 = a routed expert's w2 slice."""
     if name.startswith("model."):
         name = name[len("model."):]
     if name in _TOP_LEVEL:
@@ -67,7 +68,7 @@ def canonical_name(name: str) -> tuple[str, tuple[int | None, int] | None]:
     full = (f"model.layers.{idx}" if kind == "layers" else f"mtp.{idx}") + rest
     if (e := _EXPERT.match(full)) is not None:
         part = {"1": 0, "3": 1, "2": 2}[e.group(3)]
-        proj = "down_proj" if part == 2 else "gate_up_proj"
+        proj = "w2_weight" if part == 2 else "w13_weight"
         return f"{e.group(1)}.experts.{proj}", (int(e.group(2)), part)
     if (s := _SHARED.match(full)) is not None:
         if s.group(2) == "2":
@@ -96,24 +97,31 @@ def _copy_shard(param: torch.Tensor, tensor: torch.Tensor, name: str, shard: tup
 def load_v4_weights(model, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
     targets = _targets(model)
     loaded: set[str] = set()
-    for name, tensor in weights:
-        pname, shard = canonical_name(name)
-        if pname.startswith("mtp.") and model.mtp is None:
-            if int(pname.split(".")[1]) >= model.config.num_nextn_predict_layers:
-                raise WeightLoadError(f"checkpoint tensor {name!r}: config has only "
-                                      f"{model.config.num_nextn_predict_layers} MTP layers")
-            model.build_mtp()
-            targets = _targets(model)
-        if model.config.tie_word_embeddings and pname == "lm_head.weight":
-            continue
-        if pname not in targets:
-            raise WeightLoadError(f"checkpoint tensor {name!r} does not belong to this model (mapped to {pname!r})")
-        if shard is None:
-            copy_into(targets[pname], tensor, name)
-            loaded.add(pname)
-        else:
-            _copy_shard(targets[pname], tensor, name, shard)
-            loaded.add(f"{pname}#{shard}")
+    # targets is rebound when the MTP block is built; the lambda reads the current binding.
+    dequantizer = Dequantizer(model.config, lambda n: canonical_name(n)[0] in targets)
+    for raw_name, raw_tensor in weights:
+        for name, tensor in dequantizer.feed(raw_name, raw_tensor):
+            pname, shard = canonical_name(name)
+            if pname.startswith("mtp.") and model.mtp is None:
+                if int(pname.split(".")[1]) >= model.config.num_nextn_predict_layers:
+                    raise WeightLoadError(f"checkpoint tensor {name!r}: config has only "
+                                          f"{model.config.num_nextn_predict_layers} MTP layers")
+                model.build_mtp()
+                targets = _targets(model)
+            if model.config.tie_word_embeddings and pname == "lm_head.weight":
+                continue
+            if pname not in targets:
+                raise WeightLoadError(f"checkpoint tensor {name!r} does not belong to this model "
+                                      f"(mapped to {pname!r})")
+            if pname.endswith("tid2eid"):
+                _check_hash_table(name, tensor, model.config.n_routed_experts)
+            if shard is None:
+                copy_into(targets[pname], tensor, name)
+                loaded.add(pname)
+            else:
+                _copy_shard(targets[pname], tensor, name, shard)
+                loaded.add(f"{pname}#{shard}")
+    dequantizer.finish()
     expected = _expected(model, targets)
     missing = sorted(expected - loaded)
     if missing:
@@ -123,14 +131,21 @@ def load_v4_weights(model, weights: Iterable[tuple[str, torch.Tensor]]) -> set[s
     return loaded
 
 
+def _check_hash_table(name: str, table: torch.Tensor, num_experts: int) -> None:
+    # An out-of-range id would index past the stacked experts at the first forward, far from the cause.
+    if table.numel() and (int(table.min()) < 0 or int(table.max()) >= num_experts):
+        raise WeightLoadError(f"checkpoint tensor {name!r} holds expert ids in [{int(table.min())}, "
+                              f"{int(table.max())}], outside [0, n_routed_experts={num_experts})")
+
+
 def _expected(model, targets: dict[str, torch.Tensor]) -> set[str]:
     expected: set[str] = set()
     for pname, t in targets.items():
         if model.config.tie_word_embeddings and pname == "lm_head.weight":
             continue
-        if pname.endswith("experts.gate_up_proj"):
+        if pname.endswith("experts.w13_weight"):
             expected.update(f"{pname}#{(e, p)}" for e in range(t.shape[0]) for p in (0, 1))
-        elif pname.endswith("experts.down_proj"):
+        elif pname.endswith("experts.w2_weight"):
             expected.update(f"{pname}#{(e, 2)}" for e in range(t.shape[0]))
         elif pname.endswith("shared_experts.gate_up_proj.weight"):
             expected.update(f"{pname}#{(None, p)}" for p in (0, 1))

@@ -124,13 +124,18 @@ class DeepseekV4ForCausalLM(nn.Module):
         return load_v4_weights(self, weights)
 
     # -- KV cache hooks (see cache.py for the layout) --------------------------------------------------
-    def kv_bytes_per_token(self, block_size: int | None = None) -> int:
-        """Bytes the layout allocates per token, for ``block_size`` (default: the last allocation's, else 16).
-        Entry stores hold ceil(block_size / ratio) entries per block, hence the dependence on block_size."""
-        bs = block_size or self._block_size
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        """Exact bytes one block of ``block_size`` tokens takes in every layer's stores. Entry stores hold
+        ceil(block_size / ratio) entries per block, so this is not linear in block_size."""
         elem = self.lm_head.weight.element_size()
-        total = sum(layer_bytes_per_block(self.config, i, bs, elem) for i in range(self.config.num_hidden_layers))
-        return -(-total // bs)
+        return sum(layer_bytes_per_block(self.config, i, block_size, elem)
+                   for i in range(self.config.num_hidden_layers))
+
+    def kv_bytes_per_token(self, block_size: int | None = None) -> int:
+        """kv_bytes_per_block / block_size rounded up, for ``block_size`` (default: the last allocation's,
+        else 16: the runner calls this without arguments before allocating - see kv_bytes_per_block)."""
+        bs = block_size or self._block_size
+        return -(-self.kv_bytes_per_block(bs) // bs)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
         self._block_size = block_size

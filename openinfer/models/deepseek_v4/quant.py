@@ -1,0 +1,77 @@
+"""Quantised V4 checkpoints, dequantised at load on CPU (spec §2, §3, §4.8).
+
+- FP8 e4m3 linears with one multiplier per ``weight_block_size`` block (``layers/fp8.py``), under either name:
+  ``X.weight_scale_inv`` (HF-converted) or ``X.scale`` (DeepSeek's release); fp32 or UE8M0 scales.
+- MXFP4 routed experts (``expert_dtype: fp4``): int8-packed E2M1 + UE8M0 per 32 (``layers/mxfp4.py``), scale
+  named like the FP8 ones.
+A weight and its scale may sit in different shards, in any order: each is held until its partner arrives.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+
+from openinfer.layers.fp8 import FP8_DTYPE, dequantize_fp8_block
+from openinfer.layers.mxfp4 import PACKED_DTYPES, dequantize_mxfp4
+from openinfer.models.deepseek_v4.config import DeepseekV4Config
+from openinfer.models.weights import WeightLoadError
+
+SCALE_SUFFIXES = (".weight_scale_inv", ".scale")
+
+
+def _scale_owner(name: str) -> str | None:
+    """``X.weight`` for a scale name ``X.weight_scale_inv`` / ``X.scale``, else None."""
+    for suffix in SCALE_SUFFIXES:
+        if name.endswith(suffix):
+            return name[:-len(suffix)] + ".weight"
+    return None
+
+
+class Dequantizer:
+    """Feed every checkpoint tensor through ``feed``: plain tensors pass straight through; a quantised weight
+    comes out dequantised (fp32, under its weight name) once both it and its scale have been fed. ``finish``
+    raises for anything left unpaired."""
+
+    def __init__(self, cfg: DeepseekV4Config, is_param: Callable[[str], bool]) -> None:
+        self.cfg = cfg
+        self.is_param = is_param  # a ".scale" that names a model parameter is not a quantisation scale
+        self.weights: dict[str, torch.Tensor] = {}
+        self.scales: dict[str, tuple[str, torch.Tensor]] = {}
+
+    def feed(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        owner = _scale_owner(name)
+        if owner is not None and not self.is_param(name):
+            key = owner
+            self.scales[key] = (name, tensor)
+        elif tensor.dtype == FP8_DTYPE or (tensor.dtype in PACKED_DTYPES and name.endswith(".weight")):
+            self._check_declared(name, tensor)
+            key = name
+            self.weights[key] = tensor
+        else:
+            yield name, tensor
+            return
+        if key in self.weights and key in self.scales:
+            yield key, self._dequantize(key, self.weights.pop(key), self.scales.pop(key)[1])
+
+    def finish(self) -> None:
+        if self.weights or self.scales:
+            raise WeightLoadError(
+                "quantised weights without a scale (.weight_scale_inv or .scale): "
+                f"{sorted(self.weights)[:5]}; scales without a weight: "
+                f"{sorted(n for n, _ in self.scales.values())[:5]}")
+
+    def _check_declared(self, name: str, tensor: torch.Tensor) -> None:
+        if tensor.dtype == FP8_DTYPE and self.cfg.fp8_block is None:
+            raise WeightLoadError(f"tensor {name!r} is float8 but config.json has no fp8 quantization_config")
+        if tensor.dtype in PACKED_DTYPES and self.cfg.expert_dtype != "fp4":
+            raise WeightLoadError(f"tensor {name!r} is {tensor.dtype} (packed MXFP4) but config.json "
+                                  f"declares expert_dtype={self.cfg.expert_dtype!r}, not 'fp4'")
+
+    def _dequantize(self, name: str, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        try:
+            if weight.dtype == FP8_DTYPE:
+                return dequantize_fp8_block(weight, scale, self.cfg.fp8_block, torch.float32)
+            return dequantize_mxfp4(weight, scale, torch.float32)
+        except ValueError as e:
+            raise WeightLoadError(f"tensor {name!r}: {e}") from None
