@@ -80,7 +80,7 @@ def test_parity_with_hf_one_batch(ckpt, prompts, hf_ref):
     _assert_matches(_run(llm, prompts), hf_ref)
     model = llm.engine.runner.model  # the reported size is what is allocated
     allocated = sum(getattr(a.cache, n).nbytes for a in model.attention_layers() for n in a.cache.names)
-    assert allocated == model.kv_bytes_per_token() * 16 * 96
+    assert allocated == model.kv_bytes_per_block(16) * 96
 
 
 def test_reference_backend_matches_fast_path(ckpt, prompts, hf_ref):
@@ -357,4 +357,4 @@ def test_generator_writes_loadable_checkpoints(ckpt, tmp_path):
     assert 100e6 <= n <= 300e6, n
     out = _run(llm, [list(range(6, 40))], 4)
     assert len(out[0].outputs[0].token_ids) == 4
-    assert llm.engine.runner.model.kv_bytes_per_token() > 0
+    assert llm.engine.runner.kv_bytes_per_token() > 0

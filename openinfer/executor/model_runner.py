@@ -37,17 +37,25 @@ class ModelRunner:
     def attention_layers(self):
         return self.model.attention_layers()
 
-    def kv_bytes_per_token(self) -> int:
+    def kv_bytes_per_block(self) -> int:
+        """Bytes one block takes across all layers. Models with non-token-linear layouts (DeepSeek-V4's
+        compressed entries round up per block) answer for the exact block size themselves."""
+        per_block = getattr(self.model, "kv_bytes_per_block", None)
+        if per_block is not None:
+            return int(per_block(self.block_size))
         custom = getattr(self.model, "kv_bytes_per_token", None)
         if custom is not None:
-            return int(custom())
+            return int(custom()) * self.block_size
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return sum(2 * a.num_kv_heads * a.head_dim * elem for a in self.attention_layers())
+        return self.block_size * sum(2 * a.num_kv_heads * a.head_dim * elem for a in self.attention_layers())
+
+    def kv_bytes_per_token(self) -> int:
+        return -(-self.kv_bytes_per_block() // self.block_size)
 
     def init_kv_cache(self) -> int:
         """Warm up at the largest step, then size and allocate the cache from what is left."""
         self.profile_run()
-        bytes_per_block = self.kv_bytes_per_token() * self.block_size
+        bytes_per_block = self.kv_bytes_per_block()
         sc = self.config.scheduler
         useful = sc.max_num_seqs * -(-sc.max_model_len // self.block_size)
         self.num_blocks = num_blocks_for(self.config.cache, self.device, bytes_per_block, useful)

@@ -19,7 +19,7 @@ sharing safe when m > bs: a block is only shared between sequences whose tokens 
 block, hence over the whole window; a block holding w*m can be shared by sequences that diverge later in the
 window, and both would write their different entry w into it.
 
-Size versus the production layout (spec §5). ``kv_bytes_per_token`` reports what this layout allocates. For
+Size versus the production layout (spec §5). ``kv_bytes_per_block`` reports what this layout allocates. For
 V4-Flash (d 512, di 128; 21 CSA m=4, 20 HCA m=128, 2 SWA-only layers; the MTP layer has no cache yet) in bf16
 with block_size 16 that is 200,512 B = ~196 KiB/token: per CSA layer 2*(512 + 2048 + 512) + 2*640/4 = 6464 B,
 per HCA layer 2*(512 + 1024) + 2*512/16 = 3136 B, per SWA layer 1024 B. Production (vLLM fp8_ds_mla) needs

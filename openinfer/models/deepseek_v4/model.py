@@ -23,8 +23,6 @@ from openinfer.models.deepseek_v4.hc import HyperConnection, HyperHead, fused_po
 from openinfer.models.deepseek_v4.moe import DeepseekV4MoE
 from openinfer.models.deepseek_v4.rope import V4Rotary
 
-# The engine's default block size, used by kv_bytes_per_token before any cache was allocated.
-DEFAULT_BLOCK_SIZE = 16
 
 
 class DeepseekV4DecoderLayer(nn.Module):
@@ -94,7 +92,6 @@ class DeepseekV4ForCausalLM(nn.Module):
         # Built by load_weights only when the checkpoint carries mtp.* tensors (a V4-Flash MTP block is ~3% of
         # the model); None otherwise.
         self.mtp: nn.ModuleList | None = None
-        self._block_size = DEFAULT_BLOCK_SIZE
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
@@ -131,14 +128,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         return sum(layer_bytes_per_block(self.config, i, block_size, elem)
                    for i in range(self.config.num_hidden_layers))
 
-    def kv_bytes_per_token(self, block_size: int | None = None) -> int:
-        """kv_bytes_per_block / block_size rounded up, for ``block_size`` (default: the last allocation's,
-        else 16: the runner calls this without arguments before allocating - see kv_bytes_per_block)."""
-        bs = block_size or self._block_size
-        return -(-self.kv_bytes_per_block(bs) // bs)
-
     def allocate_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
-        self._block_size = block_size
         for i, attn in enumerate(self.attention_layers()):
             attn.cache = V4LayerCache(self.config, i, num_blocks, block_size, dtype, device)
 
