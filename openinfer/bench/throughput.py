@@ -1,0 +1,328 @@
+"""``openinfer bench throughput``: offline throughput over a batch-size sweep, optionally against HF.
+
+Each point submits ``batch`` requests with fixed input/output lengths through ``LLM.generate`` and times the
+whole call, so output tok/s includes prefill, like vLLM's ``bench throughput`` and the figures in
+cpu_peers.md. Prompts are seeded random token ids, distinct per request and per iteration, and the prefix
+cache is reset before every iteration: a benchmark that hits the prefix cache measures the cache, not the
+engine. On this class of VM the first pass over fresh memory is 5-20x slow, so every engine first runs one
+full untimed iteration at its largest batch, then ``--warmup-iters`` untimed ones per point.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from openinfer.bench import results as R
+from openinfer.entrypoints.engine_args import add_engine_args, engine_kwargs
+
+logger = logging.getLogger(__name__)
+
+ENGINES = ("openinfer", "hf")
+# Flags the --fresh-process parent sets itself on each child instead of copying from its own command line.
+_PER_CHILD = {"batch_sizes", "output_json", "fresh_process", "only_engine", "help"}
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    add_engine_args(p)
+    # An explicit dtype so both engines run the same one; max_num_seqs follows the largest batch unless set.
+    p.set_defaults(dtype="bfloat16", max_num_seqs=None, _bench_parser=p)
+    g = p.add_argument_group("workload")
+    g.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
+    g.add_argument("--output-len", type=int, default=128, help="generated tokens per request (EOS ignored)")
+    g.add_argument("--batch-sizes", default="1,8,32,64,128,256", help="comma-separated requests per point")
+    g.add_argument("--num-iters", type=int, default=3, help="timed iterations per point (median reported)")
+    g.add_argument("--warmup-iters", type=int, default=1, help="untimed iterations per point")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (default, matches HF do_sample=False); vLLM's bench uses 1.0")
+    g.add_argument("--num-threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    g.add_argument("--vs", choices=["hf"], default=None, help="also run HF transformers generate per point")
+    g.add_argument("--hf-max-batch", type=int, default=64, help="largest batch the HF side runs")
+    g.add_argument("--output-json", default=None, help="write results here")
+    g.add_argument("--fresh-process", action="store_true",
+                   help="run each (engine, batch) point in its own subprocess and merge the JSON")
+    g.add_argument("--only-engine", choices=ENGINES, default=None, help=argparse.SUPPRESS)
+
+
+def parse_batch_sizes(text: str) -> list[int]:
+    try:
+        sizes = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise ValueError(f"--batch-sizes must be comma-separated integers, got {text!r}") from None
+    if not sizes or sizes[0] < 1:
+        raise ValueError(f"--batch-sizes needs positive integers, got {text!r}")
+    return sizes
+
+
+def make_prompts(seed: int, batch: int, iteration: int, input_len: int, vocab_size: int,
+                 block_size: int = 16) -> list[list[int]]:
+    """Seeded random prompts; the first KV block of every prompt differs, so no request can hit another's
+    cached prefix. The same (seed, batch, iteration) gives the same prompts to every engine."""
+    rng = random.Random(seed * 1_000_003 + batch * 1009 + iteration)
+    head = min(block_size, input_len)
+    if vocab_size ** head < 2 * batch:
+        raise ValueError(f"vocab {vocab_size} is too small for {batch} distinct {head}-token prompt heads")
+    prompts: list[list[int]] = []
+    seen: set[tuple[int, ...]] = set()
+    while len(prompts) < batch:
+        ids = [rng.randrange(vocab_size) for _ in range(input_len)]
+        if tuple(ids[:head]) not in seen:
+            seen.add(tuple(ids[:head]))
+            prompts.append(ids)
+    return prompts
+
+
+class OpenInferRunner:
+    name = "openinfer"
+
+    def __init__(self, args: argparse.Namespace, max_batch: int) -> None:
+        from openinfer import LLM
+
+        kw = engine_kwargs(args)
+        kw["max_num_seqs"] = args.max_num_seqs or max_batch
+        # Unless set, size the engine for this workload: the KV cache and the start-up profile pass then
+        # touch only the memory the sweep uses (fresh memory is what the VM is slow on).
+        kw["max_model_len"] = args.max_model_len or args.input_len + args.output_len
+        t0 = time.perf_counter()
+        self.llm = LLM(**kw)
+        self.init_time_s = time.perf_counter() - t0
+        self.engine = self.llm.engine
+        cfg = self.engine.config
+        need = args.input_len + args.output_len
+        if need > cfg.model.max_model_len:
+            raise ValueError(f"input-len + output-len = {need} exceeds max_model_len "
+                             f"{cfg.model.max_model_len}")
+        self.temperature = args.temperature
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.config.model.vocab_size
+
+    @property
+    def block_size(self) -> int:
+        return self.engine.config.cache.block_size
+
+    def describe(self) -> dict[str, Any]:
+        cfg = self.engine.config
+        return {
+            "runner": "openinfer LLM.generate",
+            "dtype": str(cfg.model.dtype).removeprefix("torch."),
+            "device": str(cfg.model.device),
+            "max_num_seqs": cfg.scheduler.max_num_seqs,
+            "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
+            "max_model_len": cfg.model.max_model_len,
+            "block_size": cfg.cache.block_size,
+            "enable_prefix_caching": cfg.cache.enable_prefix_caching,
+            "num_kv_blocks": self.engine.kv.pool.num_blocks,
+            "attention_backend": cfg.attention_backend,
+            "sampling": f"temperature {self.temperature}" if self.temperature else "greedy (temperature 0)",
+            "startup_message": self.engine.startup_message,
+            "init_time_s": self.init_time_s,
+            "load_time_s": self.engine.runner.load_time_s,
+        }
+
+    def run(self, prompts: list[list[int]], output_len: int) -> R.IterationSample:
+        from openinfer import SamplingParams
+
+        params = SamplingParams(temperature=self.temperature, max_tokens=output_len, min_tokens=output_len,
+                                ignore_eos=True)
+        self.engine.reset_prefix_cache()
+        preempt0 = self.engine.stats().num_preemptions
+        t0 = time.perf_counter()
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        elapsed = time.perf_counter() - t0
+        n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+        if n_out != len(prompts) * output_len:
+            raise RuntimeError(f"openinfer generated {n_out} tokens, expected {len(prompts) * output_len}")
+        ttfts = [o.metrics.time_to_first_token for o in outs if o.metrics is not None]
+        ttfts = [t for t in ttfts if t is not None]
+        return R.IterationSample(
+            elapsed_s=elapsed, num_output_tokens=n_out, num_input_tokens=sum(len(p) for p in prompts),
+            mean_ttft_s=sum(ttfts) / len(ttfts) if ttfts else None,
+            cached_prompt_tokens=sum(o.num_cached_tokens for o in outs),
+            num_preemptions=self.engine.stats().num_preemptions - preempt0,
+        )
+
+    def close(self) -> None:
+        del self.engine, self.llm
+
+
+def sweep(runner, batches: list[int], args: argparse.Namespace, vocab_size: int, block_size: int,
+          num_devices: int = 1) -> list[dict[str, Any]]:
+    def prompts(b: int, it: int) -> list[list[int]]:
+        return make_prompts(args.seed, b, it, args.input_len, vocab_size, block_size)
+
+    # Iteration indices: -1 = sweep warm-up, -2.. = per-point warm-ups, 0.. = timed; all distinct prompt sets.
+    t0 = time.perf_counter()
+    runner.run(prompts(batches[-1], -1), args.output_len)
+    logger.info("%s: warm-up at batch %d took %.1f s", runner.name, batches[-1], time.perf_counter() - t0)
+    summaries = []
+    for b in batches:
+        for w in range(args.warmup_iters):
+            runner.run(prompts(b, -2 - w), args.output_len)
+        point = R.PointResult(runner.name, b, args.input_len, args.output_len, num_devices)
+        for it in range(args.num_iters):
+            point.samples.append(runner.run(prompts(b, it), args.output_len))
+        s = point.summary()
+        print(f"[{runner.name}] batch {b}: {s['output_throughput']:.1f} output tok/s "
+              f"(min {s['output_throughput_min']:.1f}, max {s['output_throughput_max']:.1f}), "
+              f"{s['total_token_throughput']:.1f} total tok/s, {s['requests_per_second']:.3f} req/s",
+              flush=True)
+        summaries.append(s)
+    return summaries
+
+
+def _workload(args: argparse.Namespace, batches: list[int]) -> dict[str, Any]:
+    return {
+        "input_len": args.input_len, "output_len": args.output_len, "batch_sizes": batches,
+        "num_iters": args.num_iters, "warmup_iters": args.warmup_iters, "seed": args.seed,
+        "temperature": args.temperature, "ignore_eos": True, "min_tokens": args.output_len,
+        "vs": args.vs, "hf_max_batch": args.hf_max_batch if args.vs else None,
+        "fresh_process": bool(args.fresh_process),
+        "prompts": "seeded random token ids, distinct first KV block per request and distinct per iteration; "
+                   "prefix cache reset before each iteration, so no prefix-cache hits "
+                   "(see cached_prompt_tokens)",
+        "timing": "wall time of one LLM.generate / HF generate call over the whole batch, prefill included; "
+                  "median over iterations, min/max = spread; TTFT = submission to first token, mean over "
+                  "requests (HF: the whole batch's first token)",
+        "warmup": "one untimed iteration at each engine's largest batch, then warmup_iters per point",
+    }
+
+
+def main(args: argparse.Namespace) -> int:
+    import torch
+
+    batches = parse_batch_sizes(args.batch_sizes)
+    for name in ("input_len", "output_len", "num_iters"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.warmup_iters < 0:
+        raise ValueError("--warmup-iters must be >= 0")
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    if args.fresh_process and args.only_engine is None:
+        result = _run_fresh(args, batches)
+    else:
+        result = _run_here(args, batches)
+    R.print_table(result)
+    if args.output_json:
+        Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output_json).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.output_json}")
+    return 0
+
+
+def _run_here(args: argparse.Namespace, batches: list[int]) -> dict[str, Any]:
+    from openinfer.config import resolve_device, resolve_dtype
+
+    engines = [e for e in ("openinfer", "hf" if args.vs else None) if e and args.only_engine in (None, e)]
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, {}, device)  # "auto" resolves as the engine does, for HF too
+    device = str(device)
+    result = R.new_result(sys.argv, R.environment(device), _workload(args, batches))
+    num_devices = result["environment"]["num_devices"]
+    warning = R.dtype_warning(result["environment"], str(dtype).removeprefix("torch."))
+    if warning:
+        result["notes"].append(warning)
+        logger.warning(warning)
+    vocab = block = None
+    if "openinfer" in engines:
+        runner = OpenInferRunner(args, batches[-1])
+        print(runner.engine.startup_message, flush=True)
+        vocab, block = runner.vocab_size, runner.block_size
+        result["engines"]["openinfer"] = runner.describe()
+        result["environment"]["model"] = R.model_info(runner.engine.config.model.path)
+        for s in sweep(runner, batches, args, vocab, block, num_devices):
+            R.add_point(result, s)
+        runner.close()
+        del runner
+        gc.collect()  # free our weights and KV cache before HF allocates its own
+    if "hf" in engines:
+        from openinfer.assets_path import default_model_path
+        from openinfer.bench.hf_peer import HFRunner
+
+        path = args.model or default_model_path()
+        info = R.model_info(path)
+        result["environment"].setdefault("model", info)
+        hf_batches = [b for b in batches if b <= args.hf_max_batch]
+        if hf_batches:
+            hf = HFRunner(path, dtype, device)
+            result["engines"]["hf"] = hf.describe()
+            for s in sweep(hf, hf_batches, args, vocab or info["vocab_size"], block or args.block_size,
+                           num_devices):
+                R.add_point(result, s)
+            hf.close()
+        skipped = [b for b in batches if b > args.hf_max_batch]
+        if skipped:
+            result["notes"].append(f"HF not run at batch {skipped} (> --hf-max-batch {args.hf_max_batch})")
+    # Load at the end too: other processes starting mid-run show up here, not in the start figure.
+    result["environment"]["load_average_end"] = R.load_average()
+    if args.vs and args.temperature != 0:
+        result["notes"].append(f"openinfer sampled at temperature {args.temperature}; HF ran greedy")
+    return result
+
+
+def _child_argv(args: argparse.Namespace, batch: int, max_batch: int, engine: str,
+                json_path: str) -> list[str]:
+    """The same command for one (engine, batch), rebuilt from the parsed flags so it works however the
+    parent was started (console script, ``python -m``, or ``main()`` called directly)."""
+    argv = [sys.executable, "-m", "openinfer", "bench", "throughput"]
+    for action in args._bench_parser._actions:
+        if not action.option_strings or action.dest in _PER_CHILD:
+            continue
+        value = getattr(args, action.dest, action.default)
+        if value == action.default:
+            continue
+        if action.nargs == 0:  # store_true / store_false flags
+            argv.append(action.option_strings[0])
+        else:
+            argv += [action.option_strings[0], str(value)]
+    if args.max_num_seqs is None:  # every child gets the engine shape the single-process run would build
+        argv += ["--max-num-seqs", str(max_batch)]
+    return argv + ["--batch-sizes", str(batch), "--only-engine", engine, "--output-json", json_path]
+
+
+def _run_fresh(args: argparse.Namespace, batches: list[int]) -> dict[str, Any]:
+    """One subprocess per (engine, batch): cpu_peers.md saw one process drift 3x across configs."""
+    result: dict[str, Any] | None = None
+    plan = [(b, "openinfer") for b in batches]
+    if args.vs:
+        plan += [(b, "hf") for b in batches if b <= args.hf_max_batch]
+    with tempfile.TemporaryDirectory(prefix="openinfer-bench-") as tmp:
+        for i, (b, engine) in enumerate(plan):
+            path = str(Path(tmp) / f"{i}.json")
+            cmd = _child_argv(args, b, batches[-1], engine, path)
+            print(f"--- fresh process {i + 1}/{len(plan)}: {engine} batch {b}", flush=True)
+            rc = subprocess.run(cmd).returncode
+            if rc != 0:
+                raise RuntimeError(f"child failed with exit code {rc}: {' '.join(cmd)}")
+            child = json.loads(Path(path).read_text())
+            if result is None:
+                result = R.new_result(sys.argv, child["environment"], _workload(args, batches))
+            desc = child["engines"][engine]
+            result["engines"].setdefault(engine, dict(desc, per_process=[]))["per_process"].append(
+                {"batch_size": b, "init_time_s": desc.get("init_time_s"),
+                 "load_time_s": desc.get("load_time_s")})
+            result["environment"].setdefault("model", child["environment"].get("model"))
+            for note in child["notes"]:
+                if note not in result["notes"] and "hf-max-batch" not in note:
+                    result["notes"].append(note)
+            result["environment"].setdefault("per_process_load_average", []).append(
+                {"engine": engine, "batch_size": b, "load_average": child["environment"]["load_average"],
+                 "load_average_end": child["environment"].get("load_average_end")})
+            for p in child["points"]:
+                if p.get(engine):
+                    R.add_point(result, p[engine])
+    assert result is not None
+    skipped = [b for b in batches if args.vs and b > args.hf_max_batch]
+    if skipped:
+        result["notes"].append(f"HF not run at batch {skipped} (> --hf-max-batch {args.hf_max_batch})")
+    return result

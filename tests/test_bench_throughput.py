@@ -1,0 +1,122 @@
+"""``openinfer bench throughput``: the command runs end to end and its JSON is complete and self-consistent.
+
+Speed is not checked (the machine is shared); structure, token accounting and ratios are.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import make_dense_checkpoint
+from openinfer.bench import results as R
+from openinfer.bench.throughput import make_prompts, parse_batch_sizes
+
+REPO = Path(__file__).resolve().parents[1]
+IN_LEN, OUT_LEN = 8, 8
+RATES = ("output_throughput", "total_token_throughput", "requests_per_second")
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    return make_dense_checkpoint(tmp_path_factory.mktemp("bench"), "llama")
+
+
+def run_bench(ckpt: Path, out: Path, *extra: str) -> dict:
+    cmd = [sys.executable, "-m", "openinfer", "bench", "throughput", "--model", str(ckpt),
+           "--input-len", str(IN_LEN), "--output-len", str(OUT_LEN), "--num-iters", "1",
+           "--output-json", str(out), *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Throughput, input 8 / output 8" in proc.stdout  # the table was printed
+    return json.loads(out.read_text())
+
+
+def check_summary(s: dict, engine: str, batch: int) -> None:
+    assert s["engine"] == engine and s["batch_size"] == batch == s["num_requests"]
+    assert s["total_input_tokens"] == batch * IN_LEN
+    assert s["total_output_tokens"] == batch * OUT_LEN
+    assert s["total_num_tokens"] == batch * (IN_LEN + OUT_LEN)
+    assert s["num_iters"] == len(s["elapsed_times"]) == 1
+    assert s["elapsed_time"] > 0
+    for k in RATES:
+        assert s[k] > 0 and s[f"{k}_min"] <= s[k] <= s[f"{k}_max"]
+        assert s[f"{k}_per_device"] == pytest.approx(s[k] / s["num_devices"])
+    assert s["output_throughput"] == pytest.approx(batch * OUT_LEN / s["elapsed_time"])
+    assert s["total_token_throughput"] == pytest.approx(batch * (IN_LEN + OUT_LEN) / s["elapsed_time"])
+    assert s["requests_per_second"] == pytest.approx(batch / s["elapsed_time"])
+    assert s["mean_ttft_ms"] is not None and 0 < s["mean_ttft_ms"] <= 1000 * s["elapsed_time"]
+    assert s["cached_prompt_tokens"] == 0  # distinct prompts: a prefix-cache hit would inflate throughput
+
+
+def test_sweep_vs_hf_json(ckpt, tmp_path):
+    d = run_bench(ckpt, tmp_path / "r.json", "--batch-sizes", "1,4", "--vs", "hf")
+    assert d["schema"] == R.SCHEMA
+    env = d["environment"]
+    assert env["num_devices"] == 1 and env["torch_num_threads"] >= 1 and env["cpu_model"]
+    assert env["torch"] and env["transformers"] and env["device"] == "cpu"
+    assert env["model"]["num_params"] > 0 and env["model"]["architecture"] == "LlamaForCausalLM"
+    w = d["workload"]
+    assert (w["input_len"], w["output_len"], w["batch_sizes"]) == (IN_LEN, OUT_LEN, [1, 4])
+    assert w["ignore_eos"] is True and w["temperature"] == 0 and "prefix" in w["prompts"]
+    assert d["engines"]["openinfer"]["dtype"] == d["engines"]["hf"]["dtype"] == "bfloat16"
+    assert "KV cache" in d["engines"]["openinfer"]["startup_message"]
+    assert [p["batch_size"] for p in d["points"]] == [1, 4]
+    for p in d["points"]:
+        b = p["batch_size"]
+        check_summary(p["openinfer"], "openinfer", b)
+        check_summary(p["hf"], "hf", b)
+        for k in RATES:
+            assert p["ratio_openinfer_over_hf"][k] == pytest.approx(p["openinfer"][k] / p["hf"][k])
+            assert math.isfinite(p["ratio_openinfer_over_hf"][k]) and p["ratio_openinfer_over_hf"][k] > 0
+
+
+@pytest.mark.slow  # three child processes, each importing torch and building an engine
+def test_fresh_process_merges_and_hf_max_batch(ckpt, tmp_path):
+    d = run_bench(ckpt, tmp_path / "r.json", "--batch-sizes", "1,2", "--vs", "hf", "--hf-max-batch", "1",
+                  "--warmup-iters", "0", "--fresh-process")
+    assert d["workload"]["fresh_process"] is True
+    one, two = d["points"]
+    check_summary(one["openinfer"], "openinfer", 1)
+    check_summary(one["hf"], "hf", 1)
+    check_summary(two["openinfer"], "openinfer", 2)
+    assert two["hf"] is None and two["ratio_openinfer_over_hf"] is None  # beyond --hf-max-batch
+    assert any("hf-max-batch" in n for n in d["notes"])
+    runs = d["engines"]["openinfer"]["per_process"]
+    assert [r["batch_size"] for r in runs] == [1, 2]
+    # Children build the engine the single-process run would: sized for the largest batch of the sweep.
+    assert d["engines"]["openinfer"]["max_num_seqs"] == 2
+
+
+def test_prompts_are_seeded_and_distinct():
+    a = make_prompts(0, 8, 0, 20, 256)
+    assert a == make_prompts(0, 8, 0, 20, 256)  # every engine gets the same prompts
+    assert a != make_prompts(0, 8, 1, 20, 256)  # every iteration gets new ones
+    assert all(len(p) == 20 and all(0 <= t < 256 for t in p) for p in a)
+    assert len({tuple(p[:16]) for p in a}) == 8  # no shared first KV block
+    with pytest.raises(ValueError):
+        make_prompts(0, 8, 0, 1, 3)  # 3 possible one-token prompts cannot make 8 distinct ones
+
+
+def test_parse_batch_sizes():
+    assert parse_batch_sizes("32,1, 8,8") == [1, 8, 32]
+    for bad in ("", "0,1", "a"):
+        with pytest.raises(ValueError):
+            parse_batch_sizes(bad)
+
+
+def test_summary_median_and_spread():
+    p = R.PointResult("openinfer", 2, 4, 10, num_devices=2)
+    for t in (1.0, 2.0, 4.0):
+        p.samples.append(R.IterationSample(elapsed_s=t, num_output_tokens=20, num_input_tokens=8))
+    s = p.summary()
+    assert s["elapsed_time"] == 2.0 and s["output_throughput"] == 10.0
+    assert (s["output_throughput_min"], s["output_throughput_max"]) == (5.0, 20.0)
+    assert s["output_throughput_per_device"] == 5.0 and s["mean_ttft_ms"] is None
+    assert s["total_token_throughput"] == 14.0 and s["requests_per_second"] == 1.0
