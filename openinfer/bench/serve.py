@@ -114,7 +114,12 @@ def sample_random_requests(
     rng = np.random.default_rng(seed)
     special = set(getattr(tokenizer, "all_special_ids", []) or [])
     allowed = np.array([i for i in range(len(tokenizer)) if i not in special])
-    in_lens = _lens(rng, num, input_len, range_ratio, 1)
+    # The server adds the tokenizer's special tokens (BOS) back, so draw the rest: prompts then total
+    # --random-input-len tokens as the server counts them, as in vLLM.
+    num_special = (
+        int(tokenizer.num_special_tokens_to_add()) if hasattr(tokenizer, "num_special_tokens_to_add") else 0
+    )
+    in_lens = _lens(rng, num, max(input_len - num_special, 1), range_ratio, 1)
     out_lens = _lens(rng, num, output_len, range_ratio, 1)
     prefix = rng.choice(allowed, size=prefix_len).tolist() if prefix_len else []
     out = []
@@ -122,7 +127,7 @@ def sample_random_requests(
         ids = prefix + rng.choice(allowed, size=n_in).tolist()
         target = prefix_len + n_in
         text = tokenizer.decode(ids)
-        for _ in range(4):
+        for _ in range(10):
             enc = tokenizer.encode(text, add_special_tokens=False)
             if len(enc) == target:
                 ids = enc
