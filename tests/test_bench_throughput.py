@@ -4,6 +4,7 @@ Speed is not checked (the machine is shared); structure, token accounting and ra
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -15,7 +16,7 @@ import pytest
 
 from helpers import make_dense_checkpoint
 from openinfer.bench import results as R
-from openinfer.bench.throughput import make_prompts, parse_batch_sizes
+from openinfer.bench.throughput import make_prompts, parse_batch_sizes, sweep
 
 REPO = Path(__file__).resolve().parents[1]
 IN_LEN, OUT_LEN = 8, 8
@@ -102,6 +103,31 @@ def test_prompts_are_seeded_and_distinct():
     assert len({tuple(p[:16]) for p in a}) == 8  # no shared first KV block
     with pytest.raises(ValueError):
         make_prompts(0, 8, 0, 1, 3)  # 3 possible one-token prompts cannot make 8 distinct ones
+
+
+class FakeRunner:
+    name = "openinfer"
+
+    def __init__(self) -> None:
+        self.prompt_sets: list[list[list[int]]] = []
+
+    def run(self, prompts, output_len):
+        self.prompt_sets.append(prompts)
+        return R.IterationSample(elapsed_s=1.0, num_output_tokens=len(prompts) * output_len,
+                                 num_input_tokens=len(prompts) * IN_LEN)
+
+
+@pytest.mark.parametrize("batches, expected", [
+    ([1, 4], [4, 1, 1, 1, 4, 4, 4]),  # sweep warm-up at 4, then per point: 1 warm-up + 2 timed
+    ([4], [4, 4, 4]),  # a one-point child: the sweep warm-up already ran at this batch
+])
+def test_sweep_warmup_schedule(batches, expected):
+    args = argparse.Namespace(seed=0, input_len=IN_LEN, output_len=OUT_LEN, warmup_iters=1, num_iters=2)
+    runner = FakeRunner()
+    summaries = sweep(runner, batches, args, vocab_size=256, block_size=16)
+    assert [len(p) for p in runner.prompt_sets] == expected
+    assert len({tuple(map(tuple, p)) for p in runner.prompt_sets}) == len(expected)  # never the same prompts
+    assert [s["batch_size"] for s in summaries] == batches
 
 
 def test_parse_batch_sizes():

@@ -165,8 +165,11 @@ def sweep(runner, batches: list[int], args: argparse.Namespace, vocab_size: int,
     runner.run(prompts(batches[-1], -1), args.output_len)
     logger.info("%s: warm-up at batch %d took %.1f s", runner.name, batches[-1], time.perf_counter() - t0)
     summaries = []
+    last = batches[-1]
     for b in batches:
-        for w in range(args.warmup_iters):
+        # A warm-up at this very batch just before (the sweep warm-up, in a one-point --fresh-process child)
+        # counts as one: at batch 256 an iteration can take many minutes.
+        for w in range(args.warmup_iters - (last == b)):
             runner.run(prompts(b, -2 - w), args.output_len)
         point = R.PointResult(runner.name, b, args.input_len, args.output_len, num_devices)
         for it in range(args.num_iters):
@@ -177,6 +180,7 @@ def sweep(runner, batches: list[int], args: argparse.Namespace, vocab_size: int,
               f"{s['total_token_throughput']:.1f} total tok/s, {s['requests_per_second']:.3f} req/s",
               flush=True)
         summaries.append(s)
+        last = b
     return summaries
 
 
@@ -193,7 +197,8 @@ def _workload(args: argparse.Namespace, batches: list[int]) -> dict[str, Any]:
         "timing": "wall time of one LLM.generate / HF generate call over the whole batch, prefill included; "
                   "median over iterations, min/max = spread; TTFT = submission to first token, mean over "
                   "requests (HF: the whole batch's first token)",
-        "warmup": "one untimed iteration at each engine's largest batch, then warmup_iters per point",
+        "warmup": "one untimed iteration at each engine's largest batch, then warmup_iters per point (the "
+                  "first of which is skipped when the previous iteration ran at the same batch)",
     }
 
 
