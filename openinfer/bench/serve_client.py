@@ -12,8 +12,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 import msgspec
+
+from openinfer.bench.sse_http import post
 
 
 @dataclass
@@ -75,59 +76,59 @@ def _chunk_output(choice: dict[str, Any], chat: bool) -> tuple[str, bool]:
     return text, not role_only
 
 
-async def send_request(
-    client: httpx.AsyncClient,
-    inp: RequestInput,
-    headers: dict[str, str] | None = None,
-) -> RequestResult:
+async def send_request(inp: RequestInput, headers: dict[str, str] | None = None) -> RequestResult:
     out = RequestResult(prompt_len=inp.prompt_len)
     decode = msgspec.json.decode
     text_parts: list[str] = []
+    body = msgspec.json.encode(build_payload(inp))
     st = time.perf_counter()
     out.start_time = st
     last = st
+    resp = None
     try:
-        async with client.stream("POST", inp.api_url, json=build_payload(inp), headers=headers) as resp:
-            if resp.status_code != 200:
-                body = (await resp.aread()).decode("utf-8", "replace")
-                out.error = f"HTTP {resp.status_code}: {body[:500]}"
+        resp = await post(inp.api_url, body, headers)
+        if resp.status != 200:
+            text = (await resp.read()).decode("utf-8", "replace")
+            out.error = f"HTTP {resp.status}: {text[:500]}"
+            return out
+        async for line in resp.lines():
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                break
+            now = time.perf_counter()
+            msg = decode(data)
+            if "error" in msg and not msg.get("choices"):
+                err = msg["error"]
+                out.error = f"stream error: {err.get('message') if isinstance(err, dict) else err}"
                 return out
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                now = time.perf_counter()
-                msg = decode(data)
-                if "error" in msg and not msg.get("choices"):
-                    err = msg["error"]
-                    out.error = f"stream error: {err.get('message') if isinstance(err, dict) else err}"
-                    return out
-                usage = msg.get("usage")
-                if usage:
-                    out.output_tokens = int(usage.get("completion_tokens") or 0)
-                    if usage.get("prompt_tokens"):
-                        out.prompt_len = int(usage["prompt_tokens"])
-                choices = msg.get("choices")
-                if not choices:
-                    continue
-                choice = choices[0]
-                text, has_output = _chunk_output(choice, inp.chat)
-                if not has_output:
-                    continue
-                if out.ttft == 0.0:
-                    out.ttft = now - st
-                else:
-                    out.itl.append(now - last)
-                last = now
-                text_parts.append(text)
+            usage = msg.get("usage")
+            if usage:
+                out.output_tokens = int(usage.get("completion_tokens") or 0)
+                if usage.get("prompt_tokens"):
+                    out.prompt_len = int(usage["prompt_tokens"])
+            choices = msg.get("choices")
+            if not choices:
+                continue
+            text, has_output = _chunk_output(choices[0], inp.chat)
+            if not has_output:
+                continue
+            if out.ttft == 0.0:
+                out.ttft = now - st
+            else:
+                out.itl.append(now - last)
+            last = now
+            text_parts.append(text)
         out.latency = last - st if out.ttft else time.perf_counter() - st
         out.generated_text = "".join(text_parts)
         if out.ttft == 0.0:
             out.error = "the stream ended without any output chunk"
         else:
             out.success = True
-    except (httpx.HTTPError, OSError, ValueError, msgspec.DecodeError) as e:
+    except (OSError, EOFError, ValueError, msgspec.DecodeError) as e:
         out.error = f"{type(e).__name__}: {e}"
+    finally:
+        if resp is not None:
+            resp.close()
     return out
