@@ -80,7 +80,7 @@ def _start_streams(server: ServerProcess, n: int, max_tokens: int) -> list[_Stre
 
 
 def test_sigterm_lets_running_requests_finish(server):
-    streams = _start_streams(server, 4, 300)
+    streams = _start_streams(server, 4, 400)
     server.signal(signal.SIGTERM)
     # While draining: new work is refused with 503, readiness fails, liveness holds.
     deadline = time.monotonic() + 5
@@ -96,7 +96,7 @@ def test_sigterm_lets_running_requests_finish(server):
     assert httpx.get(server.url + "/health").status_code == 200
     for s in streams:
         s.join(60)
-        assert s.error is None and s.tokens == 300 and s.finish == "length" and s.done_marker
+        assert s.error is None and s.tokens == 400 and s.finish == "length" and s.done_marker
     assert server.proc.wait(30) == 0
 
 

@@ -197,6 +197,11 @@ class ServerMetrics:
             registry=reg,
         )
         reg.register(_EngineStatsCollector(model_name, stats_source))
+        # Every label value exists from the start (at 0), so rates and dashboards work before the first event.
+        for reason in ("stop", "length", "abort", "error"):
+            self.request_success.labels(model_name, reason)
+        for reason in ("queue_full", "unavailable"):
+            self.requests_rejected.labels(model_name, reason)
         # Bound children: labels() takes a lock and a dict lookup; the hot path calls these per step.
         self._prompt = self.prompt_tokens.labels(model_name)
         self._gen = self.generation_tokens.labels(model_name)
