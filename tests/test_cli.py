@@ -43,3 +43,23 @@ def test_generate_bad_input_is_one_clear_line(ckpt):
     assert "Traceback" not in res.stderr
     res = cli("generate", "--model", "/no/such/dir", check=False)
     assert res.returncode == 2 and "does not exist" in res.stderr
+
+
+def test_default_model_runs_and_matches_hf():
+    """The embedded demo model is what `openinfer generate` uses with no --model; it must load through the
+    same path as any checkpoint and give HF's greedy text."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from openinfer import LLM, SamplingParams
+    from openinfer.assets_path import default_model_path
+
+    path = default_model_path()
+    llm = LLM(dtype="float32", kv_cache_memory_gb=0.02)
+    out = llm.generate("The list object", SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0]
+    tok = AutoTokenizer.from_pretrained(path)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ids = tok("The list object", return_tensors="pt").input_ids
+    ref = hf.generate(ids, max_new_tokens=20, do_sample=False)[0, ids.shape[1]:].tolist()
+    assert out.outputs[0].token_ids == ref
+    assert out.outputs[0].text.strip()
