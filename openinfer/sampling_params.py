@@ -1,6 +1,7 @@
 """Per-request sampling settings, shaped like vLLM's ``SamplingParams``."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 _MAX_LOGPROBS = 20
@@ -41,6 +42,15 @@ class SamplingParams:
     def validate(self) -> None:
         def bad(name: str, value: object, rule: str) -> ValueError:
             return ValueError(f"{name} must be {rule}, got {value!r}")
+
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise bad(name, v, "a finite number")
+        for name in ("n", "top_k", "min_tokens", "max_tokens", "logprobs", "prompt_logprobs", "seed"):
+            if isinstance(getattr(self, name), bool):
+                raise bad(name, getattr(self, name), "an integer, not a bool")
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", self.n, "an integer >= 1")

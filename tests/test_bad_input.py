@@ -58,6 +58,10 @@ def test_bad_batch_is_all_or_nothing(llm):
     (dict(min_tokens=10, max_tokens=5), "min_tokens"),
     (dict(stop=[""]), "stop"),
     (dict(stop_token_ids=[-1]), "stop_token_ids"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(top_p=float("inf")), "top_p"),
+    (dict(max_tokens=True), "max_tokens"),
+    (dict(temperature="hot"), "temperature"),
 ])
 def test_sampling_values_rejected_with_field_name(kwargs, field):
     with pytest.raises(ValueError, match=field):

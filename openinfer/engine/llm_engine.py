@@ -90,8 +90,10 @@ class LLMEngine:
                              f"least one generated token must fit")
 
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
-                    arrival_s: float | None = None) -> str:
-        """Validate and enqueue; raises ValueError (and changes nothing) for bad input."""
+                    arrival_s: float | None = None, final_only: bool = False) -> str:
+        """Validate and enqueue; raises ValueError (and changes nothing) for bad input. With ``final_only``
+        ``step()`` returns this request's output once, when it finishes (cumulative outputs every step cost
+        a copy of all tokens so far per request per step)."""
         params = params or SamplingParams()
         params.validate()
         text, ids = self.tokenize_prompt(prompt)
@@ -109,7 +111,7 @@ class LLMEngine:
             cid = request_id if params.n == 1 else f"{request_id}#{i}"
             children.append(Request(cid, ids, child_params, max_len, arrival_s))
         self._check_fits(children[0])
-        self.output_processor.add(request_id, text, children, params)
+        self.output_processor.add(request_id, text, children, params, final_only)
         self.scheduler.add_request(children[0])
         if len(children) > 1:
             # The siblings join once the first has computed the prompt, so they hit its cached blocks

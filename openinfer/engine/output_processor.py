@@ -33,6 +33,7 @@ class ParentState:
     children: list[ChildState]
     metrics: RequestMetrics
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    final_only: bool = False  # build a RequestOutput only when finished (offline use: no per-step copies)
 
     @property
     def finished(self) -> bool:
@@ -45,7 +46,8 @@ class OutputProcessor:
         self.parents: dict[str, ParentState] = {}
         self.child_to_parent: dict[str, tuple[ParentState, ChildState]] = {}
 
-    def add(self, request_id: str, prompt: str | None, children: list[Request], params: SamplingParams) -> None:
+    def add(self, request_id: str, prompt: str | None, children: list[Request], params: SamplingParams,
+            final_only: bool = False) -> None:
         states = []
         for i, req in enumerate(children):
             detok = None
@@ -56,7 +58,7 @@ class OutputProcessor:
                                      cumulative_logprob=0.0 if params.logprobs is not None else None))
         parent = ParentState(request_id, prompt, children[0].prompt_token_ids, params, states,
                              RequestMetrics(arrival_time=children[0].times.arrival_s),
-                             [None] if params.prompt_logprobs is not None else None)
+                             [None] if params.prompt_logprobs is not None else None, final_only)
         self.parents[request_id] = parent
         for c in states:
             self.child_to_parent[c.request.request_id] = (parent, c)
@@ -87,7 +89,7 @@ class OutputProcessor:
                         to_stop.append(o.request_id)
             if o.finish_reason is not None and child.finish_reason is None:
                 child.finish_reason, child.stop_reason = o.finish_reason, o.stop_reason
-        results = [self._make_output(p) for p in touched.values()]
+        results = [self._make_output(p) for p in touched.values() if p.finished or not p.final_only]
         for p in touched.values():
             if p.finished:
                 self._drop(p)

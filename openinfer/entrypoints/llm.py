@@ -69,7 +69,7 @@ class LLM:
         ids = []
         try:
             for prompt, params in zip(prompts, params_list):
-                ids.append(self.engine.add_request(f"offline-{self._counter}", prompt, params))
+                ids.append(self.engine.add_request(f"offline-{self._counter}", prompt, params, final_only=True))
                 self._counter += 1
         except Exception:
             self.engine.abort_request(ids)  # all or nothing: a bad prompt leaves no stray requests
