@@ -67,13 +67,20 @@ def environment(device: str, num_devices: int = 1) -> dict[str, Any]:
         "device": device,
         "num_devices": num_devices,
         "torch_num_threads": torch.get_num_threads(),
-        "omp_num_threads_env": os.environ.get("OMP_NUM_THREADS"),
+        "env_vars": threading_env(),
         "load_average": load_average(),
         **cpu_info(),
     }
     if device.startswith("cuda") and torch.cuda.is_available():
         env["device_name"] = torch.cuda.get_device_name(0)
     return env
+
+
+def threading_env() -> dict[str, str]:
+    """Variables that change CPU kernels or threading. OMP_WAIT_POLICY matters most on a shared host: with
+    2 threads and other processes running, tiny ops measured 100x slower with the default active wait."""
+    prefixes = ("OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "ONEDNN_", "DNNL_", "ATEN_")
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(prefixes) or k == "LD_PRELOAD"}
 
 
 def _openinfer_version() -> str:

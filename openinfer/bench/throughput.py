@@ -298,9 +298,10 @@ def _child_argv(args: argparse.Namespace, batch: int, max_batch: int, engine: st
 def _run_fresh(args: argparse.Namespace, batches: list[int]) -> dict[str, Any]:
     """One subprocess per (engine, batch): cpu_peers.md saw one process drift 3x across configs."""
     result: dict[str, Any] | None = None
-    plan = [(b, "openinfer") for b in batches]
-    if args.vs:
-        plan += [(b, "hf") for b in batches if b <= args.hf_max_batch]
+    # Interleaved by batch, so load from other processes drifting over a long sweep hits both engines'
+    # figures for a point alike instead of skewing their ratio.
+    plan = [(b, e) for b in batches for e in ENGINES
+            if e == "openinfer" or (args.vs and b <= args.hf_max_batch)]
     with tempfile.TemporaryDirectory(prefix="openinfer-bench-") as tmp:
         for i, (b, engine) in enumerate(plan):
             path = str(Path(tmp) / f"{i}.json")
