@@ -3,7 +3,9 @@ arrival process, and an end-to-end run against a live (in-process) openinfer ser
 
 from __future__ import annotations
 
+import asyncio
 import json
+import socket
 
 import numpy as np
 import pytest
@@ -11,7 +13,7 @@ from server_utils import InProcessServer, shared_checkpoint
 
 from openinfer.bench.metrics import p_word, parse_percentiles, summarize_ms
 from openinfer.bench.serve import arrival_delays, sample_random_requests
-from openinfer.bench.serve_client import RequestResult
+from openinfer.bench.serve_client import RequestInput, RequestResult, open_session, send_request
 from openinfer.bench.serve_report import compute_metrics, format_block, result_json
 from openinfer.entrypoints.cli import build_parser
 
@@ -240,3 +242,47 @@ def test_bench_serve_counts_failures(live, tmp_path, capsys):
     assert rc == 1 and "maximum context length" in out
     res = json.loads((tmp_path / "f.json").read_text())
     assert (res["completed"], res["failed"]) == (0, 3) and all("HTTP 400" in e for e in res["errors"])
+
+
+def test_send_request_records_transport_errors():
+    """Refused connections, malformed SSE and a stream cut mid-body end up in the request's ``error``;
+    nothing is raised out of the run, and the session keeps working for the next request."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length"))
+        await reader.readexactly(int(length.split(b":")[1]))
+        sse = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n"
+        if b"/garbage" in head:
+            body = b"data: {not json\n\n"
+            writer.write(sse + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        elif b"/cut" in head:  # promises 1000 bytes, sends one event, hangs up
+            writer.write(sse + b'Content-Length: 1000\r\n\r\ndata: {"choices": [{"text": "a"}]}\n\n')
+        else:
+            body = b"".join(b"data: %s\n\n" % d for d in (b'{"choices": [{"text": "a"}]}', b"[DONE]"))
+            body = b'data: {"choices": [{"text": ""}]}\n\n' + body
+            writer.write(sse + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        await writer.drain()
+        writer.close()
+
+    def req(url: str) -> RequestInput:
+        return RequestInput("hi", 1, 2, "m", url)
+
+    async def go() -> list[RequestResult]:
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        base = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        with socket.socket() as s:  # a port nobody listens on
+            s.bind(("127.0.0.1", 0))
+            dead = f"http://127.0.0.1:{s.getsockname()[1]}/v1/completions"
+        async with server, open_session(2) as session:
+            return [
+                await send_request(session, req(u))
+                for u in (dead, base + "/garbage", base + "/cut", base + "/ok")
+            ]
+
+    refused, garbage, cut, ok = asyncio.run(go())
+    for r in (refused, garbage, cut):
+        assert not r.success and r.error, r
+    assert "Connect" in refused.error and "DecodeError" in garbage.error
+    assert cut.ttft > 0  # the first event arrived before the cut
+    assert ok.success and ok.generated_text == "a" and ok.ttft > 0 and len(ok.itl) == 1

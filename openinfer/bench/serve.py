@@ -17,11 +17,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
 import numpy as np
 
 from openinfer.bench.metrics import parse_percentiles
-from openinfer.bench.serve_client import RequestInput, RequestResult, send_request
+from openinfer.bench.serve_client import RequestInput, RequestResult, open_session, send_request
 from openinfer.bench.serve_report import METRIC_NAMES, compute_metrics, format_block, result_json
 
 
@@ -175,6 +175,7 @@ def arrival_delays(n: int, rate: float, burstiness: float, rng: np.random.Genera
 
 
 async def run_requests(
+    session: aiohttp.ClientSession,
     inputs: list[RequestInput],
     delays: list[float],
     max_concurrency: int | None,
@@ -189,10 +190,10 @@ async def run_requests(
         if wait > 0:
             await asyncio.sleep(wait)
         if sem is None:
-            res = await send_request(inp, headers)
+            res = await send_request(session, inp, headers)
         else:
             async with sem:
-                res = await send_request(inp, headers)
+                res = await send_request(session, inp, headers)
         if pbar is not None:
             pbar.update(1)
         return res
@@ -213,8 +214,11 @@ def _parse_goodput(items: list[str] | None) -> dict[str, float]:
     return out
 
 
+_CONTROL_TIMEOUT = aiohttp.ClientTimeout(total=60, sock_connect=30)  # /v1/models, /reset_prefix_cache
+
+
 async def _discover_model(
-    client: httpx.AsyncClient,
+    session: aiohttp.ClientSession,
     base: str,
     headers: dict[str, str],
     timeout_s: float,
@@ -223,15 +227,15 @@ async def _discover_model(
     deadline = time.monotonic() + max(timeout_s, 0.0)
     while True:
         try:
-            r = await client.get(f"{base}/v1/models", headers=headers)
-            if r.status_code == 200:
-                data = r.json().get("data") or []
-                if data:
-                    return data[0].get("id"), data[0].get("root")
-                return None, None
-            if r.status_code in (401, 403, 404):
-                return None, None
-        except httpx.HTTPError:
+            async with session.get(f"{base}/v1/models", headers=headers, timeout=_CONTROL_TIMEOUT) as r:
+                if r.status == 200:
+                    data = (await r.json(content_type=None)).get("data") or []
+                    if data:
+                        return data[0].get("id"), data[0].get("root")
+                    return None, None
+                if r.status in (401, 403, 404):
+                    return None, None
+        except (aiohttp.ClientError, TimeoutError, ValueError):
             pass
         if time.monotonic() > deadline:
             raise ValueError(f"the server at {base} did not answer /v1/models within {timeout_s:.0f}s")
@@ -263,9 +267,9 @@ async def _main(args: argparse.Namespace) -> int:
         if getattr(args, key) is not None:
             sampling[key] = getattr(args, key)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    # httpx only for the few control calls; the measured requests use the lean client in sse_http.
-    async with httpx.AsyncClient(timeout=httpx.Timeout(60, connect=30)) as client:
-        server_model, root = await _discover_model(client, base, headers, args.ready_check_timeout_sec)
+    # One aiohttp session (connection pool) for the whole run: control calls and measured requests.
+    async with open_session(args.max_concurrency) as session:
+        server_model, root = await _discover_model(session, base, headers, args.ready_check_timeout_sec)
         model_id = args.served_model_name or args.model or server_model
         if not model_id:
             raise ValueError("cannot tell which model to request: pass --model")
@@ -296,7 +300,7 @@ async def _main(args: argparse.Namespace) -> int:
         ]
         if args.ready_check_timeout_sec > 0:
             print("Starting initial single prompt test run...")
-            test = await send_request(inputs[0], headers)
+            test = await send_request(session, inputs[0], headers)
             if not test.success:
                 print(f"Initial test run failed: {test.error}")
                 return 1
@@ -304,6 +308,7 @@ async def _main(args: argparse.Namespace) -> int:
         if args.num_warmups > 0:
             print(f"Warming up with {args.num_warmups} requests...")
             await run_requests(
+                session,
                 [inputs[0]] * args.num_warmups,
                 [0.0] * args.num_warmups,
                 args.max_concurrency,
@@ -311,8 +316,10 @@ async def _main(args: argparse.Namespace) -> int:
             )
             print("Warmup run completed.")
         if args.reset_prefix_cache:
-            r = await client.post(f"{base}/reset_prefix_cache", headers=headers)
-            print(f"Reset prefix cache: HTTP {r.status_code}")
+            async with session.post(
+                f"{base}/reset_prefix_cache", headers=headers, timeout=_CONTROL_TIMEOUT
+            ) as r:
+                print(f"Reset prefix cache: HTTP {r.status}")
         print("Starting main benchmark run...")
         print(f"Traffic request rate: {args.request_rate}")
         dist = "Poisson process" if args.burstiness == 1.0 else "Gamma distribution"
@@ -327,7 +334,7 @@ async def _main(args: argparse.Namespace) -> int:
 
             pbar = tqdm(total=len(inputs))
         t0 = time.perf_counter()
-        results = await run_requests(inputs, delays, args.max_concurrency, headers, pbar)
+        results = await run_requests(session, inputs, delays, args.max_concurrency, headers, pbar)
         duration = time.perf_counter() - t0
         if pbar is not None:
             pbar.close()
