@@ -6,7 +6,7 @@ ordered decodes first (one query token each) so the decode part is one contiguou
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,6 +32,19 @@ class AttentionMetadata:
     decode_max_len: int
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks*block_size] bool
     prefills: list[PrefillSpan]
+    _decode_bias: dict = field(default_factory=dict, repr=False)
+
+    def decode_bias(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """``decode_mask`` as an additive float mask, built once per step and dtype: SDPA would otherwise
+        convert the bool mask again in every layer."""
+        if self.decode_mask is None:
+            return None
+        bias = self._decode_bias.get(dtype)
+        if bias is None:
+            bias = torch.zeros(self.decode_mask.shape, dtype=dtype, device=self.decode_mask.device)
+            bias.masked_fill_(~self.decode_mask, float("-inf"))
+            self._decode_bias[dtype] = bias
+        return bias
 
 
 _CURRENT: AttentionMetadata | None = None

@@ -58,7 +58,7 @@ class Attention(nn.Module):
             kd = self.k_cache[bt].view(shape).transpose(1, 2).to(dt)
             vd = self.v_cache[bt].view(shape).transpose(1, 2).to(dt)
             qd = q[:nd].unsqueeze(2).to(dt)  # [B, Hq, 1, D]
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=md.decode_mask, scale=self.scale,
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=md.decode_bias(dt), scale=self.scale,
                                                 enable_gqa=gqa)
             out[:nd] = od.squeeze(2).to(q.dtype)
         for span in md.prefills:

@@ -55,11 +55,17 @@ class RotaryEmbedding(nn.Module):
         # Kept in fp32 and cast per call: bf16 cos/sin tables lose accuracy at long positions.
         self.register_buffer("cos", freqs.cos().float(), persistent=False)
         self.register_buffer("sin", freqs.sin().float(), persistent=False)
+        self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, Hq, D], k: [T, Hk, D]; returns rotated copies."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+        """q: [T, Hq, D], k: [T, Hk, D]; returns rotated copies. One instance is shared by all layers of a
+        model, so the cos/sin rows are gathered once per step (keyed on the positions tensor itself)."""
+        if self._last is not None and self._last[0] is positions:
+            cos, sin = self._last[1], self._last[2]
+        else:
+            cos = self.cos[positions].unsqueeze(1)
+            sin = self.sin[positions].unsqueeze(1)
+            self._last = (positions, cos, sin)
         return self._apply(q, cos, sin), self._apply(k, cos, sin)
 
     def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,8 @@ from openinfer.models.weights import WeightLoadError, load_stacked
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: dict[str, Any], qk_norm: bool, bias: bool, o_bias: bool) -> None:
+    def __init__(self, cfg: dict[str, Any], qk_norm: bool, bias: bool, o_bias: bool,
+                 rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
         hidden = cfg["hidden_size"]
         self.num_heads = cfg["num_attention_heads"]
@@ -35,8 +36,7 @@ class LlamaAttention(nn.Module):
             eps = cfg.get("rms_norm_eps", 1e-6)
             self.q_norm = RMSNorm(self.head_dim, eps)
             self.k_norm = RMSNorm(self.head_dim, eps)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, cfg.get("max_position_embeddings", 2048),
-                                          rope_parameters(cfg))
+        self.rotary_emb = rotary_emb
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -63,10 +63,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: dict[str, Any], qk_norm: bool, qkv_bias: bool, o_bias: bool) -> None:
+    def __init__(self, cfg: dict[str, Any], qk_norm: bool, qkv_bias: bool, o_bias: bool,
+                 rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
         eps = cfg.get("rms_norm_eps", 1e-6)
-        self.self_attn = LlamaAttention(cfg, qk_norm=qk_norm, bias=qkv_bias, o_bias=o_bias)
+        self.self_attn = LlamaAttention(cfg, qk_norm, qkv_bias, o_bias, rotary_emb)
         self.mlp = LlamaMLP(cfg["hidden_size"], cfg["intermediate_size"], bool(cfg.get("mlp_bias", False)))
         self.input_layernorm = RMSNorm(cfg["hidden_size"], eps)
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
@@ -86,8 +87,10 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: dict[str, Any], qk_norm: bool, qkv_bias: bool, o_bias: bool) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        rotary = RotaryEmbedding(head_dim, cfg.get("max_position_embeddings", 2048), rope_parameters(cfg))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, qk_norm, qkv_bias, o_bias) for _ in range(cfg["num_hidden_layers"])
+            LlamaDecoderLayer(cfg, qk_norm, qkv_bias, o_bias, rotary) for _ in range(cfg["num_hidden_layers"])
         )
         self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
 
