@@ -76,3 +76,14 @@ def test_grouped_moe_matches_reference(dtype, tol, limit):
     got = fused_experts(x, w13, w2, w, ids, limit).float()
     ref = reference_experts(x, w13, w2, w, ids, limit).float()
     assert (got - ref).abs().max() < tol * max(1.0, ref.abs().max().item())
+
+
+@pytest.mark.parametrize("m", [1, 3, 64, 600])
+@pytest.mark.parametrize("bias", [True, False])
+def test_row_blocked_linear_equals_plain(m, bias):
+    from openinfer.layers.linear import Linear
+
+    torch.manual_seed(0)
+    layer = Linear(96, 1500, bias=bias)  # 1500 rows: 3 blocks of 512 (last one short)
+    x = torch.randn(m, 96)
+    assert torch.allclose(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias), atol=1e-5)

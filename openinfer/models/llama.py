@@ -14,6 +14,7 @@ from torch import nn
 
 from openinfer.layers.activation import SiluAndMul
 from openinfer.layers.attention import Attention
+from openinfer.layers.linear import Linear
 from openinfer.layers.norm import RMSNorm
 from openinfer.layers.rotary import RotaryEmbedding, rope_parameters
 from openinfer.models.weights import WeightLoadError, load_stacked
@@ -29,8 +30,8 @@ class LlamaAttention(nn.Module):
         self.head_dim = cfg.get("head_dim") or hidden // self.num_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, hidden, bias=o_bias)
+        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = Linear(self.q_size, hidden, bias=o_bias)
         self.qk_norm = qk_norm
         if qk_norm:
             eps = cfg.get("rms_norm_eps", 1e-6)
@@ -54,8 +55,8 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -123,7 +124,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(cfg, self.qk_norm, self.qkv_bias or attention_bias,
                                 attention_bias and not self.qkv_bias)
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
-        self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
+        self.lm_head = Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
