@@ -265,6 +265,14 @@ class UsageTracker:
         }
 
 
+def update_failed(u: RequestUpdate) -> bool:
+    return bool(u.error) or any(d.finish_reason == "error" for d in u.outputs)
+
+
+def engine_error_message(u: RequestUpdate | None) -> str:
+    return (u.error if u is not None else None) or "the engine failed while generating this request"
+
+
 def stream_flags(options: StreamOptions | None) -> tuple[bool, bool]:
     if options is None:
         return False, False

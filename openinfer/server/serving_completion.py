@@ -20,6 +20,8 @@ from openinfer.server.serving import (
     ServingContext,
     UsageTracker,
     cancel_on_disconnect,
+    engine_error_message,
+    update_failed,
     json_bytes,
     sse,
     stream_flags,
@@ -160,7 +162,7 @@ async def _collect(
             if d.finish_reason is not None:
                 c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
     if any(c.finish_reason == "error" for c in choices.values()):
-        raise APIError("the engine failed while generating this request", 500, code="engine_error")
+        raise APIError(engine_error_message(None), 500, code="engine_error")
     out = []
     for p in prompts.values():
         for j in range(req.n):
@@ -217,16 +219,8 @@ async def _stream(
         out: list[bytes] = []
         for u in batch:
             usage.add(u)
-            if u.error or any(d.finish_reason == "error" for d in u.outputs):
-                out.append(
-                    sse(
-                        error_body(
-                            u.error or "the engine failed while generating this request",
-                            500,
-                            code="engine_error",
-                        )
-                    )
-                )
+            if update_failed(u):
+                out.append(sse(error_body(engine_error_message(u), 500, code="engine_error")))
                 failed = True
                 break
             p = prompts[u.request_id]
