@@ -1,7 +1,7 @@
 """What the engine returns, shaped like vLLM's ``RequestOutput`` / ``CompletionOutput``."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -56,7 +56,6 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
-    extra: dict = field(default_factory=dict)
 
     def __repr__(self) -> str:
         outs = ", ".join(repr(o.text[:40]) for o in self.outputs)

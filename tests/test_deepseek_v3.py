@@ -153,7 +153,7 @@ def test_mla_fast_path_equals_reference():
     dbt = torch.tensor([t + [0] * (4 - len(t)) for t, _, _ in dec])
     dlens = torch.tensor([ctx for _, ctx, _ in dec])
     md = AttentionMetadata(num_tokens=off, block_size=bs, slot_mapping=torch.tensor(slots), num_decodes=2,
-                           decode_block_tables=dbt, decode_seq_lens=dlens, decode_max_len=13,
+                           decode_block_tables=dbt, decode_seq_lens=dlens,
                            decode_mask=(torch.arange(16)[None, :] < dlens[:, None])[:, None, None, :],
                            prefills=prefills)
     q_nope, q_pe = torch.randn(off, h, dn), torch.randn(off, h, r)

@@ -37,7 +37,7 @@ def build_batch(decode_lens, prefills, bs, hk, d, num_blocks, dtype, gen):
         dbt = torch.stack([torch.cat([t, t.new_zeros(mb - len(t))]) for t in tables[:nd]])
         dlens = torch.tensor(decode_lens)
         dmask = (torch.arange(mb * bs)[None] < dlens[:, None])[:, None, None, :]
-    md = AttentionMetadata(off, bs, torch.tensor(slots), nd, dbt, dlens, max(decode_lens, default=0), dmask, spans)
+    md = AttentionMetadata(off, bs, torch.tensor(slots), nd, dbt, dlens, dmask, spans)
     return md, kc, vc
 
 

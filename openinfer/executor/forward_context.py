@@ -29,7 +29,6 @@ class AttentionMetadata:
     num_decodes: int  # the first num_decodes tokens belong to single-token sequences
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int64 (padded with 0)
     decode_seq_lens: torch.Tensor | None  # [num_decodes] int64
-    decode_max_len: int
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks*block_size] bool
     prefills: list[PrefillSpan]
     _decode_bias: dict = field(default_factory=dict, repr=False)

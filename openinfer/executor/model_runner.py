@@ -109,14 +109,12 @@ class ModelRunner:
         while num_decodes < len(seqs) and len(seqs[num_decodes].token_ids) == 1:
             num_decodes += 1
         dbt = dlens = dmask = None
-        dmax = 0
         if num_decodes:
             dec = seqs[:num_decodes]
             max_blocks = max(len(s.block_ids) for s in dec)
             table = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in dec]
             dbt = torch.tensor(table, dtype=torch.long, device=dev)
             lens = [s.start_pos + 1 for s in dec]
-            dmax = max(lens)
             dlens = torch.tensor(lens, dtype=torch.long, device=dev)
             dmask = (torch.arange(max_blocks * bs, device=dev)[None, :] < dlens[:, None])[:, None, None, :]
         prefills = []
@@ -129,7 +127,7 @@ class ModelRunner:
         md = AttentionMetadata(
             num_tokens=len(ids), block_size=bs,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            num_decodes=num_decodes, decode_block_tables=dbt, decode_seq_lens=dlens, decode_max_len=dmax,
+            num_decodes=num_decodes, decode_block_tables=dbt, decode_seq_lens=dlens,
             decode_mask=dmask, prefills=prefills,
         )
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
