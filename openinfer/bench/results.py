@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from openinfer.config import FAST_BF16_CPU_FLAGS
+from openinfer.config import cpu_info as config_cpu_info
+
 SCHEMA = "openinfer.bench.throughput/v1"
 
 # CPU features that decide which kernels torch can use; peers' numbers are only comparable on matching flags
@@ -27,19 +30,9 @@ _CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni",
 
 
 def cpu_info() -> dict[str, Any]:
-    model, flags = platform.processor() or "unknown", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            key = key.strip()
-            if key == "model name":
-                model = value.strip()
-            elif key == "flags" and not flags:
-                flags = set(value.split())
-    except OSError:
-        pass
-    return {"cpu_model": model, "cpu_count": os.cpu_count(),
-            "cpu_flags": [f for f in _CPU_FLAGS if f in flags]}
+    model, flags = config_cpu_info()
+    return {"cpu_model": model if model != "unknown" else (platform.processor() or model),
+            "cpu_count": os.cpu_count(), "cpu_flags": [f for f in _CPU_FLAGS if f in flags]}
 
 
 def dtype_warning(env: dict[str, Any], dtype: str) -> str | None:
@@ -48,7 +41,7 @@ def dtype_warning(env: dict[str, Any], dtype: str) -> str | None:
     run says little about the engine, and must not be compared with cpu_peers.md (an AMX host)."""
     if env.get("device") != "cpu" or dtype not in ("bfloat16", "bf16"):
         return None
-    if {"avx512_bf16", "amx_bf16"} & set(env.get("cpu_flags", [])):
+    if FAST_BF16_CPU_FLAGS & set(env.get("cpu_flags", [])):
         return None
     return (f"bf16 on a CPU without avx512_bf16/amx_bf16 ({env.get('cpu_model')}): torch falls back to slow "
             f"bf16 kernels; compare dtypes with --dtype float32 and do not compare with AMX-host numbers")
