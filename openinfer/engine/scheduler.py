@@ -129,10 +129,11 @@ class Scheduler:
                 i += 1
                 continue
             while self.kv.allocate_slots(req, num_new) is None:
-                victim = self.running.pop()  # newest admitted goes first
+                # Newest admitted goes first. Requests are visited in order, so the tail was not scheduled
+                # yet this step (or it is ``req`` itself).
+                victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted_ids.append(victim.request_id)
-                scheduled = [(r, n) for r, n in scheduled if r is not victim]
                 if victim is req:
                     num_new = 0
                     break
