@@ -8,6 +8,7 @@ _KINDS = {
     "serve": ("openinfer.bench.serve", "load generator for any OpenAI-compatible server"),
     "compare": ("openinfer.bench.compare", "compare whole curves from several result files"),
     "peers": ("openinfer.bench.peers", "run the same offline workload on openinfer and installed peers"),
+    "cost": ("openinfer.bench.cost", "dollars per million tokens from result files and a $/device-hour price"),
 }
 
 
