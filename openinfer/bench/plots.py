@@ -15,7 +15,7 @@ from pathlib import Path
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from matplotlib.ticker import ScalarFormatter
+from matplotlib.ticker import FormatStrFormatter
 
 from openinfer.bench.curves import Comparison, Curve, pareto_frontier
 
@@ -85,7 +85,7 @@ def _save(fig: Figure, path: str | Path, caption: str) -> Path:
 
 def _log2_x(ax) -> None:
     ax.set_xscale("log", base=2)
-    ax.xaxis.set_major_formatter(ScalarFormatter())  # 1, 8, 32 rather than 2^0, 2^3, 2^5
+    ax.xaxis.set_major_formatter(FormatStrFormatter("%g"))  # 1, 8, 32 rather than 2^0, 2^3, 2^5
 
 
 def _check(curves: Sequence[Curve]) -> None:
@@ -132,24 +132,30 @@ def plot_compare(comparisons: list[Comparison], path: str | Path, *, caption: st
     fig, (top, bottom) = _new_figure(2, [3, 2])
     base = comparisons[0].baseline
     curves = [base] + [c.other for c in comparisons]
+    colors = {}
     for c in curves:
-        top.plot(c.xs, c.ys, label=_legend_name(c) + (" [baseline]" if c is base else ""), **_style(c))
+        name = _legend_name(c) + (" [baseline]" if c is base else "")
+        (line,) = top.plot(c.xs, c.ys, label=name, **_style(c))
+        colors[c.label] = line.get_color()
     bottom.axhline(1.0, color="black", linewidth=0.8)
     w = comparisons[0].within_pct
     bottom.axhspan(1 - w / 100, 1 + w / 100, color="green", alpha=0.12, label=f"within {w:g}%")
+    any_interp = False
     for cmp in comparisons:
         if not cmp.points:
             continue
-        xs = [p.x for p in cmp.points]
-        rs = [p.ratio for p in cmp.points]
-        (line,) = bottom.plot(xs, rs, linestyle="-", label=f"{cmp.other.label} / {base.label}")
+        color = colors[cmp.other.label]  # the ratio line wears the colour of the curve it divides
+        bottom.plot([p.x for p in cmp.points], [p.ratio for p in cmp.points], color=color,
+                    label=f"{cmp.other.label} / {base.label}")
         meas = [(p.x, p.ratio) for p in cmp.points if p.a_measured and p.b_measured]
         interp = [(p.x, p.ratio) for p in cmp.points if not (p.a_measured and p.b_measured)]
         if meas:
-            bottom.scatter(*zip(*meas), color=line.get_color(), zorder=3)
+            bottom.scatter(*zip(*meas), color=color, zorder=3)
         if interp:
-            bottom.scatter(*zip(*interp), facecolors="none", edgecolors=line.get_color(), zorder=3,
-                           label="one side interpolated")
+            bottom.scatter(*zip(*interp), facecolors="white", edgecolors=color, zorder=3)
+            any_interp = True
+    if any_interp:
+        bottom.scatter([], [], facecolors="white", edgecolors="gray", label="hollow: one side interpolated")
     if log_x:
         _log2_x(top)
     top.set_ylabel(axis_label(base.y_metric))
