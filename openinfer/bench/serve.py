@@ -51,6 +51,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
     d = p.add_argument_group("dataset")
+    d.add_argument(
+        "--workload",
+        default="random",
+        choices=["random", "agentic"],
+        help="random: independent requests (vLLM's random dataset); agentic: multi-turn agent sessions "
+        "replayed from a trace (see the agentic group)",
+    )
     d.add_argument("--dataset-name", default="random", choices=["random"])
     d.add_argument("--num-prompts", type=int, default=1000)
     d.add_argument("--random-input-len", type=int, default=1024)
@@ -90,6 +97,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     o.add_argument("--metadata", nargs="*", default=None, help="KEY=VALUE pairs stored in the JSON")
     o.add_argument("--label", default=None)
     o.add_argument("--disable-tqdm", action="store_true")
+    from openinfer.bench.agentic import cli as agentic_cli  # here: agentic.cli imports this module
+
+    agentic_cli.add_args(p)
 
 
 # -- dataset ---------------------------------------------------------------------------------------
@@ -243,6 +253,10 @@ async def _discover_model(
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.workload == "agentic":
+        from openinfer.bench.agentic import cli as agentic_cli
+
+        return agentic_cli.main(args)
     return asyncio.run(_main(args))
 
 
