@@ -28,14 +28,14 @@ def ckpt(tmp_path_factory) -> Path:
     return make_dense_checkpoint(tmp_path_factory.mktemp("bench"), "llama")
 
 
-def run_bench(ckpt: Path, out: Path, *extra: str) -> dict:
-    cmd = [sys.executable, "-m", "openinfer", "bench", "throughput", "--model", str(ckpt),
-           "--input-len", str(IN_LEN), "--output-len", str(OUT_LEN), "--num-iters", "1",
-           "--output-json", str(out), *extra]
+def run_bench(ckpt: Path, out: Path, *extra: str, expect_table: str = "Throughput, input 8 / output 8",
+              lengths: tuple[str, ...] = ("--input-len", str(IN_LEN), "--output-len", str(OUT_LEN))) -> dict:
+    cmd = [sys.executable, "-m", "openinfer", "bench", "throughput", "--model", str(ckpt), *lengths,
+           "--num-iters", "1", "--output-json", str(out), *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "Throughput, input 8 / output 8" in proc.stdout  # the table was printed
+    assert expect_table in proc.stdout  # the table was printed
     return json.loads(out.read_text())
 
 
@@ -122,7 +122,8 @@ class FakeRunner:
     ([4], [4, 4, 4]),  # a one-point child: the sweep warm-up already ran at this batch
 ])
 def test_sweep_warmup_schedule(batches, expected):
-    args = argparse.Namespace(seed=0, input_len=IN_LEN, output_len=OUT_LEN, warmup_iters=1, num_iters=2)
+    args = argparse.Namespace(seed=0, input_len=IN_LEN, output_len=OUT_LEN, warmup_iters=1, num_iters=2,
+                              mode="e2e", context_len=IN_LEN, decode_steps=None)
     runner = FakeRunner()
     summaries = sweep(runner, batches, args, vocab_size=256, block_size=16)
     assert [len(p) for p in runner.prompt_sets] == expected
@@ -146,3 +147,117 @@ def test_summary_median_and_spread():
     assert (s["output_throughput_min"], s["output_throughput_max"]) == (5.0, 20.0)
     assert s["output_throughput_per_device"] == 5.0 and s["mean_ttft_ms"] is None
     assert s["total_token_throughput"] == 14.0 and s["requests_per_second"] == 1.0
+
+
+# -- decode mode, --num-devices, --speculative-config, workload validation ---------------------------------
+
+CTX, STEPS = 24, 6
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    from openinfer.bench.throughput import add_args
+
+    p = argparse.ArgumentParser()
+    add_args(p)
+    return p.parse_args(list(argv))
+
+
+def test_decode_mode_json_and_num_devices(ckpt, tmp_path):
+    d = run_bench(ckpt, tmp_path / "r.json", "--mode", "decode", "--batch-sizes", "1,3", "--vs", "hf",
+                  "--dtype", "float32", "--num-devices", "2",
+                  lengths=("--context-len", str(CTX), "--decode-steps", str(STEPS)),
+                  expect_table="Decode throughput, context 24 tokens, 6 timed decode steps")
+    w = d["workload"]
+    assert (w["mode"], w["context_len"], w["decode_steps"], w["input_len"]) == ("decode", CTX, STEPS, CTX)
+    assert w["output_len"] is None and w["speculative_config"] is None and w["num_devices"] == 2
+    assert d["environment"]["num_devices"] == 2
+    assert any("only divides the *_per_device" in n for n in d["notes"])
+    for p in d["points"]:
+        b = p["batch_size"]
+        for engine in ("openinfer", "hf"):
+            s = p[engine]
+            assert (s["mode"], s["context_len"], s["decode_steps"]) == ("decode", CTX, STEPS)
+            assert s["total_output_tokens"] == b * STEPS and s["total_input_tokens"] == 0
+            # The whole batch prefills in one step here, so every request starts the window at the context.
+            assert s["kv_context_min"] == s["kv_context_max"] == CTX
+            assert s["output_throughput"] == pytest.approx(b * STEPS / s["elapsed_time"])
+            assert s["mean_ttft_ms"] is None and s["num_preemptions"] == 0
+            assert s["num_devices"] == 2
+            for k in RATES:
+                assert s[f"{k}_per_device"] == pytest.approx(s[k] / 2)
+
+
+def test_decode_window_steps_and_greedy_parity_with_hf(ckpt):
+    """Exactly K timed engine steps, batch*K tokens, and the window's tokens equal HF's manual greedy loop
+    on the same prompts: both timing loops decode what they claim to."""
+    import torch
+
+    from openinfer.bench.hf_peer import HFRunner
+    from openinfer.bench.throughput import OpenInferRunner
+    from openinfer.bench.workload import resolve_workload
+
+    args = parse("--model", str(ckpt), "--dtype", "float32", "--mode", "decode", "--context-len", str(CTX),
+                 "--decode-steps", str(STEPS), "--batch-sizes", "3")
+    resolve_workload(args)
+    runner = OpenInferRunner(args, 3)
+    prompts = make_prompts(0, 3, 0, CTX, runner.vocab_size)
+    engine = runner.engine
+    calls = []
+    real_step = engine.step
+    engine.step = lambda: calls.append(1) or real_step()
+    sample = runner.run_decode(prompts, STEPS)
+    assert len(calls) == 1 + STEPS  # one prefill step (3 x 24 tokens fit one step), then exactly K
+    assert sample.num_output_tokens == 3 * STEPS and sample.num_input_tokens == 0
+    win = runner.last_window
+    assert win.start_index == [1, 1, 1] and [len(t) for t in win.tokens] == [STEPS] * 3
+    assert not engine.has_unfinished_requests()  # the requests were aborted, their blocks freed
+    assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
+
+    hf = HFRunner(str(ckpt), torch.float32)
+    hf_sample = hf.run_decode(prompts, STEPS)
+    assert hf_sample.num_output_tokens == 3 * STEPS
+    assert hf.last_window_tokens == win.tokens
+
+
+def test_speculative_config_recorded_or_rejected():
+    from openinfer.bench.workload import resolve_workload
+
+    args = parse("--speculative-config", "null")
+    resolve_workload(args)
+    assert args.speculative_config_value is None
+    with pytest.raises(ValueError, match="--speculative-config .*speculative decoding is not implemented"):
+        resolve_workload(parse("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}'))
+    with pytest.raises(ValueError, match="--speculative-config must be JSON"):
+        resolve_workload(parse("--speculative-config", "{bad"))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--mode", "decode", "--context-len", "0"], "--context-len must be >= 1, got 0"),
+    (["--mode", "decode", "--decode-steps", "0"], "--decode-steps must be >= 1, got 0"),
+    (["--num-devices", "0"], "--num-devices must be >= 1, got 0"),
+    (["--mode", "decode", "--context-len", "100", "--decode-steps", "27", "--max-model-len", "128"],
+     r"--context-len 100 \+ --decode-steps 27 \+ 2 = 129 exceeds --max-model-len 128"),
+    (["--mode", "decode", "--context-len", "100", "--decode-steps", "30", "--max-model-len", "128"],
+     r"exceeds --max-model-len 128"),
+    (["--input-len", "100", "--output-len", "29", "--max-model-len", "128"],
+     r"--input-len 100 \+ --output-len 29 = 129 exceeds --max-model-len 128"),
+    (["--input-len", "16", "--context-len", "8"], "--context-len 8 and --input-len 16 disagree"),
+    (["--mode", "decode", "--output-len", "8"], "--output-len applies to --mode e2e"),
+    (["--decode-steps", "8"], "--decode-steps applies to --mode decode"),
+])
+def test_workload_flags_rejected(argv, message):
+    from openinfer.bench.workload import resolve_workload
+
+    with pytest.raises(ValueError, match=message):
+        resolve_workload(parse(*argv))
+
+
+def test_workload_limits_accepted_at_the_boundary():
+    from openinfer.bench.workload import resolve_workload
+
+    args = parse("--mode", "decode", "--context-len", "100", "--decode-steps", "26", "--max-model-len", "128")
+    resolve_workload(args)
+    assert (args.input_len, args.context_len, args.decode_steps, args.output_len) == (100, 100, 26, None)
+    args = parse("--context-len", "20")  # e2e: --context-len sets the prompt length
+    resolve_workload(args)
+    assert (args.input_len, args.output_len, args.decode_steps) == (20, 128, None)

@@ -54,7 +54,8 @@ class HFRunner:
         import transformers
 
         return {
-            "runner": "transformers AutoModelForCausalLM.generate",
+            "runner": "transformers AutoModelForCausalLM.generate (e2e); forward loop with "
+                      "past_key_values (decode mode)",
             "transformers": transformers.__version__,
             "dtype": str(self.dtype).removeprefix("torch."),
             "sampling": "greedy (do_sample=False)",
@@ -73,8 +74,7 @@ class HFRunner:
             min_new_tokens=output_len, do_sample=False, pad_token_id=self.pad_token_id,
             stopping_criteria=self._criteria_list([clock]),
         )
-        if self.device.startswith("cuda"):
-            torch.cuda.synchronize()
+        self._sync()
         elapsed = time.perf_counter() - t0
         b, total = out.shape
         new = total - input_ids.shape[1]
@@ -83,6 +83,36 @@ class HFRunner:
         ttft = None if clock.first_s is None else clock.first_s - t0
         return IterationSample(elapsed_s=elapsed, num_output_tokens=b * new,
                                num_input_tokens=input_ids.numel(), mean_ttft_s=ttft)
+
+    @torch.inference_mode()
+    def run_decode(self, prompts: list[list[int]], decode_steps: int) -> IterationSample:
+        """Decode mode: one untimed prefill forward, then exactly ``decode_steps`` timed greedy steps, each
+        one forward of the [B, 1] new tokens against ``past_key_values`` plus the argmax. A manual loop
+        rather than ``generate``: it is the same per-step work (``generate`` runs this forward in its loop)
+        without the prefill, which the timed window must exclude. Greedy argmax over all tokens, EOS
+        included, as openinfer's ignore_eos samples, so both sides produce the same tokens."""
+        input_ids = torch.tensor(prompts, dtype=torch.long, device=self.device)
+        out = self.model(input_ids, use_cache=True, logits_to_keep=1)
+        cache = out.past_key_values
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        window = []
+        self._sync()
+        t0 = time.perf_counter()
+        for _ in range(decode_steps):
+            out = self.model(nxt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            cache = out.past_key_values
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            window.append(nxt)
+        self._sync()
+        elapsed = time.perf_counter() - t0
+        self.last_window_tokens = torch.cat(window, dim=1).tolist()
+        b, context = input_ids.shape
+        return IterationSample(elapsed_s=elapsed, num_output_tokens=b * decode_steps, num_input_tokens=0,
+                               kv_context=(context, context))
+
+    def _sync(self) -> None:
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
 
     def close(self) -> None:
         del self.model

@@ -100,6 +100,8 @@ class IterationSample:
     mean_ttft_s: float | None = None
     cached_prompt_tokens: int = 0
     num_preemptions: int = 0
+    # Decode mode: the fewest and most KV tokens a request held when the timed window started.
+    kv_context: tuple[int, int] | None = None
 
 
 @dataclass
@@ -112,6 +114,9 @@ class PointResult:
     output_len: int
     num_devices: int
     samples: list[IterationSample] = field(default_factory=list)
+    mode: str = "e2e"  # or "decode": output_len is then the timed decode steps, input tokens are 0
+    context_len: int | None = None
+    decode_steps: int | None = None
 
     def summary(self) -> dict[str, Any]:
         if not self.samples:
@@ -150,7 +155,14 @@ class PointResult:
             "cached_prompt_tokens": sum(s.cached_prompt_tokens for s in self.samples),
             "num_preemptions": sum(s.num_preemptions for s in self.samples),
             "num_devices": self.num_devices,
+            "mode": self.mode,
+            "context_len": self.context_len,
+            "decode_steps": self.decode_steps,
         }
+        kv = [s.kv_context for s in self.samples if s.kv_context is not None]
+        if kv:
+            d["kv_context_min"] = min(k[0] for k in kv)
+            d["kv_context_max"] = max(k[1] for k in kv)
         for key in ("output_throughput", "total_token_throughput", "requests_per_second"):
             d[f"{key}_per_device"] = d[key] / self.num_devices
         # vLLM `bench throughput` JSON names, for tools that read those.
@@ -210,9 +222,13 @@ def model_info(path: str) -> dict[str, Any]:
 def print_table(result: dict[str, Any]) -> None:
     has_hf = any(p.get("hf") for p in result["points"])
     w = result["workload"]
-    print(f"\nThroughput, input {w['input_len']} / output {w['output_len']} tokens, "
-          f"median of {w['num_iters']} "
-          f"(min-max); output tok/s include prefill")
+    if w.get("mode") == "decode":
+        print(f"\nDecode throughput, context {w['context_len']} tokens, {w['decode_steps']} timed decode "
+              f"steps, median of {w['num_iters']} (min-max); prefill untimed")
+    else:
+        print(f"\nThroughput, input {w['input_len']} / output {w['output_len']} tokens, "
+              f"median of {w['num_iters']} "
+              f"(min-max); output tok/s include prefill")
     head = f"{'batch':>5} | {'openinfer out tok/s':>26} | {'total tok/s':>11} | {'req/s':>7} | {'TTFT ms':>8}"
     if has_hf:
         head += f" | {'HF out tok/s':>26} | {'TTFT ms':>8} | {'ours/HF':>7}"

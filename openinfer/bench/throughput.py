@@ -1,11 +1,13 @@
 """``openinfer bench throughput``: offline throughput over a batch-size sweep, optionally against HF.
 
-Each point submits ``batch`` requests with fixed input/output lengths through ``LLM.generate`` and times the
-whole call, so output tok/s includes prefill, like vLLM's ``bench throughput`` and the figures in
-cpu_peers.md. Prompts are seeded random token ids, distinct per request and per iteration, and the prefix
-cache is reset before every iteration: a benchmark that hits the prefix cache measures the cache, not the
-engine. On this class of VM the first pass over fresh memory is 5-20x slow, so every engine first runs one
-full untimed iteration at its largest batch, then ``--warmup-iters`` untimed ones per point.
+Two modes (flags and their rules: ``workload.py``). In the default e2e mode each point submits ``batch``
+requests with fixed input/output lengths through ``LLM.generate`` and times the whole call, so output tok/s
+includes prefill, like vLLM's ``bench throughput`` and the figures in cpu_peers.md. Prompts are seeded
+random token ids, distinct per request and per iteration, and the prefix cache is reset before every
+iteration: a benchmark that hits the prefix cache measures the cache, not the engine. On this class of VM
+the first pass over fresh memory is 5-20x slow, so every engine first runs one full untimed iteration at its
+largest batch, then ``--warmup-iters`` untimed ones per point. ``--mode decode`` times steady-state decode
+instead: ``decode_window.py`` (openinfer) and ``HFRunner.run_decode``.
 """
 from __future__ import annotations
 
@@ -22,7 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from openinfer.bench import results as R
-from openinfer.entrypoints.engine_args import add_engine_args, engine_kwargs
+from openinfer.bench.workload import (DECODE_TAIL_TOKENS, add_workload_args, check_fits, parse_batch_sizes,
+                                      resolve_workload, tokens_needed)
+from openinfer.entrypoints.engine_args import engine_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -32,34 +36,13 @@ _PER_CHILD = {"batch_sizes", "output_json", "fresh_process", "only_engine", "hel
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    add_engine_args(p)
-    # An explicit dtype so both engines run the same one; max_num_seqs follows the largest batch unless set.
-    p.set_defaults(dtype="bfloat16", max_num_seqs=None, _bench_parser=p)
-    g = p.add_argument_group("workload")
-    g.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
-    g.add_argument("--output-len", type=int, default=128, help="generated tokens per request (EOS ignored)")
-    g.add_argument("--batch-sizes", default="1,8,32,64,128,256", help="comma-separated requests per point")
-    g.add_argument("--num-iters", type=int, default=3, help="timed iterations per point (median reported)")
-    g.add_argument("--warmup-iters", type=int, default=1, help="untimed iterations per point")
-    g.add_argument("--temperature", type=float, default=0.0,
-                   help="0 = greedy (default, matches HF do_sample=False); vLLM's bench uses 1.0")
-    g.add_argument("--num-threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    add_workload_args(p)
+    g = p.add_argument_group("throughput")
     g.add_argument("--vs", choices=["hf"], default=None, help="also run HF transformers generate per point")
-    g.add_argument("--hf-max-batch", type=int, default=64, help="largest batch the HF side runs")
     g.add_argument("--output-json", default=None, help="write results here")
     g.add_argument("--fresh-process", action="store_true",
                    help="run each (engine, batch) point in its own subprocess and merge the JSON")
     g.add_argument("--only-engine", choices=ENGINES, default=None, help=argparse.SUPPRESS)
-
-
-def parse_batch_sizes(text: str) -> list[int]:
-    try:
-        sizes = sorted({int(x) for x in text.split(",") if x.strip()})
-    except ValueError:
-        raise ValueError(f"--batch-sizes must be comma-separated integers, got {text!r}") from None
-    if not sizes or sizes[0] < 1:
-        raise ValueError(f"--batch-sizes needs positive integers, got {text!r}")
-    return sizes
 
 
 def make_prompts(seed: int, batch: int, iteration: int, input_len: int, vocab_size: int,
@@ -90,17 +73,14 @@ class OpenInferRunner:
         kw["max_num_seqs"] = args.max_num_seqs or max_batch
         # Unless set, size the engine for this workload: the KV cache and the start-up profile pass then
         # touch only the memory the sweep uses (fresh memory is what the VM is slow on).
-        kw["max_model_len"] = args.max_model_len or args.input_len + args.output_len
+        kw["max_model_len"] = args.max_model_len or tokens_needed(args) + _decode_headroom(args, max_batch)
         t0 = time.perf_counter()
         self.llm = LLM(**kw)
         self.init_time_s = time.perf_counter() - t0
         self.engine = self.llm.engine
-        cfg = self.engine.config
-        need = args.input_len + args.output_len
-        if need > cfg.model.max_model_len:
-            raise ValueError(f"input-len + output-len = {need} exceeds max_model_len "
-                             f"{cfg.model.max_model_len}")
+        check_fits(args, self.engine.config.model.max_model_len, "max_model_len")
         self.temperature = args.temperature
+        self.last_window = None  # decode mode: the latest DecodeWindow (tokens, for parity checks)
 
     @property
     def vocab_size(self) -> int:
@@ -151,8 +131,24 @@ class OpenInferRunner:
             num_preemptions=self.engine.stats().num_preemptions - preempt0,
         )
 
+    def run_decode(self, prompts: list[list[int]], decode_steps: int) -> R.IterationSample:
+        from openinfer.bench.decode_window import run_decode_window
+
+        self.last_window = run_decode_window(self.engine, prompts, decode_steps, self.temperature)
+        return self.last_window.sample
+
     def close(self) -> None:
         del self.engine, self.llm
+
+
+def _decode_headroom(args: argparse.Namespace, max_batch: int) -> int:
+    """Decode mode: requests admitted in the first prefill steps decode one token per later prefill step,
+    so the default max_model_len leaves one token per prefill step (counted at the smallest default step
+    budget, 2048 tokens) on top of context + window."""
+    if args.mode != "decode":
+        return 0
+    budget = args.max_num_batched_tokens or 2048
+    return -(-max_batch * args.context_len // budget)
 
 
 def sweep(runner, batches: list[int], args: argparse.Namespace, vocab_size: int, block_size: int,
@@ -160,9 +156,14 @@ def sweep(runner, batches: list[int], args: argparse.Namespace, vocab_size: int,
     def prompts(b: int, it: int) -> list[list[int]]:
         return make_prompts(args.seed, b, it, args.input_len, vocab_size, block_size)
 
+    decode = args.mode == "decode"
+
+    def measure(p: list[list[int]]) -> R.IterationSample:
+        return runner.run_decode(p, args.decode_steps) if decode else runner.run(p, args.output_len)
+
     # Iteration indices: -1 = sweep warm-up, -2.. = per-point warm-ups, 0.. = timed; all distinct prompt sets.
     t0 = time.perf_counter()
-    runner.run(prompts(batches[-1], -1), args.output_len)
+    measure(prompts(batches[-1], -1))
     logger.info("%s: warm-up at batch %d took %.1f s", runner.name, batches[-1], time.perf_counter() - t0)
     summaries = []
     last = batches[-1]
@@ -170,10 +171,13 @@ def sweep(runner, batches: list[int], args: argparse.Namespace, vocab_size: int,
         # A warm-up at this very batch just before (the sweep warm-up, in a one-point --fresh-process child)
         # counts as one: at batch 256 an iteration can take many minutes.
         for w in range(args.warmup_iters - (last == b)):
-            runner.run(prompts(b, -2 - w), args.output_len)
-        point = R.PointResult(runner.name, b, args.input_len, args.output_len, num_devices)
+            measure(prompts(b, -2 - w))
+        out_len = args.decode_steps if decode else args.output_len
+        point = R.PointResult(runner.name, b, args.input_len, out_len, num_devices, mode=args.mode,
+                              context_len=args.context_len,
+                              decode_steps=args.decode_steps if decode else None)
         for it in range(args.num_iters):
-            point.samples.append(runner.run(prompts(b, it), args.output_len))
+            point.samples.append(measure(prompts(b, it)))
         s = point.summary()
         print(f"[{runner.name}] batch {b}: {s['output_throughput']:.1f} output tok/s "
               f"(min {s['output_throughput_min']:.1f}, max {s['output_throughput_max']:.1f}), "
@@ -184,33 +188,44 @@ def sweep(runner, batches: list[int], args: argparse.Namespace, vocab_size: int,
     return summaries
 
 
-def _workload(args: argparse.Namespace, batches: list[int]) -> dict[str, Any]:
+def workload_block(args: argparse.Namespace, batches: list[int], with_hf: bool) -> dict[str, Any]:
+    decode = args.mode == "decode"
     return {
+        "mode": args.mode, "context_len": args.context_len, "decode_steps": args.decode_steps,
         "input_len": args.input_len, "output_len": args.output_len, "batch_sizes": batches,
         "num_iters": args.num_iters, "warmup_iters": args.warmup_iters, "seed": args.seed,
-        "temperature": args.temperature, "ignore_eos": True, "min_tokens": args.output_len,
-        "vs": args.vs, "hf_max_batch": args.hf_max_batch if args.vs else None,
-        "fresh_process": bool(args.fresh_process),
+        "temperature": args.temperature, "ignore_eos": True,
+        "min_tokens": None if decode else args.output_len,
+        "num_devices": args.num_devices, "speculative_config": args.speculative_config_value,
+        "hf_max_batch": args.hf_max_batch if with_hf else None,
         "prompts": "seeded random token ids, distinct first KV block per request and distinct per iteration; "
                    "prefix cache reset before each iteration, so no prefix-cache hits "
                    "(see cached_prompt_tokens)",
-        "timing": "wall time of one LLM.generate / HF generate call over the whole batch, prefill included; "
-                  "median over iterations, min/max = spread; TTFT = submission to first token, mean over "
-                  "requests (HF: the whole batch's first token)",
+        "timing": DECODE_TIMING if decode else E2E_TIMING,
         "warmup": "one untimed iteration at each engine's largest batch, then warmup_iters per point (the "
                   "first of which is skipped when the previous iteration ran at the same batch)",
     }
 
 
+E2E_TIMING = ("wall time of one LLM.generate / HF generate call over the whole batch, prefill included; "
+              "median over iterations, min/max = spread; TTFT = submission to first token, mean over "
+              "requests (HF: the whole batch's first token)")
+DECODE_TIMING = ("untimed prefill of the whole batch to context_len, then wall time of exactly decode_steps "
+                 "steps in which every sequence decodes one token (openinfer: LLMEngine.step; HF: a manual "
+                 "greedy loop of model forwards with past_key_values); output tok/s = batch * decode_steps / "
+                 f"time; max_model_len leaves {DECODE_TAIL_TOKENS} tokens past the window so no request "
+                 "stops inside it; kv_context_min/max = KV tokens a request held at the window's start")
+
+
+def _workload(args: argparse.Namespace, batches: list[int]) -> dict[str, Any]:
+    return dict(workload_block(args, batches, bool(args.vs)), vs=args.vs,
+                fresh_process=bool(args.fresh_process))
+
+
 def main(args: argparse.Namespace) -> int:
     import torch
 
-    batches = parse_batch_sizes(args.batch_sizes)
-    for name in ("input_len", "output_len", "num_iters"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-    if args.warmup_iters < 0:
-        raise ValueError("--warmup-iters must be >= 0")
+    batches = resolve_workload(args)
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     if args.fresh_process and args.only_engine is None:
@@ -232,7 +247,7 @@ def _run_here(args: argparse.Namespace, batches: list[int]) -> dict[str, Any]:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, {}, device)  # "auto" resolves as the engine does, for HF too
     device = str(device)
-    result = R.new_result(sys.argv, R.environment(device), _workload(args, batches))
+    result = R.new_result(sys.argv, R.environment(device, args.num_devices), _workload(args, batches))
     num_devices = result["environment"]["num_devices"]
     warning = R.dtype_warning(result["environment"], str(dtype).removeprefix("torch."))
     if warning:
@@ -272,16 +287,20 @@ def _run_here(args: argparse.Namespace, batches: list[int]) -> dict[str, Any]:
     result["environment"]["load_average_end"] = R.load_average()
     if args.vs and args.temperature != 0:
         result["notes"].append(f"openinfer sampled at temperature {args.temperature}; HF ran greedy")
+    if args.num_devices > 1:
+        result["notes"].append(f"openinfer runs on one device (no tensor parallelism yet); --num-devices "
+                               f"{args.num_devices} only divides the *_per_device rates")
     return result
 
 
-def _child_argv(args: argparse.Namespace, batch: int, max_batch: int, engine: str,
-                json_path: str) -> list[str]:
+def child_argv(args: argparse.Namespace, batch: int, max_batch: int, engine: str, json_path: str,
+               skip: frozenset[str] = frozenset(), extra: tuple[str, ...] = ()) -> list[str]:
     """The same command for one (engine, batch), rebuilt from the parsed flags so it works however the
-    parent was started (console script, ``python -m``, or ``main()`` called directly)."""
+    parent was started (console script, ``python -m``, or ``main()`` called directly). ``skip`` names the
+    parent's own flags a throughput child does not take; ``extra`` is appended."""
     argv = [sys.executable, "-m", "openinfer", "bench", "throughput"]
     for action in args._bench_parser._actions:
-        if not action.option_strings or action.dest in _PER_CHILD:
+        if not action.option_strings or action.dest in _PER_CHILD or action.dest in skip:
             continue
         value = getattr(args, action.dest, action.default)
         if value == action.default:
@@ -292,7 +311,7 @@ def _child_argv(args: argparse.Namespace, batch: int, max_batch: int, engine: st
             argv += [action.option_strings[0], str(value)]
     if args.max_num_seqs is None:  # every child gets the engine shape the single-process run would build
         argv += ["--max-num-seqs", str(max_batch)]
-    return argv + ["--batch-sizes", str(batch), "--only-engine", engine, "--output-json", json_path]
+    return argv + ["--batch-sizes", str(batch), "--only-engine", engine, "--output-json", json_path, *extra]
 
 
 def _run_fresh(args: argparse.Namespace, batches: list[int]) -> dict[str, Any]:
@@ -305,7 +324,7 @@ def _run_fresh(args: argparse.Namespace, batches: list[int]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="openinfer-bench-") as tmp:
         for i, (b, engine) in enumerate(plan):
             path = str(Path(tmp) / f"{i}.json")
-            cmd = _child_argv(args, b, batches[-1], engine, path)
+            cmd = child_argv(args, b, batches[-1], engine, path)
             print(f"--- fresh process {i + 1}/{len(plan)}: {engine} batch {b}", flush=True)
             rc = subprocess.run(cmd).returncode
             if rc != 0:

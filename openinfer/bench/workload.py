@@ -1,0 +1,141 @@
+"""The offline workload flags shared by ``bench throughput`` and ``bench peers``, and their validation.
+
+Two modes:
+
+* ``e2e`` (default): ``batch`` requests of ``--input-len`` prompt tokens each generate ``--output-len``
+  tokens; the whole call is timed, prefill included (vLLM ``bench throughput``).
+* ``decode``: ``batch`` requests are prefilled untimed to ``--context-len`` tokens of KV, then exactly
+  ``--decode-steps`` steps in which every sequence decodes one token are timed: the steady-state decode rate
+  at a fixed batch and context, as decode curves are drawn.
+
+``--context-len`` and ``--input-len`` name one quantity, the prompt length (= the KV each request holds
+when its decoding starts): either flag sets it, both must agree when both are given.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from typing import Any
+
+from openinfer.entrypoints.engine_args import add_engine_args
+
+MODES = ("e2e", "decode")
+DEFAULT_PROMPT_LEN = 128
+DEFAULT_OUTPUT_LEN = 128
+DEFAULT_DECODE_STEPS = 32
+# Tokens past the timed window a decode-mode request may still hold: its first token (sampled at prefill)
+# and one more, so the window's last step is a plain decode step, not one that also finishes the request.
+DECODE_TAIL_TOKENS = 2
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    add_engine_args(p)
+    # An explicit dtype so every engine runs the same one; max_num_seqs follows the largest batch unless set.
+    p.set_defaults(dtype="bfloat16", max_num_seqs=None, _bench_parser=p)
+    g = p.add_argument_group("workload")
+    g.add_argument("--mode", choices=MODES, default="e2e",
+                   help="e2e: time whole generate calls, prefill included (default); decode: time "
+                        "--decode-steps steps of pure decode at --context-len")
+    g.add_argument("--input-len", type=int, default=None,
+                   help=f"prompt tokens per request (default {DEFAULT_PROMPT_LEN}); same as --context-len")
+    g.add_argument("--context-len", type=int, default=None,
+                   help="KV tokens each request holds when its decoding starts, i.e. the prompt length "
+                        "(default: --input-len)")
+    g.add_argument("--output-len", type=int, default=None,
+                   help=f"e2e mode: generated tokens per request, EOS ignored (default {DEFAULT_OUTPUT_LEN})")
+    g.add_argument("--decode-steps", type=int, default=None,
+                   help=f"decode mode: timed decode steps per iteration (default {DEFAULT_DECODE_STEPS})")
+    g.add_argument("--batch-sizes", default="1,8,32,64,128,256", help="comma-separated requests per point")
+    g.add_argument("--num-iters", type=int, default=3, help="timed iterations per point (median reported)")
+    g.add_argument("--warmup-iters", type=int, default=1, help="untimed iterations per point")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (default, matches HF do_sample=False); vLLM's bench uses 1.0")
+    g.add_argument("--num-threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    g.add_argument("--num-devices", type=int, default=1,
+                   help="devices the deployment uses; recorded, and divides every *_per_device rate "
+                        "(default 1: openinfer has no tensor parallelism yet)")
+    g.add_argument("--speculative-config", default="null",
+                   help="speculative decoding settings as JSON, recorded with the workload; only null is "
+                        "accepted until speculative decoding exists")
+    g.add_argument("--hf-max-batch", type=int, default=64, help="largest batch the HF side runs")
+
+
+def parse_batch_sizes(text: str) -> list[int]:
+    try:
+        sizes = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise ValueError(f"--batch-sizes must be comma-separated integers, got {text!r}") from None
+    if not sizes or sizes[0] < 1:
+        raise ValueError(f"--batch-sizes needs positive integers, got {text!r}")
+    return sizes
+
+
+def parse_speculative_config(text: str | None) -> dict[str, Any] | None:
+    try:
+        value = json.loads(text) if text is not None else None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--speculative-config must be JSON (or null), got {text!r}: {e}") from None
+    if value is not None:
+        # Recording settings that change nothing would label plain decoding as speculative.
+        raise ValueError(f"--speculative-config {text}: speculative decoding is not implemented yet; "
+                         f"only null is accepted")
+    return value
+
+
+def resolve_workload(args: argparse.Namespace) -> list[int]:
+    """Validate the workload flags and fill the defaults in place; returns the sorted batch sizes.
+    Every message names the flag and the limit it broke."""
+    batches = parse_batch_sizes(args.batch_sizes)
+    if args.input_len is not None and args.context_len is not None and args.input_len != args.context_len:
+        raise ValueError(f"--context-len {args.context_len} and --input-len {args.input_len} disagree: both "
+                         f"are the prompt length (the KV each request holds when decoding starts); give one")
+    length = args.context_len if args.context_len is not None else args.input_len
+    args.input_len = args.context_len = DEFAULT_PROMPT_LEN if length is None else length
+    if args.mode == "decode":
+        if args.output_len is not None:
+            raise ValueError("--output-len applies to --mode e2e; in --mode decode the timed window is "
+                             "--decode-steps long")
+        if args.decode_steps is None:
+            args.decode_steps = DEFAULT_DECODE_STEPS
+    else:
+        if args.decode_steps is not None:
+            raise ValueError("--decode-steps applies to --mode decode; in --mode e2e use --output-len")
+        if args.output_len is None:
+            args.output_len = DEFAULT_OUTPUT_LEN
+    checks = [("context-len", args.context_len, 1), ("num-iters", args.num_iters, 1),
+              ("warmup-iters", args.warmup_iters, 0), ("num-devices", args.num_devices, 1),
+              ("hf-max-batch", args.hf_max_batch, 1)]
+    checks.append(("decode-steps", args.decode_steps, 1) if args.mode == "decode"
+                  else ("output-len", args.output_len, 1))
+    for flag, value, low in checks:
+        if value < low:
+            raise ValueError(f"--{flag} must be >= {low}, got {value}")
+    if args.num_threads is not None and args.num_threads < 1:
+        raise ValueError(f"--num-threads must be >= 1, got {args.num_threads}")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise ValueError(f"--temperature must be a finite number >= 0, got {args.temperature}")
+    args.speculative_config_value = parse_speculative_config(args.speculative_config)
+    if args.max_model_len is not None:
+        check_fits(args, args.max_model_len, "--max-model-len")
+    return batches
+
+
+def tokens_needed(args: argparse.Namespace) -> int:
+    """Sequence length one request reaches: prompt + output (e2e), or context + window + tail (decode)."""
+    if args.mode == "decode":
+        return args.context_len + args.decode_steps + DECODE_TAIL_TOKENS
+    return args.input_len + args.output_len
+
+
+def check_fits(args: argparse.Namespace, limit: int, source: str) -> None:
+    need = tokens_needed(args)
+    if need <= limit:
+        return
+    if args.mode == "decode":
+        raise ValueError(
+            f"--context-len {args.context_len} + --decode-steps {args.decode_steps} + {DECODE_TAIL_TOKENS} = "
+            f"{need} exceeds {source} {limit} (the {DECODE_TAIL_TOKENS} are the token sampled at prefill and "
+            f"one more, so no request stops inside the timed window)")
+    raise ValueError(f"--input-len {args.input_len} + --output-len {args.output_len} = {need} exceeds "
+                     f"{source} {limit}")
