@@ -1,0 +1,176 @@
+"""``openinfer bench peers``: the same offline workload on openinfer and on each peer engine installed here.
+
+Every (engine, batch, iteration) is one fresh ``bench throughput --only-engine`` child process, run in the
+order batch -> iteration -> engine, so the engines alternate (openinfer, hf, openinfer, hf, ...): load from
+other processes drifting over a long run hits every engine's figures for a point alike instead of skewing
+their ratio, and no engine inherits another's memory state (cpu_peers.md saw one process drift 3x). Each
+point's median is taken over its one-iteration children.
+
+Peers: HF transformers always (a dependency); vLLM, llama.cpp and SGLang are detected and recorded with
+their status. This command has a runner for HF only so far: a detected vLLM / llama.cpp / SGLang is
+recorded as installed but not run, never given numbers it did not produce.
+
+Writes ``DIR/peers.json`` (the throughput schema plus ``peers`` and per-peer ratios), ``DIR/throughput.png``
+and ``DIR/README.md`` (``peers_report.py``).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from openinfer.bench import results as R
+from openinfer.bench.throughput import child_argv, workload_block
+from openinfer.bench.workload import add_workload_args, resolve_workload
+
+PEERS = ("hf", "vllm", "llamacpp", "sglang")
+RUNNERS = ("hf",)  # peers this command can drive today
+# Flags of this command that a throughput child does not take (it gets --num-iters 1 instead).
+_PARENT_ONLY = frozenset({"peers", "output_dir", "num_iters"})
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    add_workload_args(p)
+    g = p.add_argument_group("peers")
+    g.add_argument("--peers", default=",".join(PEERS),
+                   help=f"comma-separated peers to compare with, of {', '.join(PEERS)} (default: all; "
+                        f"those not installed are recorded as such)")
+    g.add_argument("--output-dir", required=True, help="writes peers.json, throughput.png and README.md here")
+
+
+def parse_peers(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [n for n in names if n not in PEERS]
+    if bad or not names:
+        raise ValueError(f"--peers takes a comma-separated subset of {', '.join(PEERS)}, got {text!r}")
+    return list(dict.fromkeys(names))
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def detect(peer: str) -> dict[str, Any]:
+    """Whether ``peer`` is usable from this interpreter / PATH: ``{"peer", "status", ...}``."""
+    if peer == "hf":
+        return {"peer": "hf", "status": "installed", "version": _version("transformers")}
+    if peer in ("vllm", "sglang"):
+        if importlib.util.find_spec(peer) is None:
+            return {"peer": peer, "status": "not installed"}
+        return {"peer": peer, "status": "installed", "version": _version(peer) or _version(f"{peer}-cpu")}
+    # llama.cpp runs GGUF files: it needs its binaries or bindings, and a converter for the HF checkpoint.
+    tools = {t: shutil.which(t) for t in ("llama-bench", "llama-batched-bench", "llama-cli")}
+    found = {t: p for t, p in tools.items() if p}
+    if not found and importlib.util.find_spec("llama_cpp") is None:
+        return {"peer": "llamacpp", "status": "not installed"}
+    converter = shutil.which("convert_hf_to_gguf.py") or shutil.which("convert-hf-to-gguf")
+    return {"peer": "llamacpp", "status": "installed", "tools": found,
+            "version": _version("llama-cpp-python"), "gguf_converter": converter}
+
+
+def main(args: argparse.Namespace) -> int:
+    batches = resolve_workload(args)
+    peers = parse_peers(args.peers)
+    statuses = [detect(p) for p in peers]
+    for s in statuses:
+        if s["status"] == "installed" and s["peer"] not in RUNNERS:
+            s["status"] = "installed, not run"
+            s["reason"] = f"bench peers has no {s['peer']} runner yet"
+    engines = ["openinfer"] + [s["peer"] for s in statuses if s["status"] == "installed"]
+    for s in statuses:
+        reason = f" ({s['reason']})" if s.get("reason") else ""
+        print(f"peer {s['peer']}: {s['status']}{reason}", flush=True)
+    result = run_alternating(args, batches, engines)
+    result["peers"] = statuses
+    for s in statuses:
+        if s["status"] == "installed":
+            s["status"] = "ran"
+    add_peer_ratios(result, [e for e in engines if e != "openinfer"])
+
+    from openinfer.bench.peers_report import write_markdown, write_plot
+
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "peers.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_plot(result, out / "throughput.png")
+    write_markdown(result, out / "README.md")
+    R.print_table(result)
+    print(f"wrote {out / 'peers.json'}, {out / 'throughput.png'}, {out / 'README.md'}")
+    return 0
+
+
+def run_alternating(args: argparse.Namespace, batches: list[int], engines: list[str]) -> dict[str, Any]:
+    plan = [(b, it, e) for b in batches for it in range(args.num_iters) for e in engines
+            if e == "openinfer" or b <= args.hf_max_batch]
+    samples: dict[tuple[str, int], list[R.IterationSample]] = {}
+    result: dict[str, Any] | None = None
+    with tempfile.TemporaryDirectory(prefix="openinfer-peers-") as tmp:
+        for i, (b, it, engine) in enumerate(plan):
+            path = str(Path(tmp) / f"{i}.json")
+            extra = ("--num-iters", "1") + (("--vs", "hf") if engine == "hf" else ())
+            cmd = child_argv(args, b, batches[-1], engine, path, skip=_PARENT_ONLY, extra=extra)
+            print(f"--- {i + 1}/{len(plan)}: {engine} batch {b} iteration {it + 1}/{args.num_iters}",
+                  flush=True)
+            rc = subprocess.run(cmd).returncode
+            if rc != 0:
+                raise RuntimeError(f"child failed with exit code {rc}: {' '.join(cmd)}")
+            child = json.loads(Path(path).read_text())
+            if result is None:
+                workload = workload_block(args, batches, "hf" in engines)
+                workload["alternation"] = ("one fresh process per (engine, batch, iteration), ordered "
+                                           "batch -> iteration -> engine; median over those processes")
+                result = R.new_result(sys.argv, child["environment"], workload)
+            desc = child["engines"][engine]
+            result["engines"].setdefault(engine, dict(desc, per_process=[]))["per_process"].append(
+                {"run_index": i, "batch_size": b, "iteration": it, "init_time_s": desc.get("init_time_s"),
+                 "load_time_s": desc.get("load_time_s"), "load_average": child["environment"]["load_average"],
+                 "load_average_end": child["environment"].get("load_average_end")})
+            result["environment"].setdefault("model", child["environment"].get("model"))
+            for note in child["notes"]:
+                if note not in result["notes"]:
+                    result["notes"].append(note)
+            (point,) = [p[engine] for p in child["points"] if p.get(engine)]
+            samples.setdefault((engine, b), []).append(sample_of(point))
+    assert result is not None
+    for (engine, b), ss in samples.items():
+        decode = args.mode == "decode"
+        pr = R.PointResult(engine, b, args.input_len, args.decode_steps if decode else args.output_len,
+                           args.num_devices, samples=ss, mode=args.mode, context_len=args.context_len,
+                           decode_steps=args.decode_steps if decode else None)
+        R.add_point(result, pr.summary())
+    result["environment"]["load_average_end"] = R.load_average()
+    skipped = [b for b in batches if b > args.hf_max_batch and len(engines) > 1]
+    if skipped:
+        result["notes"].append(f"peers not run at batch {skipped} (> --hf-max-batch {args.hf_max_batch})")
+    return result
+
+
+def sample_of(summary: dict[str, Any]) -> R.IterationSample:
+    """The one timed iteration a one-iteration child measured, back from its summary."""
+    if summary["num_iters"] != 1:
+        raise ValueError(f"expected a one-iteration child summary, got {summary['num_iters']} iterations")
+    ttft = summary.get("mean_ttft_ms")
+    kv = (summary["kv_context_min"], summary["kv_context_max"]) if "kv_context_min" in summary else None
+    return R.IterationSample(
+        elapsed_s=summary["elapsed_time"], num_output_tokens=summary["total_output_tokens"],
+        num_input_tokens=summary["total_input_tokens"], mean_ttft_s=None if ttft is None else ttft / 1000.0,
+        cached_prompt_tokens=summary["cached_prompt_tokens"], num_preemptions=summary["num_preemptions"],
+        kv_context=kv)
+
+
+def add_peer_ratios(result: dict[str, Any], peers: list[str]) -> None:
+    """``ratios_openinfer_over[peer]`` on every point both ran; > 1 means openinfer is faster."""
+    for p in result["points"]:
+        ours = p.get("openinfer")
+        p["ratios_openinfer_over"] = {peer: R.ratios(ours, p[peer]) for peer in peers
+                                      if ours and p.get(peer)}
