@@ -12,6 +12,7 @@ from openinfer.executor.forward_context import AttentionMetadata, PrefillSpan, s
 from openinfer.executor.kv_sizing import num_blocks_for
 from openinfer.executor.loader import load_model
 from openinfer.executor.sampler import SamplingRow, sample, top_logprobs
+from openinfer.layers.linear import prepack_linears
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +28,7 @@ class ModelRunner:
         self.generator.manual_seed(config.seed)
         t0 = time.perf_counter()
         self.model = load_model(config.model)
+        prepack_linears(self.model)
         self.load_time_s = time.perf_counter() - t0
         backend = "reference" if config.attention_backend == "reference" else "sdpa"
         for layer in self.attention_layers():
