@@ -1,0 +1,47 @@
+"""What a model's KV cache is made of, as the block manager and the memory sizing see it. Pure Python.
+
+A model declares one ``KVGroupSpec`` per group of stores that share a block table (``kv_cache_spec``). Dense
+models have one group, ``full``: every token's KV is read for the whole sequence life. DeepSeek-V4 adds a
+``window`` group: token-level state that is only ever read within ``lookback_tokens`` positions before the
+query, so the block manager may release a sequence's window blocks that lie wholly behind that lookback
+(vLLM v1's hybrid allocator / ``SlidingWindowManager``). Both groups use the same block size and the same
+logical block index per token, so one chain of prefix hashes serves both.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FULL = "full"
+WINDOW = "window"
+
+
+@dataclass(frozen=True)
+class KVGroupSpec:
+    name: str  # FULL or WINDOW
+    bytes_per_block: int  # across every layer's stores of this group
+    # WINDOW only: a query at position p reads this group's rows at positions >= p - lookback_tokens.
+    lookback_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.name not in (FULL, WINDOW):
+            raise ValueError(f"unknown KV group {self.name!r}")
+        if (self.name == WINDOW) != (self.lookback_tokens is not None):
+            raise ValueError("lookback_tokens is set for the window group and only for it")
+
+
+def window_blocks_per_seq(lookback_tokens: int, block_size: int, num_new_tokens: int) -> int:
+    """Most window blocks one sequence holds while it computes ``num_new_tokens`` tokens from position c:
+    blocks floor((c - lookback) / bs) .. ceil((c + n) / bs) - 1, i.e. at most
+    ceil(lookback / bs) + ceil(n / bs) + 1 (the lookback start and the new tokens each straddle a block edge)."""
+    return -(-lookback_tokens // block_size) + -(-num_new_tokens // block_size) + 1
+
+
+def min_window_blocks(lookback_tokens: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+    """Window blocks that let a full running batch make progress. Summing ``window_blocks_per_seq`` over the
+    running sequences, with sum(n_i) <= max_num_batched_tokens and sum(ceil(n_i / bs)) < sum(n_i) / bs + S:
+    max_num_seqs * (ceil(lookback / bs) + 2) + ceil(max_num_batched_tokens / bs)."""
+    return max_num_seqs * (-(-lookback_tokens // block_size) + 2) + -(-max_num_batched_tokens // block_size)
+
+
+def group(groups: list[KVGroupSpec], name: str) -> KVGroupSpec | None:
+    return next((g for g in groups if g.name == name), None)
