@@ -45,3 +45,34 @@ def min_window_blocks(lookback_tokens: int, block_size: int, max_num_seqs: int, 
 
 def group(groups: list[KVGroupSpec], name: str) -> KVGroupSpec | None:
     return next((g for g in groups if g.name == name), None)
+
+
+def bytes_per_token(groups: list[KVGroupSpec], block_size: int) -> int:
+    """The full group's bytes per token: what every token of a sequence holds for the sequence's whole life."""
+    return -(-group(groups, FULL).bytes_per_block // block_size)
+
+
+def window_bytes_per_seq(win: KVGroupSpec, block_size: int) -> int:
+    """What one decoding sequence holds in the window group: its lookback plus the straddling blocks."""
+    return window_blocks_per_seq(win.lookback_tokens, block_size, 1) * win.bytes_per_block
+
+
+def kv_bytes_summary(groups: list[KVGroupSpec], block_size: int) -> str:
+    msg = f"{bytes_per_token(groups, block_size)} bytes/token"
+    win = group(groups, WINDOW)
+    if win is not None:
+        msg += (f" steady state + window group {win.bytes_per_block // block_size} bytes/token over a "
+                f"{win.lookback_tokens}-token lookback = {window_bytes_per_seq(win, block_size)} bytes per "
+                f"running sequence")
+    return msg
+
+
+def kv_startup_message(groups: list[KVGroupSpec], blocks: dict[str, int], block_size: int,
+                       max_model_len: int) -> str:
+    n = blocks[FULL]
+    tokens = n * block_size
+    pools = f"{n} blocks of {block_size}"
+    if WINDOW in blocks:
+        pools += f" + {blocks[WINDOW]} window blocks"
+    return (f"KV cache: {tokens} tokens ({pools}, {kv_bytes_summary(groups, block_size)}); "
+            f"max concurrency {tokens / max_model_len:.2f}x at {max_model_len} tokens per request")

@@ -16,7 +16,8 @@ from torch import nn
 
 from openinfer.executor.forward_context import get_forward_context
 from openinfer.models.deepseek_v4.attention import DeepseekV4Attention
-from openinfer.models.deepseek_v4.cache import StepIndex, V4LayerCache, layer_bytes_per_block
+from openinfer.engine.kv_groups import FULL, WINDOW, KVGroupSpec
+from openinfer.models.deepseek_v4.cache import StepIndex, V4LayerCache, layer_bytes_per_block, lookback_tokens
 from openinfer.models.deepseek_v4.common import Linear, V4RMSNorm
 from openinfer.models.deepseek_v4.config import DeepseekV4Config
 from openinfer.models.deepseek_v4.hc import HyperConnection, HyperHead, fused_post_pre, hc_post
@@ -121,16 +122,21 @@ class DeepseekV4ForCausalLM(nn.Module):
         return load_v4_weights(self, weights)
 
     # -- KV cache hooks (see cache.py for the layout) --------------------------------------------------
-    def kv_bytes_per_block(self, block_size: int) -> int:
-        """Exact bytes one block of ``block_size`` tokens takes in every layer's stores. Entry stores hold
-        ceil(block_size / ratio) entries per block, so this is not linear in block_size."""
+    def kv_cache_spec(self, block_size: int) -> list[KVGroupSpec]:
+        """Two groups: entry-level stores (read for the whole sequence) and token-level stores (read only
+        within ``lookback_tokens`` of the query). Exact bytes per block of ``block_size`` tokens; entry stores
+        hold ceil(block_size / ratio) entries per block, so the full group is not linear in block_size."""
         elem = self.lm_head.weight.element_size()
-        return sum(layer_bytes_per_block(self.config, i, block_size, elem)
-                   for i in range(self.config.num_hidden_layers))
+        per_layer = [layer_bytes_per_block(self.config, i, block_size, elem)
+                     for i in range(self.config.num_hidden_layers)]
+        return [KVGroupSpec(FULL, sum(f for _, f in per_layer)),
+                KVGroupSpec(WINDOW, sum(w for w, _ in per_layer), lookback_tokens(self.config))]
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
+    def allocate_kv_cache(self, num_blocks: dict[str, int], block_size: int, dtype: torch.dtype,
+                          device: torch.device) -> None:
         for i, attn in enumerate(self.attention_layers()):
-            attn.cache = V4LayerCache(self.config, i, num_blocks, block_size, dtype, device)
+            attn.cache = V4LayerCache(self.config, i, num_blocks[FULL], num_blocks[WINDOW], block_size, dtype,
+                                      device)
 
     def free_kv_cache(self) -> None:
         for attn in self.attention_layers():

@@ -31,7 +31,7 @@ def reference_emit(comp: Compressor, step: StepIndex, store: torch.Tensor, entri
         if (p + 1) % m:
             continue
         table = step.tables[int(step.token_seq[t])].tolist()
-        row = _row_reader(store, table, bs)
+        row = _row_reader(store, step.token_tables[int(step.token_seq[t])].tolist(), bs)
         start = p - m + 1
         kvs, gates = [], []
         if comp.overlap and start >= m:  # the previous window's "Ca" half; window 0 simply has none
@@ -66,8 +66,8 @@ def reference_attention(attn, q: torch.Tensor, q_residual: torch.Tensor, x: torc
     out = torch.empty_like(q)
     for t in range(q.shape[0]):
         p = int(step.positions[t])
-        table = step.tables[int(step.token_seq[t])].tolist()
-        row = _row_reader(cache.flat("kv"), table, bs)
+        table = step.tables[int(step.token_seq[t])].tolist()  # entries: full group
+        row = _row_reader(cache.flat("kv"), step.token_tables[int(step.token_seq[t])].tolist(), bs)
         keys = [row(pos) for pos in range(max(0, p - attn.sliding_window + 1), p + 1)]
         visible = (p + 1) // m if m else 0
         chosen: list[int] = []
