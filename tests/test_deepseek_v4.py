@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from openinfer import LLM, SamplingParams
 from openinfer.engine.request import Request
-from openinfer.models.deepseek_v4.cache import StepIndex, layer_bytes_per_block, lookback_tokens
+from openinfer.models.deepseek_v4.cache import StepIndex, coarse_ratio, layer_bytes_per_block, lookback_tokens
 from openinfer.models.deepseek_v4.config import DeepseekV4Config
 from openinfer.models.deepseek_v4.indexer import Indexer
 from openinfer.models.deepseek_v4.hc import HyperConnection, fused_post_pre, hc_post
@@ -88,8 +88,10 @@ def test_parity_with_hf_one_batch(ckpt, prompts, hf_ref):
     assert all(a.cache.kv.shape[0] == blocks["window"] for a in model.attention_layers())
 
 
-def test_reference_backend_matches_fast_path(ckpt, prompts, hf_ref):
-    kw = dict(dtype="float32", max_model_len=128, num_kv_blocks=96, max_num_batched_tokens=64)
+@pytest.mark.parametrize("block_size", [16, 8])  # 8: HCA entries (m = 16) in the coarse group
+def test_reference_backend_matches_fast_path(ckpt, prompts, hf_ref, block_size):
+    kw = dict(dtype="float32", max_model_len=128, num_kv_blocks=96, max_num_batched_tokens=64,
+              block_size=block_size)
     fast = _run(LLM(str(ckpt), **kw), prompts[:4], 8)
     ref_llm = LLM(str(ckpt), attention_backend="reference", **kw)
     assert {a.backend for a in ref_llm.engine.runner.model.attention_layers()} == {"reference"}
@@ -107,6 +109,8 @@ def test_chunked_prefill_and_prefix_cache_hits(ckpt, prompts, hf_ref):
     # then read a corrupted entry).
     llm = LLM(str(ckpt), dtype="float32", max_model_len=128, block_size=8, max_num_batched_tokens=8,
               num_kv_blocks=160)
+    # HCA entries (m = 16 = 2 blocks) live in the coarse group, one 16-token block per entry.
+    assert llm.engine.kv.coarse_block_tokens == 16 and len(llm.engine.kv.pools) == 3
     _assert_matches(_run(llm, prompts), hf_ref)
     g = torch.Generator().manual_seed(7)
     branches = [prompts[i][:cut] + torch.randint(6, 256, (9,), generator=g).tolist()
@@ -130,9 +134,9 @@ def test_preemption_recomputes_identically(ckpt, prompts, hf_ref):
 
 
 def _all_blocks_free(llm: LLM) -> bool:
-    kv = llm.engine.kv
-    return (kv.num_free_blocks == kv.pool.num_blocks and kv.num_free_window_blocks == kv.window_pool.num_blocks
-            and not kv.req_blocks and not kv.win_blocks)
+    kv = llm.engine.kv  # full, window and (block_size < HCA ratio) coarse pools
+    return (all(p.num_free_blocks == p.num_blocks for p in kv.pools) and not kv.req_blocks and not kv.win_blocks
+            and not kv.coarse_blocks)
 
 
 def test_window_blocks_are_released_during_decode_and_still_serve_prefix_hits(ckpt, prompts):
@@ -345,21 +349,22 @@ def _kv_report(cfg: dict):
 
 def test_v4_flash_config_and_cache_size():
     """V4-Flash's released config.json (spec §2, DeepSeek style): schedule, RoPE, and this layout's KV size,
-    about 9x smaller per token than V3's at the real configs (see cache.py for the arithmetic)."""
+    about 10x smaller per token than V3's at the real configs (see cache.py for the arithmetic)."""
     cfg = DeepseekV4Config.from_hf(V4_FLASH)
     kinds = cfg.layer_types[:43]
     assert (kinds.count("compressed_sparse_attention"), kinds.count("heavily_compressed_attention")) == (21, 20)
     assert cfg.layer_types[43] == "sliding_attention" and not cfg.is_hash_layer(43) and cfg.is_hash_layer(2)
     assert cfg.main_rope.factor is None and cfg.compress_rope.factor == 16 and cfg.compress_rope.theta == 160000
-    window, full = (sum(x) for x in zip(*(layer_bytes_per_block(cfg, i, 16, 2) for i in range(43))))
-    assert full // 16 == 8000  # entries: 21 x 2*(512+128)/4 + 20 x 2*512/16 (one HCA entry slot per block)
+    window, full, coarse = (sum(x) for x in zip(*(layer_bytes_per_block(cfg, i, 16, 2) for i in range(43))))
+    assert full // 16 == 6720  # CSA entries + indexer keys: 21 x 2*(512+128) per 4 tokens
+    assert coarse == 20 * 1024 and coarse_ratio(cfg, 16) == 128  # one HCA entry per layer per 128 tokens
     assert window // 16 == 192512 and lookback_tokens(cfg) == 127  # 21 x 6144 + 20 x 3072 + 2 x 1024
     v4 = _kv_report(V4_FLASH)
     v3 = _kv_report(V3)
-    assert v4.startswith("8000 bytes/token steady state + window group 192512 bytes/token over a 127-token "
-                         "lookback = 30801920 bytes per running sequence"), v4  # 10 blocks of 16 x 192512
+    assert v4 == ("6880 bytes/token steady state + window group 192512 bytes/token over a 127-token lookback = "
+                  "30801920 bytes per running sequence"), v4  # 6720 + 160; 10 blocks of 16 x 192512
     assert v3 == "70272 bytes/token"  # 61 layers x (512 + 64) x 2 B, the same code path as any dense model
-    assert 70272 / 8000 >= 8.5
+    assert 70272 / 6880 > 10
 
 
 def test_indexer_breaks_ties_towards_lowest_entry():

@@ -71,8 +71,8 @@ def test_hit_needs_the_window_blocks_before_the_hit_point_and_is_shortened_other
     hits, n = kv.get_computed_blocks(c)
     # The full pool still caches all 5 of a's blocks, but h = 5 needs window 3, 4 and h = 4 needs 2, 3:
     # evicted. h = 3 needs 1, 2: cached. So the hit is shortened to 12 tokens.
-    assert n == 12 and [f.block_id for f, _ in hits] == [0, 1, 2]
-    assert [w and w.block_id for _, w in hits] == [None, 1, 2]
+    assert n == 12 and [f.block_id for f in hits.full] == [0, 1, 2]
+    assert [w and w.block_id for w in hits.window] == [None, 1, 2]
     kv.free(x)
     assert kv.allocate_slots(c, c.num_tokens - n, hits) is not None
     assert kv.block_ids("c")[:3] == [0, 1, 2] and kv.window_block_ids("c")[:3] == [NULL_BLOCK, 1, 2]
@@ -113,3 +113,32 @@ def test_scheduler_preempts_on_window_shortage_and_window_use_stays_bounded():
     assert all(r.num_output_tokens == 40 for r in reqs)
     assert s.num_preemptions > 0
     assert all_free(kv)
+
+
+def test_coarse_group_one_block_per_span_keyed_by_its_last_ordinary_block():
+    """Coarse blocks span 2 ordinary blocks (8 tokens): block k is cached under the key of ordinary block
+    2k + 1, and a hit of h ordinary blocks also needs coarse blocks 0 .. h*4 // 8 - 1."""
+    kv = HybridKVCacheManager(num_blocks=32, num_window_blocks=16, block_size=BS, lookback_tokens=LOOKBACK,
+                              num_coarse_blocks=4, coarse_block_tokens=8)
+    a = req("a", list(range(22)))  # 6 ordinary blocks (5 full), 3 coarse blocks (2 complete)
+    schedule_all(kv, a)
+    assert kv.block_ids("a") == [0, 1, 2, 3, 4, 5] and kv.coarse_block_ids("a") == [0, 1, 2]
+    keys = kv._block_keys(a, 5)
+    assert kv.coarse_pool.get_cached_block(keys[1]).block_id == 0
+    assert kv.coarse_pool.get_cached_block(keys[3]).block_id == 1
+    assert kv.coarse_pool.blocks[2].key is None  # its span is not complete: never shared
+    b = req("b", list(range(20)) + [77, 78])
+    hits, n = kv.get_computed_blocks(b)  # 5 ordinary blocks -> coarse blocks 0, 1 (20 // 8 = 2)
+    assert n == 20 and [c.block_id for c in hits.coarse] == [0, 1]
+    assert kv.allocate_slots(b, b.num_tokens - n, hits) is not None
+    assert kv.coarse_block_ids("b") == [0, 1, 3]
+    # The coarse pool is now exhausted (4 blocks): a new request needing one cannot be admitted.
+    c = req("c", list(range(300, 305)))
+    assert kv.get_computed_blocks(c) == ([], 0) and kv.allocate_slots(c, 5) is None
+    kv.free(a), kv.free(b)
+    # Evict coarse block 1 (a's second span, tokens 8..15): a later hit may not cover token 15, where that
+    # entry is written, so it stops at 3 ordinary blocks (12 tokens; the window pool has blocks 1, 2).
+    kv.coarse_pool._evict(kv.coarse_pool.blocks[1])
+    hits, n = kv.get_computed_blocks(req("d", list(range(22))))
+    assert n == 12 and [c.block_id for c in hits.coarse] == [0] and len(hits.full) == 3
+    assert all(p.num_free_blocks == p.num_blocks for p in kv.pools) and not kv.coarse_blocks

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from openinfer.config import CacheConfig, SchedulerConfig
-from openinfer.engine.kv_groups import FULL, WINDOW, KVGroupSpec, kv_startup_message, min_window_blocks
+from openinfer.engine.kv_groups import COARSE, FULL, WINDOW, KVGroupSpec, kv_startup_message, min_window_blocks
 from openinfer.executor.kv_sizing import plan_kv_blocks
 
 CPU = torch.device("cpu")
@@ -53,3 +53,12 @@ def test_startup_message_reports_bytes_per_token_for_every_model():
     assert hybrid == ("KV cache: 80 tokens (10 blocks of 8 + 23 window blocks, 13 bytes/token steady state + "
                       "window group 125 bytes/token over a 15-token lookback = 4000 bytes per running sequence); "
                       "max concurrency 2.00x at 40 tokens per request")
+
+
+def test_coarse_group_follows_the_full_group():
+    groups = HYBRID + [KVGroupSpec(COARSE, 50, block_tokens=16)]  # one coarse block per 2 full blocks
+    # ceil(12 / 2) + one partial coarse block per running sequence (4).
+    assert plan_kv_blocks(CacheConfig(block_size=8, num_kv_blocks=12), SCHED, CPU, groups)[COARSE] == 10
+    plan = plan_kv_blocks(CacheConfig(block_size=8, kv_cache_memory_gb=_gb(1_000_000)), SCHED, CPU, groups)
+    assert plan == {WINDOW: 23, FULL: 7814, COARSE: 3907 + 4}
+    assert 23 * 1000 + 7814 * 100 + 3911 * 50 <= 1_000_000 < 23 * 1000 + 7815 * 100 + 3912 * 50

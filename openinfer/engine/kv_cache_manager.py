@@ -48,6 +48,10 @@ class KVCacheManager:
         """The window group's block table (hybrid models only; see hybrid_kv_cache_manager)."""
         return None
 
+    def coarse_block_ids(self, request_id: str) -> list[int] | None:
+        """The coarse group's block table (hybrid models that declare one)."""
+        return None
+
     def release_stale_blocks(self, req: Request) -> None:
         """Called after each step that advanced ``req``: a single full group has nothing to release."""
 

@@ -5,7 +5,10 @@ models have one group, ``full``: every token's KV is read for the whole sequence
 ``window`` group: token-level state that is only ever read within ``lookback_tokens`` positions before the
 query, so the block manager may release a sequence's window blocks that lie wholly behind that lookback
 (vLLM v1's hybrid allocator / ``SlidingWindowManager``). Both groups use the same block size and the same
-logical block index per token, so one chain of prefix hashes serves both.
+logical block index per token, so one chain of prefix hashes serves both. It may add a ``coarse`` group:
+full-life state with one row per ``block_tokens`` tokens (a multiple of the block size; V4's heavily compressed
+entries, one per 128 tokens), whose block k is hashed with the key of the last ordinary block it spans. Without
+it, such state would take a whole entry slot in every ordinary block.
 """
 from __future__ import annotations
 
@@ -13,20 +16,32 @@ from dataclasses import dataclass
 
 FULL = "full"
 WINDOW = "window"
+COARSE = "coarse"
 
 
 @dataclass(frozen=True)
 class KVGroupSpec:
-    name: str  # FULL or WINDOW
+    name: str  # FULL, WINDOW or COARSE
     bytes_per_block: int  # across every layer's stores of this group
     # WINDOW only: a query at position p reads this group's rows at positions >= p - lookback_tokens.
     lookback_tokens: int | None = None
+    # COARSE only: tokens one block spans (a multiple of the engine's block size).
+    block_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        if self.name not in (FULL, WINDOW):
+        if self.name not in (FULL, WINDOW, COARSE):
             raise ValueError(f"unknown KV group {self.name!r}")
         if (self.name == WINDOW) != (self.lookback_tokens is not None):
             raise ValueError("lookback_tokens is set for the window group and only for it")
+        if (self.name == COARSE) != (self.block_tokens is not None):
+            raise ValueError("block_tokens is set for the coarse group and only for it")
+
+
+def coarse_blocks_for(num_full_blocks: int, block_size: int, block_tokens: int, max_num_seqs: int) -> int:
+    """Coarse blocks that never run out before the full group does: one per block_tokens / block_size full
+    blocks, plus the partially filled one at the end of each running sequence."""
+    per = block_tokens // block_size
+    return -(-num_full_blocks // per) + max_num_seqs
 
 
 def window_blocks_per_seq(lookback_tokens: int, block_size: int, num_new_tokens: int) -> int:
@@ -48,8 +63,14 @@ def group(groups: list[KVGroupSpec], name: str) -> KVGroupSpec | None:
 
 
 def bytes_per_token(groups: list[KVGroupSpec], block_size: int) -> int:
-    """The full group's bytes per token: what every token of a sequence holds for the sequence's whole life."""
-    return -(-group(groups, FULL).bytes_per_block // block_size)
+    """What every token of a sequence holds for the sequence's whole life: the full group's bytes per token,
+    plus the coarse group's (one block per block_tokens tokens)."""
+    full = group(groups, FULL).bytes_per_block
+    coarse = group(groups, COARSE)
+    if coarse is None:
+        return -(-full // block_size)
+    num = full * coarse.block_tokens + coarse.bytes_per_block * block_size
+    return -(-num // (block_size * coarse.block_tokens))
 
 
 def window_bytes_per_seq(win: KVGroupSpec, block_size: int) -> int:
@@ -74,5 +95,7 @@ def kv_startup_message(groups: list[KVGroupSpec], blocks: dict[str, int], block_
     pools = f"{n} blocks of {block_size}"
     if WINDOW in blocks:
         pools += f" + {blocks[WINDOW]} window blocks"
+    if COARSE in blocks:
+        pools += f" + {blocks[COARSE]} coarse blocks of {group(groups, COARSE).block_tokens}"
     return (f"KV cache: {tokens} tokens ({pools}, {kv_bytes_summary(groups, block_size)}); "
             f"max concurrency {tokens / max_model_len:.2f}x at {max_model_len} tokens per request")

@@ -14,7 +14,7 @@ from typing import Any
 from openinfer.config import EngineConfig
 from openinfer.engine.hybrid_kv_cache_manager import HybridKVCacheManager
 from openinfer.engine.kv_cache_manager import KVCacheManager
-from openinfer.engine.kv_groups import FULL, WINDOW, KVGroupSpec, group, kv_startup_message
+from openinfer.engine.kv_groups import COARSE, FULL, WINDOW, KVGroupSpec, group, kv_startup_message
 from openinfer.engine.output_processor import OutputProcessor
 from openinfer.engine.request import Request, RequestStatus
 from openinfer.engine.scheduler import Scheduler
@@ -34,7 +34,9 @@ def build_kv_manager(groups: list[KVGroupSpec], blocks: dict[str, int], block_si
     window = group(groups, WINDOW)
     if window is None:
         return KVCacheManager(blocks[FULL], block_size, enable_caching)
-    return HybridKVCacheManager(blocks[FULL], blocks[WINDOW], block_size, window.lookback_tokens, enable_caching)
+    coarse = group(groups, COARSE)
+    return HybridKVCacheManager(blocks[FULL], blocks[WINDOW], block_size, window.lookback_tokens, enable_caching,
+                                blocks.get(COARSE, 0), coarse.block_tokens if coarse is not None else None)
 
 
 @dataclass

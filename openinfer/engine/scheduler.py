@@ -36,6 +36,7 @@ class ScheduledSeq:
     num_prompt_tokens: int
     # The window group's table (hybrid models, see hybrid_kv_cache_manager); None for one-group models.
     window_block_ids: list[int] | None = None
+    coarse_block_ids: list[int] | None = None  # the coarse group's table, likewise
 
 
 @dataclass
@@ -178,6 +179,7 @@ class Scheduler:
                 output_token_ids=req.output_token_ids,
                 num_prompt_tokens=req.num_prompt_tokens,
                 window_block_ids=self.kv.window_block_ids(req.request_id),
+                coarse_block_ids=self.kv.coarse_block_ids(req.request_id),
             ))
             out.num_batched_tokens += n
         return out

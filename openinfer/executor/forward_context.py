@@ -35,6 +35,8 @@ class AttentionMetadata:
     # Hybrid models (kv_groups.WINDOW): slots and decode tables in the window group's blocks; None otherwise.
     window_slot_mapping: torch.Tensor | None = None
     window_decode_block_tables: torch.Tensor | None = None
+    # Models with a kv_groups.COARSE group: its tables, one row per sequence in step order (decodes first).
+    coarse_block_tables: torch.Tensor | None = None
     _decode_bias: dict = field(default_factory=dict, repr=False)
 
     def decode_bias(self, dtype: torch.dtype) -> torch.Tensor | None:

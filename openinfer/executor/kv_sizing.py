@@ -7,7 +7,8 @@ from pathlib import Path
 import torch
 
 from openinfer.config import CacheConfig, SchedulerConfig
-from openinfer.engine.kv_groups import FULL, WINDOW, KVGroupSpec, group, min_window_blocks, window_blocks_per_seq
+from openinfer.engine.kv_groups import (COARSE, FULL, WINDOW, KVGroupSpec, coarse_blocks_for, group,
+                                        min_window_blocks, window_blocks_per_seq)
 
 logger = logging.getLogger(__name__)
 
@@ -61,15 +62,29 @@ def plan_kv_blocks(cache: CacheConfig, sched: SchedulerConfig, device: torch.dev
                    groups: list[KVGroupSpec]) -> dict[str, int]:
     """Blocks per KV group. One full group: as many as the budget holds (``num_blocks_for``). With a window
     group (kv_groups.py) the window pool gets ``min_window_blocks`` (a full running batch makes progress)
-    plus WINDOW_HEADROOM of that for cached-but-released window blocks (prefix hits need them), the full
+    plus WINDOW_HEADROOM_PCT of that for cached-but-released window blocks (prefix hits need them), the full
     group the rest. A window pool larger than the full one is never useful (a sequence holds at most as
-    many window blocks as full ones), so it is capped there. ``num_kv_blocks`` sets the full group only."""
+    many window blocks as full ones), so it is capped there. A coarse group follows the full one
+    (``coarse_blocks_for``). ``num_kv_blocks`` sets the full group only."""
     bs = cache.block_size
     full = group(groups, FULL)
     useful_full = sched.max_num_seqs * -(-sched.max_model_len // bs)
     win = group(groups, WINDOW)
     if win is None:
         return {FULL: num_blocks_for(cache, device, full.bytes_per_block, useful_full)}
+    coarse = group(groups, COARSE)
+
+    def n_coarse(n_full: int) -> int:
+        return 0 if coarse is None else coarse_blocks_for(n_full, bs, coarse.block_tokens, sched.max_num_seqs)
+
+    def fit(avail: int, per_block: int) -> int:
+        """Most full blocks n with n * per_block + n_coarse(n) * coarse bytes <= avail."""
+        cb = 0 if coarse is None else coarse.bytes_per_block
+        n = max(0, avail // (per_block + (cb * bs // coarse.block_tokens if coarse else 0)))
+        while n and n * per_block + n_coarse(n) * cb > avail:
+            n -= 1
+        return n
+
     one_seq = window_blocks_per_seq(win.lookback_tokens, bs, min(sched.max_num_batched_tokens, sched.max_model_len))
     wanted = -(-min_window_blocks(win.lookback_tokens, bs, sched.max_num_seqs, sched.max_num_batched_tokens)
                * (100 + WINDOW_HEADROOM_PCT) // 100)
@@ -77,12 +92,13 @@ def plan_kv_blocks(cache: CacheConfig, sched: SchedulerConfig, device: torch.dev
         n_full = cache.num_kv_blocks
         n_win = max(one_seq, min(wanted, n_full))
     else:
-        useful_bytes = useful_full * full.bytes_per_block + min(wanted, useful_full) * win.bytes_per_block
+        useful_bytes = (useful_full * full.bytes_per_block + min(wanted, useful_full) * win.bytes_per_block
+                        + (n_coarse(useful_full) * coarse.bytes_per_block if coarse else 0))
         budget = _budget_bytes(cache, device, useful_bytes)
         n_win = wanted
-        n_full = (budget - n_win * win.bytes_per_block) // full.bytes_per_block
+        n_full = fit(budget - n_win * win.bytes_per_block, full.bytes_per_block)
         if n_full < n_win:  # the window pool would outgrow the full one: split the budget evenly by count
-            n_full = n_win = budget // (full.bytes_per_block + win.bytes_per_block)
+            n_full = n_win = fit(budget, full.bytes_per_block + win.bytes_per_block)
         need_full = -(-sched.max_model_len // bs)
         if n_full < need_full or n_win < one_seq:
             raise ValueError(
@@ -90,4 +106,7 @@ def plan_kv_blocks(cache: CacheConfig, sched: SchedulerConfig, device: torch.dev
                 f"request: it needs {need_full} full-group blocks of {full.bytes_per_block} B and {one_seq} "
                 f"window blocks of {win.bytes_per_block} B (got {n_full} and {n_win}); raise kv_cache_memory_gb "
                 f"or lower max_model_len / max_num_batched_tokens")
-    return {FULL: int(n_full), WINDOW: int(n_win)}
+    plan = {FULL: int(n_full), WINDOW: int(n_win)}
+    if coarse is not None:
+        plan[COARSE] = n_coarse(n_full)
+    return plan

@@ -7,7 +7,7 @@ import time
 import torch
 
 from openinfer.config import EngineConfig
-from openinfer.engine.kv_groups import FULL, WINDOW, KVGroupSpec, group
+from openinfer.engine.kv_groups import COARSE, FULL, WINDOW, KVGroupSpec, bytes_per_token, group
 from openinfer.engine.scheduler import RunnerOutput, SampledToken, ScheduledSeq, SchedulerOutput
 from openinfer.executor.forward_context import AttentionMetadata, PrefillSpan, set_forward_context
 from openinfer.executor.kv_sizing import plan_kv_blocks
@@ -41,13 +41,9 @@ class ModelRunner:
     def kv_groups(self) -> list[KVGroupSpec]:
         return kv_groups_of(self.model, self.block_size, self.dtype)
 
-    def kv_bytes_per_block(self) -> int:
-        """Bytes one full-group block takes across all layers: what every token of a sequence costs for its
-        whole life (a window group adds a bounded per-sequence cost on top, see kv_groups.py)."""
-        return group(self.kv_groups(), FULL).bytes_per_block
-
     def kv_bytes_per_token(self) -> int:
-        return -(-self.kv_bytes_per_block() // self.block_size)
+        """What every token holds for its sequence's whole life (kv_groups.bytes_per_token)."""
+        return bytes_per_token(self.kv_groups(), self.block_size)
 
     def init_kv_cache(self) -> dict[str, int]:
         """Warm up at the largest step, then size and allocate the cache from what is left. Returns the
@@ -78,10 +74,13 @@ class ModelRunner:
         n = min(sc.max_num_batched_tokens, sc.max_model_len)
         blocks = -(-n // self.block_size)
         groups = self.kv_groups()
-        self._allocate({g.name: blocks for g in groups})
+        coarse = group(groups, COARSE)
+        num_coarse = -(-n // coarse.block_tokens) if coarse is not None else 0
+        self._allocate({g.name: num_coarse if g.name == COARSE else blocks for g in groups})
         window_ids = list(range(blocks)) if group(groups, WINDOW) is not None else None
+        coarse_ids = list(range(num_coarse)) if coarse is not None else None
         seq = ScheduledSeq("__profile__", [0] * n, 0, list(range(blocks)), True,
-                           _greedy_params(), [0] * n, [], n, window_ids)
+                           _greedy_params(), [0] * n, [], n, window_ids, coarse_ids)
         self.execute(SchedulerOutput([seq], n))
         for a in self.attention_layers():
             a.k_cache = a.v_cache = None
@@ -141,6 +140,8 @@ class ModelRunner:
             decode_mask=dmask, prefills=prefills,
             window_slot_mapping=torch.tensor(wslots, dtype=torch.long, device=dev) if window else None,
             window_decode_block_tables=wdbt,
+            coarse_block_tables=_padded([s.coarse_block_ids for s in seqs], dev)
+            if seqs and seqs[0].coarse_block_ids is not None else None,
         )
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
                 md)
@@ -211,6 +212,11 @@ def kv_groups_of(model, block_size: int, dtype: torch.dtype) -> list[KVGroupSpec
     elem = torch.empty((), dtype=dtype).element_size()
     per_token = sum(2 * a.num_kv_heads * a.head_dim * elem for a in model.attention_layers())
     return [KVGroupSpec(FULL, per_token * block_size)]
+
+
+def _padded(tables: list[list[int]], dev: torch.device) -> torch.Tensor:
+    width = max(1, max(len(t) for t in tables))
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=dev)
 
 
 def _greedy_params():

@@ -2,8 +2,8 @@
 
 Invariant (engine-wide): every piece of per-sequence state lives in paged storage indexed by the sequence's block
 tables and keyed by token position, so chunked prefill, prefix-cache hits and preemption-by-recompute need nothing
-else. Per layer (d = head_dim, di = index_head_dim, m = compress ratio, bs = block_size), in two KV groups
-(engine/kv_groups.py) that share the block size and the logical block index of every token:
+else. Per layer (d = head_dim, di = index_head_dim, m = compress ratio, bs = block_size), in KV groups
+(engine/kv_groups.py) whose tables share the chain of prefix hashes:
 
 window group, token-level stores ``[num_window_blocks, bs, width]`` (row = the token's own contribution):
   ``kv``          d       the token's normed, roped latent (K == V) - read for the sliding window
@@ -13,33 +13,36 @@ window group, token-level stores ``[num_window_blocks, bs, width]`` (row = the t
 full group, entry-level stores ``[num_blocks, ceil(bs/m), width]``:
   ``entries``        d    compressed entry w (normed, roped at w*m)
   ``index_entries``  di   indexer key w (CSA only)
+coarse group, when the largest ratio M spans whole blocks (M > bs, M % bs == 0: V4-Flash's HCA, M = 128): the
+  entry stores of the layers with ratio M are ``[num_coarse_blocks, 1, width]``, coarse block k holding entry
+  k. In the full group they would take one entry slot in every block, though only one block in M/bs holds one.
 
 Token-level rows are only read within ``lookback_tokens`` = max(W - 1, c*m - 1) positions before a query (the
 window reads p - W + 1 .. p; an entry closing at e >= p reads its window's rows from e - m + 1, for CSA the window
 before too, from e - 2m + 1): 127 for V4-Flash. So the block manager (engine/hybrid_kv_cache_manager.py) releases
 a running sequence's window blocks once they lie wholly behind that lookback; the window table then holds
-block 0 there, never read. Entry w is read for the whole sequence life, so entries live in the full group.
+block 0 there, never read. Entry w is read for the whole sequence life, so entries live in the full (or coarse)
+group.
 
 Entry w is written in the step that computes its window's *last* token e = (w+1)*m - 1 and lives in the full
-group block holding e, at slot (e % bs) // m. Keying it by the *last* token (not the first, w*m) is what makes
-prefix sharing safe when m > bs: a block is only shared between sequences whose tokens agree up to the end of
-that block, hence over the whole window; a block holding w*m can be shared by sequences that diverge later in
-the window, and both would write their different entry w into it.
+group block holding e, at slot (e % bs) // m (coarse layers: in coarse block w, hashed with the key of the full
+block holding e). Keying it by the *last* token (not the first, w*m) is what makes prefix sharing safe when
+m > bs: a block is only shared between sequences whose tokens agree up to the end of that block, hence over the
+whole window; a block holding w*m can be shared by sequences that diverge later in the window, and both would
+write their different entry w into it.
 
 Size (``DeepseekV4ForCausalLM.kv_cache_spec`` reports what this layout allocates; the engine logs it). V4-Flash
 (d 512, di 128; 21 CSA m=4, 20 HCA m=128, 2 SWA-only layers; the MTP layer has no cache yet), bf16, bs 16:
-- full group, what every token holds for its sequence's whole life: 8,000 B/token = per CSA layer
-  2*(512 + 128)*4 entries/16 = 320 B, per HCA layer 2*512*1 entry/16 = 64 B, SWA layers 0. DeepSeek-V3 at its
-  real config in bf16 (61 layers x (512 + 64) x 2 B) is 70,272 B/token: 8.8x more. At one entry slot per
-  16-token block, HCA pays 64 B/token for an entry that needs 8 (one per 128 tokens); with 8 B it would be
-  6,880 B/token, 10.2x below V3. Production (vLLM fp8_ds_mla: fp8 entries with UE8M0 scales, 584 B per 512-d
+- what every token holds for its sequence's whole life: 6,880 B/token = full group 6,720 (per CSA layer
+  2*(512 + 128)*4 entries/16 = 320 B) + coarse group 160 (per HCA layer 2*512 B per 128 tokens = 8 B). SWA-only
+  layers hold nothing for long. DeepSeek-V3 at its real config in bf16 (61 layers x (512 + 64) x 2 B) holds
+  70,272 B/token: 10.2x more. Production (vLLM fp8_ds_mla: fp8 entries with UE8M0 scales, 584 B per 512-d
   entry, 132 B per indexer key) is ~3.85 KB/token against V3's 40 KB in FlashMLA.
 - window group: 192,512 B/token (per CSA layer 2*(512 + 2048 + 512) = 6144 B, per HCA 2*(512 + 1024) = 3072 B,
   per SWA 1024 B), but a decoding sequence holds at most ceil(127/16) + 2 = 10 of its blocks: 30.8 MB per
-  running sequence whatever its length (the full-group cost of ~3,850 tokens).
-Next steps: HCA entries in a pool indexed per entry rather than per block (removes the 7/8 waste above);
-replacing the raw ``comp`` rows by a per-block online-softmax running state (shrinks the window group ~4x);
-fp8 entries/latents and fp8/fp4 indexer keys.
+  running sequence whatever its length (the long-lived cost of ~4,480 tokens).
+Next steps: replacing the raw ``comp`` rows by a per-block online-softmax running state (shrinks the window
+group ~4x); fp8 entries/latents and fp8/fp4 indexer keys.
 """
 from __future__ import annotations
 
@@ -47,6 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
+from openinfer.engine.kv_groups import COARSE, FULL, WINDOW
 from openinfer.executor.forward_context import AttentionMetadata
 from openinfer.models.deepseek_v4.config import CSA, SLIDING, DeepseekV4Config
 
@@ -65,12 +69,23 @@ def layer_store_widths(cfg: DeepseekV4Config, layer_idx: int) -> tuple[dict[str,
     return {"kv": d, "comp": 2 * d}, {"entries": d}
 
 
+def coarse_ratio(cfg: DeepseekV4Config, block_size: int) -> int | None:
+    """The compress ratio whose entries live in the coarse group (one block per entry window), or None. Only
+    the largest ratio, and only when it spans whole blocks: smaller ratios fit several entries per block."""
+    m = max(cfg.compress_ratios[:cfg.num_hidden_layers], default=0)
+    return m if m > block_size and m % block_size == 0 else None
+
+
 def layer_bytes_per_block(cfg: DeepseekV4Config, layer_idx: int, block_size: int,
-                          elem_size: int) -> tuple[int, int]:
-    """(window-group bytes, full-group bytes) one block of ``block_size`` tokens takes in this layer."""
+                          elem_size: int) -> tuple[int, int, int]:
+    """(window-group bytes per block, full-group bytes per block, coarse-group bytes per coarse block) this
+    layer takes, blocks of ``block_size`` tokens (coarse blocks: ``coarse_ratio`` tokens)."""
     tok, ent = layer_store_widths(cfg, layer_idx)
-    cap = entries_per_block(block_size, max(cfg.compress_ratios[layer_idx], 1))
-    return elem_size * block_size * sum(tok.values()), elem_size * cap * sum(ent.values())
+    ratio = cfg.compress_ratios[layer_idx]
+    window = elem_size * block_size * sum(tok.values())
+    if ratio and ratio == coarse_ratio(cfg, block_size):
+        return window, 0, elem_size * sum(ent.values())
+    return window, elem_size * entries_per_block(block_size, max(ratio, 1)) * sum(ent.values()), 0
 
 
 def lookback_tokens(cfg: DeepseekV4Config) -> int:
@@ -87,17 +102,19 @@ def lookback_tokens(cfg: DeepseekV4Config) -> int:
 class V4LayerCache:
     """One layer's paged stores (see the module docstring); tensors are attributes named like the stores."""
 
-    def __init__(self, cfg: DeepseekV4Config, layer_idx: int, num_blocks: int, num_window_blocks: int,
-                 block_size: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, cfg: DeepseekV4Config, layer_idx: int, num_blocks: dict[str, int], block_size: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
         self.block_size = block_size
         self.ratio = cfg.compress_ratios[layer_idx]
-        self.entry_cap = entries_per_block(block_size, max(self.ratio, 1))
+        self.coarse = bool(self.ratio) and self.ratio == coarse_ratio(cfg, block_size)
+        self.entry_cap = 1 if self.coarse else entries_per_block(block_size, max(self.ratio, 1))
+        num_entry_blocks = num_blocks[COARSE] if self.coarse else num_blocks[FULL]
         tok, ent = layer_store_widths(cfg, layer_idx)
         self.names = list(tok) + list(ent)
         for name, width in tok.items():  # the window group's blocks
-            setattr(self, name, torch.zeros(num_window_blocks, block_size, width, dtype=dtype, device=device))
-        for name, width in ent.items():  # the full group's blocks
-            setattr(self, name, torch.zeros(num_blocks, self.entry_cap, width, dtype=dtype, device=device))
+            setattr(self, name, torch.zeros(num_blocks[WINDOW], block_size, width, dtype=dtype, device=device))
+        for name, width in ent.items():  # the full (or coarse) group's blocks
+            setattr(self, name, torch.zeros(num_entry_blocks, self.entry_cap, width, dtype=dtype, device=device))
 
     def flat(self, name: str) -> torch.Tensor:
         t = getattr(self, name)
@@ -118,9 +135,12 @@ class StepIndex:
     positions: torch.Tensor
     block_size: int
     win_tables: torch.Tensor | None = None
+    # The coarse group's tables [S, max coarse blocks] and its block span (= the coarse layers' ratio).
+    coarse_tables: torch.Tensor | None = None
+    coarse_tokens: int | None = None
 
     @classmethod
-    def build(cls, md: AttentionMetadata, positions: torch.Tensor) -> StepIndex:
+    def build(cls, md: AttentionMetadata, positions: torch.Tensor, coarse_tokens: int | None = None) -> StepIndex:
         dev = positions.device
         nd = md.num_decodes
         counts = torch.ones(nd + len(md.prefills), dtype=torch.long, device=dev)
@@ -132,12 +152,12 @@ class StepIndex:
         if md.window_slot_mapping is not None:
             win = _stack_tables(md.window_decode_block_tables if nd else None,
                                 [s.window_block_table for s in md.prefills], dev)
-        return cls(tables, token_seq, positions, md.block_size, win)
+        return cls(tables, token_seq, positions, md.block_size, win, md.coarse_block_tables, coarse_tokens)
 
     def slice(self, start: int, end: int) -> StepIndex:
         """The tokens [start, end) of this step (same tables)."""
         return StepIndex(self.tables, self.token_seq[start:end], self.positions[start:end], self.block_size,
-                         self.win_tables)
+                         self.win_tables, self.coarse_tables, self.coarse_tokens)
 
     @property
     def token_tables(self) -> torch.Tensor:
@@ -152,6 +172,8 @@ class StepIndex:
 
     def entry_slots(self, seq: torch.Tensor, window: torch.Tensor, ratio: int, cap: int) -> torch.Tensor:
         """Flat entry-store slot of compressed entry ``window`` (clamped at 0) - see the module docstring."""
+        if ratio == self.coarse_tokens and self.coarse_tables is not None:  # coarse block w holds entry w only
+            return self.coarse_tables[seq, window.clamp(min=0)]
         end = (window.clamp(min=0) + 1) * ratio - 1
         bs = self.block_size
         return self.tables[seq, end // bs] * cap + (end % bs) // ratio
