@@ -86,6 +86,8 @@ def test_parity_with_hf_one_batch(ckpt, prompts, hf_ref):
     assert blocks["full"] == 96 and blocks["window"] == 96  # window capped at the full group's count
     assert allocated == sum(g.bytes_per_block * blocks[g.name] for g in model.kv_cache_spec(16))
     assert all(a.cache.kv.shape[0] == blocks["window"] for a in model.attention_layers())
+    assert (f"96 blocks of 16 + 96 window blocks, {llm.engine.kv_bytes_per_token} bytes/token steady state"
+            in llm.engine.startup_message)
 
 
 @pytest.mark.parametrize("block_size", [16, 8])  # 8: HCA entries (m = 16) in the coarse group
