@@ -21,7 +21,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from openinfer import LLM, SamplingParams
-from openinfer.models.deepseek_v4.cache import StepIndex, layer_bytes_per_block
+from openinfer.engine.request import Request
+from openinfer.models.deepseek_v4.cache import StepIndex, coarse_ratio, layer_bytes_per_block, lookback_tokens
 from openinfer.models.deepseek_v4.config import DeepseekV4Config
 from openinfer.models.deepseek_v4.indexer import Indexer
 from openinfer.models.deepseek_v4.hc import HyperConnection, fused_post_pre, hc_post
@@ -78,13 +79,21 @@ def _assert_matches(outs, ref) -> None:
 def test_parity_with_hf_one_batch(ckpt, prompts, hf_ref):
     llm = LLM(str(ckpt), dtype="float32", max_model_len=128, num_kv_blocks=96)
     _assert_matches(_run(llm, prompts), hf_ref)
-    model = llm.engine.runner.model  # the reported size is what is allocated
+    runner = llm.engine.runner  # the reported size is what is allocated, per group
+    model = runner.model
     allocated = sum(getattr(a.cache, n).nbytes for a in model.attention_layers() for n in a.cache.names)
-    assert allocated == model.kv_bytes_per_block(16) * 96
+    blocks = runner.num_blocks
+    assert blocks["full"] == 96 and blocks["window"] == 96  # window capped at the full group's count
+    assert allocated == sum(g.bytes_per_block * blocks[g.name] for g in model.kv_cache_spec(16))
+    assert all(a.cache.kv.shape[0] == blocks["window"] for a in model.attention_layers())
+    assert (f"96 blocks of 16 + 96 window blocks, {llm.engine.kv_bytes_per_token} bytes/token steady state"
+            in llm.engine.startup_message)
 
 
-def test_reference_backend_matches_fast_path(ckpt, prompts, hf_ref):
-    kw = dict(dtype="float32", max_model_len=128, num_kv_blocks=96, max_num_batched_tokens=64)
+@pytest.mark.parametrize("block_size", [16, 8])  # 8: HCA entries (m = 16) in the coarse group
+def test_reference_backend_matches_fast_path(ckpt, prompts, hf_ref, block_size):
+    kw = dict(dtype="float32", max_model_len=128, num_kv_blocks=96, max_num_batched_tokens=64,
+              block_size=block_size)
     fast = _run(LLM(str(ckpt), **kw), prompts[:4], 8)
     ref_llm = LLM(str(ckpt), attention_backend="reference", **kw)
     assert {a.backend for a in ref_llm.engine.runner.model.attention_layers()} == {"reference"}
@@ -102,6 +111,8 @@ def test_chunked_prefill_and_prefix_cache_hits(ckpt, prompts, hf_ref):
     # then read a corrupted entry).
     llm = LLM(str(ckpt), dtype="float32", max_model_len=128, block_size=8, max_num_batched_tokens=8,
               num_kv_blocks=160)
+    # HCA entries (m = 16 = 2 blocks) live in the coarse group, one 16-token block per entry.
+    assert llm.engine.kv.coarse_block_tokens == 16 and len(llm.engine.kv.pools) == 3
     _assert_matches(_run(llm, prompts), hf_ref)
     g = torch.Generator().manual_seed(7)
     branches = [prompts[i][:cut] + torch.randint(6, 256, (9,), generator=g).tolist()
@@ -113,6 +124,7 @@ def test_chunked_prefill_and_prefix_cache_hits(ckpt, prompts, hf_ref):
     # Every full prompt block was cached by the first batch (the last prompt token is never served from cache).
     assert [o.num_cached_tokens for o in again] == [(len(p) - 1) // 8 * 8 for p in prompts[4:]]
     _assert_matches(again, hf_ref[4:])
+    assert _all_blocks_free(llm)
 
 
 def test_preemption_recomputes_identically(ckpt, prompts, hf_ref):
@@ -120,6 +132,66 @@ def test_preemption_recomputes_identically(ckpt, prompts, hf_ref):
     llm = LLM(str(ckpt), dtype="float32", max_model_len=128, num_kv_blocks=12, max_num_batched_tokens=64)
     _assert_matches(_run(llm, prompts[4:]), hf_ref[4:])
     assert llm.engine.scheduler.num_preemptions > 0
+    assert _all_blocks_free(llm)
+
+
+def _all_blocks_free(llm: LLM) -> bool:
+    kv = llm.engine.kv  # full, window and (block_size < HCA ratio) coarse pools
+    return (all(p.num_free_blocks == p.num_blocks for p in kv.pools) and not kv.req_blocks and not kv.win_blocks
+            and not kv.coarse_blocks)
+
+
+def test_window_blocks_are_released_during_decode_and_still_serve_prefix_hits(ckpt, prompts):
+    """A long generation holds at most ceil(lookback/bs) + 2 window blocks; the ones it released keep their
+    hashes, so a later request sharing its prompt + output gets an exact hit; once some of them are evicted the
+    hit is shortened to where the window pool still has the blocks. Tokens match HF in every case."""
+    llm = LLM(str(ckpt), dtype="float32", max_model_len=128, block_size=8, max_num_batched_tokens=16,
+              num_kv_blocks=64)
+    eng, kv = llm.engine, llm.engine.kv
+    lookback = kv.lookback_tokens
+    assert lookback == 15  # window 16 (reads 15 back), HCA m=16 (15 back), CSA m=4 overlapped (7 back)
+    bound = -(-lookback // 8) + 2
+    sp = SamplingParams(temperature=0, max_tokens=70, ignore_eos=True)
+    eng.add_request("long", {"prompt_token_ids": prompts[3]}, sp)  # 40 prompt + 70 generated tokens
+    held, out = [], None
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            out = o
+        if "long" in kv.win_blocks:
+            held.append(kv.num_held_window_blocks("long"))
+            computed = eng.scheduler.requests["long"].num_computed_tokens
+            released = kv.win_blocks["long"][:max(0, computed - lookback) // 8]
+            assert released == [None] * len(released)
+    assert max(held) <= bound and len(kv.win_blocks) == 0 and _all_blocks_free(llm)
+    assert held[-1] <= bound and len(held) >= 60
+    history = prompts[3] + out.outputs[0].token_ids
+    g = torch.Generator().manual_seed(11)
+    exact = history[:90] + torch.randint(6, 256, (5,), generator=g).tolist()
+    # Exact: the hit ends at block 11 (88 tokens); its window blocks 9, 10 were released ~20 tokens before
+    # "long" finished and are still cached.
+    short_prompt = history[:20] + torch.randint(6, 256, (3,), generator=g).tolist()
+    outs = _run(llm, [exact], 8)
+    assert outs[0].num_cached_tokens == 88
+    _assert_matches(outs, hf_greedy(ckpt, [exact], 8))
+    assert _all_blocks_free(llm)
+    # Refresh window blocks 0, 1 (a hit at 16 tokens reads rows 1..15), then evict every older free window
+    # block, which takes blocks 2..10 of "long" with it.
+    assert _run(llm, [short_prompt], 2)[0].num_cached_tokens == 16
+    probe = Request("probe", history[:41], SamplingParams(max_tokens=1), 128)
+    keys = kv._block_keys(probe, 5)
+    win = [kv.window_pool.get_cached_block(k) for k in keys]
+    free = kv.window_pool.free_block_ids()
+    cut = max(free.index(b.block_id) for b in win[2:]) + 1
+    assert all(free.index(b.block_id) >= cut for b in win[:2])
+    stolen = kv.window_pool.allocate(cut)
+    later = history[:41] + torch.randint(6, 256, (4,), generator=g).tolist()
+    hits, n = kv.get_computed_blocks(Request("peek", later, SamplingParams(max_tokens=1), 128))
+    assert n == 16  # the full group still has 5 blocks, the window group only what h = 2 needs
+    kv.window_pool.release(stolen)
+    outs = _run(llm, [later], 8)
+    assert outs[0].num_cached_tokens == 16
+    _assert_matches(outs, hf_greedy(ckpt, [later], 8))
+    assert _all_blocks_free(llm)
 
 
 def test_fused_hc_post_pre_matches_plain():
@@ -245,25 +317,56 @@ def test_malformed_config_is_rejected_naming_the_field(field, change):
         DeepseekV4Config.from_hf(cfg)
 
 
+V4_FLASH = dict(
+    architectures=["DeepseekV4ForCausalLM"], vocab_size=129280, hidden_size=4096, num_hidden_layers=43,
+    num_attention_heads=64, head_dim=512, qk_rope_head_dim=64, q_lora_rank=1024, o_groups=8, o_lora_rank=1024,
+    sliding_window=128, compress_ratios=[0, 0] + [4 if i % 2 == 0 else 128 for i in range(2, 43)] + [0],
+    compress_rope_theta=160000, rope_theta=10000, max_position_embeddings=1048576,
+    rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32,
+                  "beta_slow": 1},
+    index_n_heads=64, index_head_dim=128, index_topk=512, n_routed_experts=256, n_shared_experts=1,
+    num_experts_per_tok=6, moe_intermediate_size=2048, scoring_func="sqrtsoftplus", topk_method="noaux_tc",
+    norm_topk_prob=True, routed_scaling_factor=1.5, num_hash_layers=3, swiglu_limit=10.0, hc_mult=4,
+    hc_sinkhorn_iters=20, hc_eps=1e-6, rms_norm_eps=1e-6, num_nextn_predict_layers=1)
+
+# DeepSeek-V3's released config.json, the fields the model reads (spec §6).
+V3 = dict(
+    architectures=["DeepseekV3ForCausalLM"], vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+    moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128, first_k_dense_replace=3,
+    q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+    n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4,
+    norm_topk_prob=True, routed_scaling_factor=2.5, scoring_func="sigmoid", topk_method="noaux_tc",
+    max_position_embeddings=163840, rms_norm_eps=1e-6,
+    rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                  "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}, rope_theta=10000)
+
+
+def _kv_report(cfg: dict):
+    """(groups, summary line) exactly as the engine reports them at start-up, bf16, block 16."""
+    spec = importlib.util.spec_from_file_location("kv_report", ROOT / "scripts" / "kv_bytes_report.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.report(cfg, torch.bfloat16, 16)
+
+
 def test_v4_flash_config_and_cache_size():
-    """V4-Flash's released config.json (spec §2, DeepSeek style): schedule, RoPE, and this layout's KV size."""
-    ratios = [0, 0] + [4 if i % 2 == 0 else 128 for i in range(2, 43)] + [0]
-    cfg = DeepseekV4Config.from_hf(dict(
-        vocab_size=129280, hidden_size=4096, num_hidden_layers=43, num_attention_heads=64, head_dim=512,
-        qk_rope_head_dim=64, q_lora_rank=1024, o_groups=8, o_lora_rank=1024, sliding_window=128,
-        compress_ratios=ratios, compress_rope_theta=160000, rope_theta=10000, max_position_embeddings=1048576,
-        rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
-                      "beta_fast": 32, "beta_slow": 1},
-        index_n_heads=64, index_head_dim=128, index_topk=512, n_routed_experts=256, n_shared_experts=1,
-        num_experts_per_tok=6, moe_intermediate_size=2048, scoring_func="sqrtsoftplus", topk_method="noaux_tc",
-        norm_topk_prob=True, routed_scaling_factor=1.5, num_hash_layers=3, swiglu_limit=10.0, hc_mult=4,
-        hc_sinkhorn_iters=20, hc_eps=1e-6, rms_norm_eps=1e-6, num_nextn_predict_layers=1))
+    """V4-Flash's released config.json (spec §2, DeepSeek style): schedule, RoPE, and this layout's KV size,
+    about 10x smaller per token than V3's at the real configs (see cache.py for the arithmetic)."""
+    cfg = DeepseekV4Config.from_hf(V4_FLASH)
     kinds = cfg.layer_types[:43]
     assert (kinds.count("compressed_sparse_attention"), kinds.count("heavily_compressed_attention")) == (21, 20)
     assert cfg.layer_types[43] == "sliding_attention" and not cfg.is_hash_layer(43) and cfg.is_hash_layer(2)
     assert cfg.main_rope.factor is None and cfg.compress_rope.factor == 16 and cfg.compress_rope.theta == 160000
-    per_block = sum(layer_bytes_per_block(cfg, i, 16, 2) for i in range(43))
-    assert per_block // 16 == 200512  # bf16, block 16: see cache.py for the comparison with production
+    window, full, coarse = (sum(x) for x in zip(*(layer_bytes_per_block(cfg, i, 16, 2) for i in range(43))))
+    assert full // 16 == 6720  # CSA entries + indexer keys: 21 x 2*(512+128) per 4 tokens
+    assert coarse == 20 * 1024 and coarse_ratio(cfg, 16) == 128  # one HCA entry per layer per 128 tokens
+    assert window // 16 == 192512 and lookback_tokens(cfg) == 127  # 21 x 6144 + 20 x 3072 + 2 x 1024
+    v4 = _kv_report(V4_FLASH)
+    v3 = _kv_report(V3)
+    assert v4 == ("6880 bytes/token steady state + window group 192512 bytes/token over a 127-token lookback = "
+                  "30801920 bytes per running sequence"), v4  # 6720 + 160; 10 blocks of 16 x 192512
+    assert v3 == "70272 bytes/token"  # 61 layers x (512 + 64) x 2 B, the same code path as any dense model
+    assert 70272 / 6880 > 10
 
 
 def test_indexer_breaks_ties_towards_lowest_entry():

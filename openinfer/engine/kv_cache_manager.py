@@ -44,6 +44,17 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
 
+    def window_block_ids(self, request_id: str) -> list[int] | None:
+        """The window group's block table (hybrid models only; see hybrid_kv_cache_manager)."""
+        return None
+
+    def coarse_block_ids(self, request_id: str) -> list[int] | None:
+        """The coarse group's block table (hybrid models that declare one)."""
+        return None
+
+    def release_stale_blocks(self, req: Request) -> None:
+        """Called after each step that advanced ``req``: a single full group has nothing to release."""
+
     def _block_keys(self, req: Request, num_full_blocks: int) -> list:
         """Chain keys of the request's first ``num_full_blocks`` full blocks (hashes memoised on the
         request so each block is hashed once in its life)."""
@@ -65,6 +76,13 @@ class KVCacheManager:
         if not self.enable_caching or req.sampling_params.prompt_logprobs is not None:
             # prompt_logprobs need the logits of every prompt position, so nothing may be skipped.
             return [], 0
+        hits = self._cached_prefix(req)
+        num_hit_tokens = len(hits) * self.block_size
+        self.stats.queries += req.num_tokens
+        self.stats.hits += num_hit_tokens
+        return hits, num_hit_tokens
+
+    def _cached_prefix(self, req: Request) -> list[KVBlock]:
         # Never the last token: its logits are needed, so at most (num_tokens - 1) tokens come from cache.
         max_blocks = (req.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []
@@ -73,10 +91,7 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        num_hit_tokens = len(hits) * self.block_size
-        self.stats.queries += req.num_tokens
-        self.stats.hits += num_hit_tokens
-        return hits, num_hit_tokens
+        return hits
 
     # -- allocation ------------------------------------------------------------------------------
     def allocate_slots(

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from openinfer.config import EngineConfig
+from openinfer.engine.hybrid_kv_cache_manager import HybridKVCacheManager
 from openinfer.engine.kv_cache_manager import KVCacheManager
+from openinfer.engine.kv_groups import COARSE, FULL, WINDOW, KVGroupSpec, group, kv_startup_message
 from openinfer.engine.output_processor import OutputProcessor
 from openinfer.engine.request import Request, RequestStatus
 from openinfer.engine.scheduler import Scheduler
@@ -25,6 +27,16 @@ from openinfer.tokenizer import default_sampling_params, eos_token_ids, load_tok
 logger = logging.getLogger(__name__)
 
 PromptType = str | list[int] | dict[str, Any]
+
+
+def build_kv_manager(groups: list[KVGroupSpec], blocks: dict[str, int], block_size: int,
+                     enable_caching: bool) -> KVCacheManager:
+    window = group(groups, WINDOW)
+    if window is None:
+        return KVCacheManager(blocks[FULL], block_size, enable_caching)
+    coarse = group(groups, COARSE)
+    return HybridKVCacheManager(blocks[FULL], blocks[WINDOW], block_size, window.lookback_tokens, enable_caching,
+                                blocks.get(COARSE, 0), coarse.block_tokens if coarse is not None else None)
 
 
 @dataclass
@@ -47,19 +59,16 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(mc.tokenizer_path, chat_template)
         self.eos_token_ids = eos_token_ids(self.tokenizer, mc.path)
         self.runner = ModelRunner(config)
-        num_blocks = self.runner.init_kv_cache()
+        blocks = self.runner.init_kv_cache()
         bs = config.cache.block_size
-        self.kv = KVCacheManager(num_blocks, bs, config.cache.enable_prefix_caching)
+        groups = self.runner.kv_groups()
+        self.kv = build_kv_manager(groups, blocks, bs, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._pending_children: dict[str, list[Request]] = {}  # parent id -> children waiting for a shared prefix
         self._ids = itertools.count()
-        kv_tokens = num_blocks * bs
         self.kv_bytes_per_token = self.runner.kv_bytes_per_token()
-        self.startup_message = (
-            f"KV cache: {kv_tokens} tokens ({num_blocks} blocks of {bs}, {self.kv_bytes_per_token} bytes/token); "
-            f"max concurrency {kv_tokens / mc.max_model_len:.2f}x at {mc.max_model_len} tokens per request"
-        )
+        self.startup_message = kv_startup_message(groups, blocks, bs, mc.max_model_len)
         logger.info(self.startup_message)
 
     # -- intake ----------------------------------------------------------------------------------

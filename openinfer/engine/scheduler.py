@@ -34,6 +34,9 @@ class ScheduledSeq:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     num_prompt_tokens: int
+    # The window group's table (hybrid models, see hybrid_kv_cache_manager); None for one-group models.
+    window_block_ids: list[int] | None = None
+    coarse_block_ids: list[int] | None = None  # the coarse group's table, likewise
 
 
 @dataclass
@@ -175,6 +178,8 @@ class Scheduler:
                 prompt_token_ids=req.prompt_token_ids,
                 output_token_ids=req.output_token_ids,
                 num_prompt_tokens=req.num_prompt_tokens,
+                window_block_ids=self.kv.window_block_ids(req.request_id),
+                coarse_block_ids=self.kv.coarse_block_ids(req.request_id),
             ))
             out.num_batched_tokens += n
         return out
@@ -196,6 +201,7 @@ class Scheduler:
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # finished or preempted meanwhile
             req.num_computed_tokens += len(seq.token_ids)
+            self.kv.release_stale_blocks(req)
             prompt_lp = result.prompt_logprobs.get(seq.request_id)
             sampled = result.sampled.get(seq.request_id)
             if sampled is None:

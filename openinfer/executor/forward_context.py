@@ -19,6 +19,7 @@ class PrefillSpan:
     query_len: int
     context_len: int  # tokens in the KV cache after this step, including these queries
     block_table: torch.Tensor  # [num_blocks] int64
+    window_block_table: torch.Tensor | None = None  # the window group's table (hybrid models), same length
 
 
 @dataclass
@@ -31,6 +32,11 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor | None  # [num_decodes] int64
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks*block_size] bool
     prefills: list[PrefillSpan]
+    # Hybrid models (kv_groups.WINDOW): slots and decode tables in the window group's blocks; None otherwise.
+    window_slot_mapping: torch.Tensor | None = None
+    window_decode_block_tables: torch.Tensor | None = None
+    # Models with a kv_groups.COARSE group: its tables, one row per sequence in step order (decodes first).
+    coarse_block_tables: torch.Tensor | None = None
     _decode_bias: dict = field(default_factory=dict, repr=False)
 
     def decode_bias(self, dtype: torch.dtype) -> torch.Tensor | None:

@@ -7,9 +7,10 @@ import time
 import torch
 
 from openinfer.config import EngineConfig
+from openinfer.engine.kv_groups import COARSE, FULL, WINDOW, KVGroupSpec, bytes_per_token, group
 from openinfer.engine.scheduler import RunnerOutput, SampledToken, ScheduledSeq, SchedulerOutput
 from openinfer.executor.forward_context import AttentionMetadata, PrefillSpan, set_forward_context
-from openinfer.executor.kv_sizing import num_blocks_for
+from openinfer.executor.kv_sizing import plan_kv_blocks
 from openinfer.executor.loader import load_model
 from openinfer.executor.sampler import SamplingRow, sample, top_logprobs
 from openinfer.layers.linear import prepack_linears
@@ -33,44 +34,37 @@ class ModelRunner:
         backend = "reference" if config.attention_backend == "reference" else "sdpa"
         for layer in self.attention_layers():
             layer.backend = backend
-        self.num_blocks = 0
+        self.num_blocks: dict[str, int] = {}
 
     # -- KV cache --------------------------------------------------------------------------------
     def attention_layers(self):
         return self.model.attention_layers()
 
-    def kv_bytes_per_block(self) -> int:
-        """Bytes one block takes across all layers. Models with non-token-linear layouts (DeepSeek-V4's
-        compressed entries round up per block) answer for the exact block size themselves."""
-        per_block = getattr(self.model, "kv_bytes_per_block", None)
-        if per_block is not None:
-            return int(per_block(self.block_size))
-        custom = getattr(self.model, "kv_bytes_per_token", None)
-        if custom is not None:
-            return int(custom()) * self.block_size
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return self.block_size * sum(2 * a.num_kv_heads * a.head_dim * elem for a in self.attention_layers())
+    def kv_groups(self) -> list[KVGroupSpec]:
+        return kv_groups_of(self.model, self.block_size, self.dtype)
 
     def kv_bytes_per_token(self) -> int:
-        return -(-self.kv_bytes_per_block() // self.block_size)
+        """What every token holds for its sequence's whole life (kv_groups.bytes_per_token)."""
+        return bytes_per_token(self.kv_groups(), self.block_size)
 
-    def init_kv_cache(self) -> int:
-        """Warm up at the largest step, then size and allocate the cache from what is left."""
+    def init_kv_cache(self) -> dict[str, int]:
+        """Warm up at the largest step, then size and allocate the cache from what is left. Returns the
+        number of blocks per KV group."""
         self.profile_run()
-        bytes_per_block = self.kv_bytes_per_block()
-        sc = self.config.scheduler
-        useful = sc.max_num_seqs * -(-sc.max_model_len // self.block_size)
-        self.num_blocks = num_blocks_for(self.config.cache, self.device, bytes_per_block, useful)
+        self.num_blocks = plan_kv_blocks(self.config.cache, self.config.scheduler, self.device, self.kv_groups())
         self._allocate(self.num_blocks)
         return self.num_blocks
 
-    def _allocate(self, num_blocks: int) -> None:
+    def _allocate(self, num_blocks: dict[str, int]) -> None:
+        if hasattr(self.model, "kv_cache_spec"):
+            self.model.allocate_kv_cache(num_blocks, self.block_size, self.dtype, self.device)
+            return
         custom = getattr(self.model, "allocate_kv_cache", None)
         if custom is not None:
-            custom(num_blocks, self.block_size, self.dtype, self.device)
+            custom(num_blocks[FULL], self.block_size, self.dtype, self.device)
             return
         for a in self.attention_layers():
-            shape = (num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
+            shape = (num_blocks[FULL], self.block_size, a.num_kv_heads, a.head_dim)
             a.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             a.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
 
@@ -81,9 +75,14 @@ class ModelRunner:
         sc = self.config.scheduler
         n = min(sc.max_num_batched_tokens, sc.max_model_len)
         blocks = -(-n // self.block_size)
-        self._allocate(blocks)
+        groups = self.kv_groups()
+        coarse = group(groups, COARSE)
+        num_coarse = -(-n // coarse.block_tokens) if coarse is not None else 0
+        self._allocate({g.name: num_coarse if g.name == COARSE else blocks for g in groups})
+        window_ids = list(range(blocks)) if group(groups, WINDOW) is not None else None
+        coarse_ids = list(range(num_coarse)) if coarse is not None else None
         seq = ScheduledSeq("__profile__", [0] * n, 0, list(range(blocks)), True,
-                           _greedy_params(), [0] * n, [], n)
+                           _greedy_params(), [0] * n, [], n, window_ids, coarse_ids)
         self.execute(SchedulerOutput([seq], n))
         for a in self.attention_layers():
             a.k_cache = a.v_cache = None
@@ -107,15 +106,24 @@ class ModelRunner:
             pos.extend(positions)
             bt = s.block_ids
             slots.extend(bt[p // bs] * bs + p % bs for p in positions)
+        window = bool(seqs) and seqs[0].window_block_ids is not None
+        wslots: list[int] = []
+        if window:  # hybrid models: token-level stores live in the window group's blocks
+            for s in seqs:
+                wt = s.window_block_ids
+                wslots.extend(wt[p // bs] * bs + p % bs for p in range(s.start_pos, s.start_pos + len(s.token_ids)))
         num_decodes = 0
         while num_decodes < len(seqs) and len(seqs[num_decodes].token_ids) == 1:
             num_decodes += 1
-        dbt = dlens = dmask = None
+        dbt = dlens = dmask = wdbt = None
         if num_decodes:
             dec = seqs[:num_decodes]
             max_blocks = max(len(s.block_ids) for s in dec)
             table = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in dec]
             dbt = torch.tensor(table, dtype=torch.long, device=dev)
+            if window:
+                wdbt = torch.tensor([s.window_block_ids + [0] * (max_blocks - len(s.window_block_ids)) for s in dec],
+                                    dtype=torch.long, device=dev)
             lens = [s.start_pos + 1 for s in dec]
             dlens = torch.tensor(lens, dtype=torch.long, device=dev)
             dmask = (torch.arange(max_blocks * bs, device=dev)[None, :] < dlens[:, None])[:, None, None, :]
@@ -123,14 +131,19 @@ class ModelRunner:
         off = sum(len(s.token_ids) for s in seqs[:num_decodes])
         for s in seqs[num_decodes:]:
             n = len(s.token_ids)
+            wbt = torch.tensor(s.window_block_ids, dtype=torch.long, device=dev) if window else None
             prefills.append(PrefillSpan(off, n, s.start_pos + n,
-                                        torch.tensor(s.block_ids, dtype=torch.long, device=dev)))
+                                        torch.tensor(s.block_ids, dtype=torch.long, device=dev), wbt))
             off += n
         md = AttentionMetadata(
             num_tokens=len(ids), block_size=bs,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             num_decodes=num_decodes, decode_block_tables=dbt, decode_seq_lens=dlens,
             decode_mask=dmask, prefills=prefills,
+            window_slot_mapping=torch.tensor(wslots, dtype=torch.long, device=dev) if window else None,
+            window_decode_block_tables=wdbt,
+            coarse_block_tables=_padded([s.coarse_block_ids for s in seqs], dev)
+            if seqs and seqs[0].coarse_block_ids is not None else None,
         )
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
                 md)
@@ -187,6 +200,25 @@ class ModelRunner:
         for i, p in enumerate(positions):
             result.append(top_logprobs(lp, i, s.prompt_token_ids[p + 1], k))
         return result
+
+
+def kv_groups_of(model, block_size: int, dtype: torch.dtype) -> list[KVGroupSpec]:
+    """A model's KV groups (kv_groups.py); works on a model built on the meta device. Models without a
+    ``kv_cache_spec`` hook have one full group: their ``kv_bytes_per_token``, else K and V per attention layer."""
+    spec = getattr(model, "kv_cache_spec", None)
+    if spec is not None:
+        return list(spec(block_size))
+    custom = getattr(model, "kv_bytes_per_token", None)
+    if custom is not None:
+        return [KVGroupSpec(FULL, int(custom()) * block_size)]
+    elem = torch.empty((), dtype=dtype).element_size()
+    per_token = sum(2 * a.num_kv_heads * a.head_dim * elem for a in model.attention_layers())
+    return [KVGroupSpec(FULL, per_token * block_size)]
+
+
+def _padded(tables: list[list[int]], dev: torch.device) -> torch.Tensor:
+    width = max(1, max(len(t) for t in tables))
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=dev)
 
 
 def _greedy_params():

@@ -79,7 +79,9 @@ class DeepseekV4Attention(nn.Module):
     def forward(self, x: torch.Tensor, step: StepIndex, rope: dict[str, tuple[torch.Tensor, torch.Tensor]]):
         if self.cache is None:
             raise RuntimeError(f"layer {self.layer_idx}: no KV cache bound (allocate_kv_cache not called)")
-        slot_mapping = get_forward_context().slot_mapping
+        md = get_forward_context()
+        # Every store written per token is token-level: it lives in the window group's blocks.
+        slot_mapping = md.slot_mapping if md.window_slot_mapping is None else md.window_slot_mapping
         cos, sin = rope[self.rope_type]
         t = x.shape[0]
         q_residual = self.q_a_norm(self.q_a_proj(x))

@@ -1,39 +1,48 @@
 """Paged KV-cache layout for DeepSeek-V4, and the per-step index that turns (sequence, position) into slots.
 
 Invariant (engine-wide): every piece of per-sequence state lives in paged storage indexed by the sequence's block
-table and keyed by token position, so chunked prefill, prefix-cache hits and preemption-by-recompute need nothing
-else. Per layer (d = head_dim, di = index_head_dim, m = compress ratio, bs = block_size):
+tables and keyed by token position, so chunked prefill, prefix-cache hits and preemption-by-recompute need nothing
+else. Per layer (d = head_dim, di = index_head_dim, m = compress ratio, bs = block_size), in KV groups
+(engine/kv_groups.py) whose tables share the chain of prefix hashes:
 
-token-level stores ``[num_blocks, bs, width]`` (row = the token's own contribution):
+window group, token-level stores ``[num_window_blocks, bs, width]`` (row = the token's own contribution):
   ``kv``          d       the token's normed, roped latent (K == V) - read for the sliding window
   ``comp``        2*c*d   the compressor's raw kv | gate projections (c = 2 for the overlapped CSA, else 1) -
                           read when the window holding the token (or, for CSA, the next one) closes
   ``index_comp``  4*di    the same for the indexer's compressor (CSA only)
-entry-level stores ``[num_blocks, ceil(bs/m), width]``:
+full group, entry-level stores ``[num_blocks, ceil(bs/m), width]``:
   ``entries``        d    compressed entry w (normed, roped at w*m)
   ``index_entries``  di   indexer key w (CSA only)
+coarse group, when the largest ratio M spans whole blocks (M > bs, M % bs == 0: V4-Flash's HCA, M = 128): the
+  entry stores of the layers with ratio M are ``[num_coarse_blocks, 1, width]``, coarse block k holding entry
+  k. In the full group they would take one entry slot in every block, though only one block in M/bs holds one.
 
-Entry w is written in the step that computes its window's *last* token e = (w+1)*m - 1 and lives in the block
-holding e, at slot (e % bs) // m. Keying it by the *last* token (not the first, w*m) is what makes prefix
-sharing safe when m > bs: a block is only shared between sequences whose tokens agree up to the end of that
-block, hence over the whole window; a block holding w*m can be shared by sequences that diverge later in the
-window, and both would write their different entry w into it.
+Token-level rows are only read within ``lookback_tokens`` = max(W - 1, c*m - 1) positions before a query (the
+window reads p - W + 1 .. p; an entry closing at e >= p reads its window's rows from e - m + 1, for CSA the window
+before too, from e - 2m + 1): 127 for V4-Flash. So the block manager (engine/hybrid_kv_cache_manager.py) releases
+a running sequence's window blocks once they lie wholly behind that lookback; the window table then holds
+block 0 there, never read. Entry w is read for the whole sequence life, so entries live in the full (or coarse)
+group.
 
-Size versus the production layout (spec §5). ``kv_bytes_per_block`` reports what this layout allocates. For
-V4-Flash (d 512, di 128; 21 CSA m=4, 20 HCA m=128, 2 SWA-only layers; the MTP layer has no cache yet) in bf16
-with block_size 16 that is 200,512 B = ~196 KiB/token: per CSA layer 2*(512 + 2048 + 512) + 2*640/4 = 6464 B,
-per HCA layer 2*(512 + 1024) + 2*512/16 = 3136 B, per SWA layer 1024 B. Production (vLLM fp8_ds_mla) needs
-~3.85 KB/token and V3 (FlashMLA) 40 KB. Where the difference goes:
-- ``comp``/``index_comp`` (~4.4 KiB of each CSA layer's 6.3): raw rows are dead once their window (for CSA: the
-  next window) closes. Next step: replace them by a per-block running state (online-softmax max / sum / weighted
-  sum of the open window(s), fp32; for CSA also the next entry's "Ca" part): a partially filled block is never
-  shared, and a full block's final state is exactly what a prefix-cache hit starting after it needs. That is
-  ~6*d*4 B per block, cutting V4-Flash to ~80 KiB/token; prefill then needs segment-wise online-softmax merges.
-- ``kv`` (43 x 1 KiB): tokens older than sliding_window are never read again. Freeing them means the block
-  manager releasing a sequence's blocks that lie wholly outside the window (and behind every open compressor
-  window) while keeping their block-table positions and prefix hashes; entries must then move to their own
-  pool (or stay in the un-freed blocks' slots), since entry w is read for the whole sequence lifetime.
-- fp8 entries/latents with UE8M0 scales (584 B per 512-d entry) and fp8/fp4 indexer keys.
+Entry w is written in the step that computes its window's *last* token e = (w+1)*m - 1 and lives in the full
+group block holding e, at slot (e % bs) // m (coarse layers: in coarse block w, hashed with the key of the full
+block holding e). Keying it by the *last* token (not the first, w*m) is what makes prefix sharing safe when
+m > bs: a block is only shared between sequences whose tokens agree up to the end of that block, hence over the
+whole window; a block holding w*m can be shared by sequences that diverge later in the window, and both would
+write their different entry w into it.
+
+Size (``DeepseekV4ForCausalLM.kv_cache_spec`` reports what this layout allocates; the engine logs it). V4-Flash
+(d 512, di 128; 21 CSA m=4, 20 HCA m=128, 2 SWA-only layers; the MTP layer has no cache yet), bf16, bs 16:
+- what every token holds for its sequence's whole life: 6,880 B/token = full group 6,720 (per CSA layer
+  2*(512 + 128)*4 entries/16 = 320 B) + coarse group 160 (per HCA layer 2*512 B per 128 tokens = 8 B). SWA-only
+  layers hold nothing for long. DeepSeek-V3 at its real config in bf16 (61 layers x (512 + 64) x 2 B) holds
+  70,272 B/token: 10.2x more. Production (vLLM fp8_ds_mla: fp8 entries with UE8M0 scales, 584 B per 512-d
+  entry, 132 B per indexer key) is ~3.85 KB/token against V3's 40 KB in FlashMLA.
+- window group: 192,512 B/token (per CSA layer 2*(512 + 2048 + 512) = 6144 B, per HCA 2*(512 + 1024) = 3072 B,
+  per SWA 1024 B), but a decoding sequence holds at most ceil(127/16) + 2 = 10 of its blocks: 30.8 MB per
+  running sequence whatever its length (the long-lived cost of ~4,480 tokens).
+Next steps: replacing the raw ``comp`` rows by a per-block online-softmax running state (shrinks the window
+group ~4x); fp8 entries/latents and fp8/fp4 indexer keys.
 """
 from __future__ import annotations
 
@@ -41,6 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
+from openinfer.engine.kv_groups import COARSE, FULL, WINDOW
 from openinfer.executor.forward_context import AttentionMetadata
 from openinfer.models.deepseek_v4.config import CSA, SLIDING, DeepseekV4Config
 
@@ -59,26 +69,52 @@ def layer_store_widths(cfg: DeepseekV4Config, layer_idx: int) -> tuple[dict[str,
     return {"kv": d, "comp": 2 * d}, {"entries": d}
 
 
-def layer_bytes_per_block(cfg: DeepseekV4Config, layer_idx: int, block_size: int, elem_size: int) -> int:
+def coarse_ratio(cfg: DeepseekV4Config, block_size: int) -> int | None:
+    """The compress ratio whose entries live in the coarse group (one block per entry window), or None. Only
+    the largest ratio, and only when it spans whole blocks: smaller ratios fit several entries per block."""
+    m = max(cfg.compress_ratios[:cfg.num_hidden_layers], default=0)
+    return m if m > block_size and m % block_size == 0 else None
+
+
+def layer_bytes_per_block(cfg: DeepseekV4Config, layer_idx: int, block_size: int,
+                          elem_size: int) -> tuple[int, int, int]:
+    """(window-group bytes per block, full-group bytes per block, coarse-group bytes per coarse block) this
+    layer takes, blocks of ``block_size`` tokens (coarse blocks: ``coarse_ratio`` tokens)."""
     tok, ent = layer_store_widths(cfg, layer_idx)
-    cap = entries_per_block(block_size, max(cfg.compress_ratios[layer_idx], 1))
-    return elem_size * (block_size * sum(tok.values()) + cap * sum(ent.values()))
+    ratio = cfg.compress_ratios[layer_idx]
+    window = elem_size * block_size * sum(tok.values())
+    if ratio and ratio == coarse_ratio(cfg, block_size):
+        return window, 0, elem_size * sum(ent.values())
+    return window, elem_size * entries_per_block(block_size, max(ratio, 1)) * sum(ent.values()), 0
+
+
+def lookback_tokens(cfg: DeepseekV4Config) -> int:
+    """How far before a query position p the token-level stores are read: the sliding window reads rows
+    p - (W - 1) .. p; an entry emitted at its window's last token e reads the compressor rows of its window,
+    e - (m - 1) .. e, and for the overlapped CSA also the window before, from e - (2m - 1)."""
+    back = cfg.sliding_window - 1
+    for kind, m in zip(cfg.layer_types[:cfg.num_hidden_layers], cfg.compress_ratios):
+        if kind != SLIDING:
+            back = max(back, (2 if kind == CSA else 1) * m - 1)
+    return back
 
 
 class V4LayerCache:
     """One layer's paged stores (see the module docstring); tensors are attributes named like the stores."""
 
-    def __init__(self, cfg: DeepseekV4Config, layer_idx: int, num_blocks: int, block_size: int,
+    def __init__(self, cfg: DeepseekV4Config, layer_idx: int, num_blocks: dict[str, int], block_size: int,
                  dtype: torch.dtype, device: torch.device) -> None:
         self.block_size = block_size
         self.ratio = cfg.compress_ratios[layer_idx]
-        self.entry_cap = entries_per_block(block_size, max(self.ratio, 1))
+        self.coarse = bool(self.ratio) and self.ratio == coarse_ratio(cfg, block_size)
+        self.entry_cap = 1 if self.coarse else entries_per_block(block_size, max(self.ratio, 1))
+        num_entry_blocks = num_blocks[COARSE] if self.coarse else num_blocks[FULL]
         tok, ent = layer_store_widths(cfg, layer_idx)
         self.names = list(tok) + list(ent)
-        for name, width in tok.items():
-            setattr(self, name, torch.zeros(num_blocks, block_size, width, dtype=dtype, device=device))
-        for name, width in ent.items():
-            setattr(self, name, torch.zeros(num_blocks, self.entry_cap, width, dtype=dtype, device=device))
+        for name, width in tok.items():  # the window group's blocks
+            setattr(self, name, torch.zeros(num_blocks[WINDOW], block_size, width, dtype=dtype, device=device))
+        for name, width in ent.items():  # the full (or coarse) group's blocks
+            setattr(self, name, torch.zeros(num_entry_blocks, self.entry_cap, width, dtype=dtype, device=device))
 
     def flat(self, name: str) -> torch.Tensor:
         t = getattr(self, name)
@@ -89,44 +125,67 @@ class V4LayerCache:
 class StepIndex:
     """Per-step view of the forward context, built once and shared by all layers.
 
-    tables [S, max_blocks] (padded with block 0, never read past a sequence's own length), token_seq [T] (row of
-    each token in tables), positions [T]."""
+    tables [S, max_blocks]: the full group's block tables (entry-level stores); win_tables, same shape: the
+    window group's (token-level stores; None = the same tables). Both are padded with block 0, never read past
+    a sequence's own length, and win_tables holds block 0 where the manager released blocks behind the
+    lookback (never read either). token_seq [T] (row of each token in the tables), positions [T]."""
 
     tables: torch.Tensor
     token_seq: torch.Tensor
     positions: torch.Tensor
     block_size: int
+    win_tables: torch.Tensor | None = None
+    # The coarse group's tables [S, max coarse blocks] and its block span (= the coarse layers' ratio).
+    coarse_tables: torch.Tensor | None = None
+    coarse_tokens: int | None = None
 
     @classmethod
-    def build(cls, md: AttentionMetadata, positions: torch.Tensor) -> StepIndex:
+    def build(cls, md: AttentionMetadata, positions: torch.Tensor, coarse_tokens: int | None = None) -> StepIndex:
         dev = positions.device
         nd = md.num_decodes
-        widths = [int(s.block_table.numel()) for s in md.prefills]
-        if nd:
-            widths.append(int(md.decode_block_tables.shape[1]))
-        tables = torch.zeros(nd + len(md.prefills), max(widths), dtype=torch.long, device=dev)
         counts = torch.ones(nd + len(md.prefills), dtype=torch.long, device=dev)
-        if nd:
-            tables[:nd, :md.decode_block_tables.shape[1]] = md.decode_block_tables
-        for i, span in enumerate(md.prefills):  # a handful of prompt chunks per step
-            tables[nd + i, :span.block_table.numel()] = span.block_table
+        for i, span in enumerate(md.prefills):
             counts[nd + i] = span.query_len
-        token_seq = torch.repeat_interleave(torch.arange(tables.shape[0], device=dev), counts)
-        return cls(tables, token_seq, positions, md.block_size)
+        token_seq = torch.repeat_interleave(torch.arange(counts.shape[0], device=dev), counts)
+        tables = _stack_tables(md.decode_block_tables if nd else None, [s.block_table for s in md.prefills], dev)
+        win = None
+        if md.window_slot_mapping is not None:
+            win = _stack_tables(md.window_decode_block_tables if nd else None,
+                                [s.window_block_table for s in md.prefills], dev)
+        return cls(tables, token_seq, positions, md.block_size, win, md.coarse_block_tables, coarse_tokens)
 
     def slice(self, start: int, end: int) -> StepIndex:
         """The tokens [start, end) of this step (same tables)."""
-        return StepIndex(self.tables, self.token_seq[start:end], self.positions[start:end], self.block_size)
+        return StepIndex(self.tables, self.token_seq[start:end], self.positions[start:end], self.block_size,
+                         self.win_tables, self.coarse_tables, self.coarse_tokens)
+
+    @property
+    def token_tables(self) -> torch.Tensor:
+        return self.tables if self.win_tables is None else self.win_tables
 
     def token_slots(self, seq: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Flat token-store slot of position ``pos`` (clamped at 0; callers mask negatives) of sequence row ``seq``;
         seq broadcasts against pos (advanced indexing)."""
         pos = pos.clamp(min=0)
         bs = self.block_size
-        return self.tables[seq, pos // bs] * bs + pos % bs
+        return self.token_tables[seq, pos // bs] * bs + pos % bs
 
     def entry_slots(self, seq: torch.Tensor, window: torch.Tensor, ratio: int, cap: int) -> torch.Tensor:
         """Flat entry-store slot of compressed entry ``window`` (clamped at 0) - see the module docstring."""
+        if ratio == self.coarse_tokens and self.coarse_tables is not None:  # coarse block w holds entry w only
+            return self.coarse_tables[seq, window.clamp(min=0)]
         end = (window.clamp(min=0) + 1) * ratio - 1
         bs = self.block_size
         return self.tables[seq, end // bs] * cap + (end % bs) // ratio
+
+
+def _stack_tables(decode: torch.Tensor | None, prefills: list[torch.Tensor], dev: torch.device) -> torch.Tensor:
+    """Decode tables then one row per prefill span, padded with block 0."""
+    widths = [int(t.numel()) for t in prefills] + ([int(decode.shape[1])] if decode is not None else [])
+    nd = 0 if decode is None else decode.shape[0]
+    tables = torch.zeros(nd + len(prefills), max(widths), dtype=torch.long, device=dev)
+    if nd:
+        tables[:nd, :decode.shape[1]] = decode
+    for i, t in enumerate(prefills):  # a handful of prompt chunks per step
+        tables[nd + i, :t.numel()] = t
+    return tables

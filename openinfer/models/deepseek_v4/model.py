@@ -16,7 +16,9 @@ from torch import nn
 
 from openinfer.executor.forward_context import get_forward_context
 from openinfer.models.deepseek_v4.attention import DeepseekV4Attention
-from openinfer.models.deepseek_v4.cache import StepIndex, V4LayerCache, layer_bytes_per_block
+from openinfer.engine.kv_groups import COARSE, FULL, WINDOW, KVGroupSpec
+from openinfer.models.deepseek_v4.cache import (StepIndex, V4LayerCache, coarse_ratio, layer_bytes_per_block,
+                                                lookback_tokens)
 from openinfer.models.deepseek_v4.common import Linear, V4RMSNorm
 from openinfer.models.deepseek_v4.config import DeepseekV4Config
 from openinfer.models.deepseek_v4.hc import HyperConnection, HyperHead, fused_post_pre, hc_post
@@ -62,9 +64,10 @@ class DeepseekV4Model(nn.Module):
         self.norm = V4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hc_head = HyperHead(cfg.hc_mult, cfg.hidden_size, cfg.hc_eps, cfg.rms_norm_eps)
         self.rotary = nn.ModuleDict({"main": V4Rotary(cfg.main_rope), "compress": V4Rotary(cfg.compress_rope)})
+        self.coarse_tokens: int | None = None  # set with the KV cache (cache.coarse_ratio)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        step = StepIndex.build(get_forward_context(), positions)
+        step = StepIndex.build(get_forward_context(), positions, self.coarse_tokens)
         rope = {name: rot.cos_sin(positions) for name, rot in self.rotary.items()}
         x = self.embed_tokens(input_ids)
         X = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
@@ -121,14 +124,24 @@ class DeepseekV4ForCausalLM(nn.Module):
         return load_v4_weights(self, weights)
 
     # -- KV cache hooks (see cache.py for the layout) --------------------------------------------------
-    def kv_bytes_per_block(self, block_size: int) -> int:
-        """Exact bytes one block of ``block_size`` tokens takes in every layer's stores. Entry stores hold
-        ceil(block_size / ratio) entries per block, so this is not linear in block_size."""
+    def kv_cache_spec(self, block_size: int) -> list[KVGroupSpec]:
+        """Entry-level stores (read for the whole sequence) in the full group, token-level stores (read only
+        within ``lookback_tokens`` of the query) in the window group, and the entries of a ratio spanning whole
+        blocks (V4-Flash's HCA, m = 128) in a coarse group of one block per entry. Exact bytes per block; entry
+        stores hold ceil(block_size / ratio) entries per block, so the full group is not linear in block_size."""
         elem = self.lm_head.weight.element_size()
-        return sum(layer_bytes_per_block(self.config, i, block_size, elem)
-                   for i in range(self.config.num_hidden_layers))
+        per_layer = [layer_bytes_per_block(self.config, i, block_size, elem)
+                     for i in range(self.config.num_hidden_layers)]
+        groups = [KVGroupSpec(FULL, sum(f for _, f, _ in per_layer)),
+                  KVGroupSpec(WINDOW, sum(w for w, _, _ in per_layer), lookback_tokens(self.config))]
+        coarse = coarse_ratio(self.config, block_size)
+        if coarse is not None:
+            groups.append(KVGroupSpec(COARSE, sum(c for _, _, c in per_layer), block_tokens=coarse))
+        return groups
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
+    def allocate_kv_cache(self, num_blocks: dict[str, int], block_size: int, dtype: torch.dtype,
+                          device: torch.device) -> None:
+        self.model.coarse_tokens = coarse_ratio(self.config, block_size)
         for i, attn in enumerate(self.attention_layers()):
             attn.cache = V4LayerCache(self.config, i, num_blocks, block_size, dtype, device)
 

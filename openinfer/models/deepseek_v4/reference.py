@@ -17,9 +17,11 @@ def _row_reader(store: torch.Tensor, table: list[int], block_size: int):
     return lambda pos: store[table[pos // block_size] * block_size + pos % block_size]
 
 
-def _entry_slot(table: list[int], w: int, ratio: int, block_size: int, cap: int) -> int:
+def _entry_slot(step: StepIndex, row: int, w: int, ratio: int, cap: int) -> int:
+    if step.coarse_tables is not None and ratio == step.coarse_tokens:  # one coarse block per entry
+        return int(step.coarse_tables[row, w])
     end = (w + 1) * ratio - 1
-    return table[end // block_size] * cap + (end % block_size) // ratio
+    return int(step.tables[row, end // step.block_size]) * cap + (end % step.block_size) // ratio
 
 
 def reference_emit(comp: Compressor, step: StepIndex, store: torch.Tensor, entries: torch.Tensor, cap: int,
@@ -30,8 +32,8 @@ def reference_emit(comp: Compressor, step: StepIndex, store: torch.Tensor, entri
         p = int(step.positions[t])
         if (p + 1) % m:
             continue
-        table = step.tables[int(step.token_seq[t])].tolist()
-        row = _row_reader(store, table, bs)
+        seq = int(step.token_seq[t])
+        row = _row_reader(store, step.token_tables[seq].tolist(), bs)
         start = p - m + 1
         kvs, gates = [], []
         if comp.overlap and start >= m:  # the previous window's "Ca" half; window 0 simply has none
@@ -49,7 +51,7 @@ def reference_emit(comp: Compressor, step: StepIndex, store: torch.Tensor, entri
         pooled = (torch.stack(kvs) * (e / e.sum(dim=0))).sum(dim=0)
         entry = comp.kv_norm(pooled.to(dtype)[None])
         cos, sin = rotary.cos_sin(torch.tensor([start], device=store.device))
-        entries[_entry_slot(table, start // m, m, bs, cap)] = apply_rope(entry, cos, sin)[0].to(entries.dtype)
+        entries[_entry_slot(step, seq, start // m, m, cap)] = apply_rope(entry, cos, sin)[0].to(entries.dtype)
 
 
 def reference_attention(attn, q: torch.Tensor, q_residual: torch.Tensor, x: torch.Tensor, step: StepIndex,
@@ -66,8 +68,8 @@ def reference_attention(attn, q: torch.Tensor, q_residual: torch.Tensor, x: torc
     out = torch.empty_like(q)
     for t in range(q.shape[0]):
         p = int(step.positions[t])
-        table = step.tables[int(step.token_seq[t])].tolist()
-        row = _row_reader(cache.flat("kv"), table, bs)
+        seq = int(step.token_seq[t])
+        row = _row_reader(cache.flat("kv"), step.token_tables[seq].tolist(), bs)
         keys = [row(pos) for pos in range(max(0, p - attn.sliding_window + 1), p + 1)]
         visible = (p + 1) // m if m else 0
         chosen: list[int] = []
@@ -78,12 +80,12 @@ def reference_attention(attn, q: torch.Tensor, q_residual: torch.Tensor, x: torc
             qi, head_w = idx.query(q_residual[t:t + 1], x[t:t + 1], cos[t:t + 1], sin[t:t + 1])
             scores = []
             for w in range(visible):
-                k = cache.flat("index_entries")[_entry_slot(table, w, m, bs, cache.entry_cap)].float()
+                k = cache.flat("index_entries")[_entry_slot(step, seq, w, m, cache.entry_cap)].float()
                 per_head = torch.relu(qi[0].float() @ k) * idx.head_dim ** -0.5
                 scores.append(float((per_head * head_w[0]).sum()))
             chosen = sorted(range(visible), key=lambda w: (-scores[w], w))[:idx.topk]
         for w in chosen:
-            keys.append(cache.flat("entries")[_entry_slot(table, w, m, bs, cache.entry_cap)])
+            keys.append(cache.flat("entries")[_entry_slot(step, seq, w, m, cache.entry_cap)])
         k = torch.stack(keys).float()  # [L, d]
         logits = (q[t].float() @ k.t()) * attn.scale  # [H, L]
         sinks = attn.sinks.float()
