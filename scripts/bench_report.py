@@ -6,9 +6,10 @@ One command (from the repository root, on a quiet machine: the numbers are only 
 
 writes ``benchmarks/report/`` (end-to-end: ``peers.json``, ``throughput.png``, ``README.md``) and
 ``benchmarks/report/decode/`` (steady-state decode at context 512, same three files), creating the 246M
-Llama checkpoint at ``.bench/llama-200m`` first if it is missing. fp32, because bf16 is emulated on CPUs
-without avx512_bf16/AMX and would measure the emulation. Every flag below has a default sized so the whole
-run takes about 25 minutes on a 2-core host; ``--no-decode`` skips the decode curve.
+Llama checkpoint at ``.bench/llama-200m`` first if it is missing. The dtype defaults to bf16 where the CPU has
+native bf16 (AMX / AVX512-BF16) and fp32 elsewhere, because emulated bf16 would measure the emulation. The
+workload is issue 2's (prompt 128, output 128); the defaults are sized so the whole run takes about 25 minutes
+on a 2-core host; ``--no-decode`` skips the decode curve.
 
 A smoke run on a tiny checkpoint (seconds)::
 
@@ -34,17 +35,22 @@ def main() -> int:
                     help="checkpoint (made by make_bench_checkpoint.py if this default path is missing)")
     ap.add_argument("--out", default="benchmarks/report", help="report folder")
     ap.add_argument("--threads", type=int, default=2, help="torch / OpenMP threads for every engine")
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--batch-sizes", default="1,4,16,32")
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 on CPUs with native bf16, else float32")
+    ap.add_argument("--batch-sizes", default="1,8,32,64")
     ap.add_argument("--input-len", type=int, default=128)
-    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--num-iters", type=int, default=2, help="fresh processes per engine and point")
     ap.add_argument("--no-decode", dest="decode", action="store_false", help="skip the decode-mode curve")
-    ap.add_argument("--decode-batch-sizes", default="1,4,16")
+    ap.add_argument("--decode-batch-sizes", default="1,8,32,64")
     ap.add_argument("--context-len", type=int, default=512)
     ap.add_argument("--decode-steps", type=int, default=32)
     args = ap.parse_args()
 
+    if args.dtype is None:
+        sys.path.insert(0, str(REPO))
+        from openinfer.config import cpu_has_fast_bf16
+
+        args.dtype = "bfloat16" if cpu_has_fast_bf16() else "float32"
     model, out = Path(args.model), Path(args.out)
     if not model.exists():
         if args.model != ap.get_default("model"):

@@ -16,7 +16,8 @@ import pytest
 
 from helpers import make_dense_checkpoint
 from openinfer.bench import results as R
-from openinfer.bench.throughput import make_prompts, parse_batch_sizes, sweep
+from openinfer.bench.throughput import make_prompts, sweep
+from openinfer.bench.workload import parse_batch_sizes
 
 REPO = Path(__file__).resolve().parents[1]
 IN_LEN, OUT_LEN = 8, 8

@@ -22,7 +22,14 @@ import numpy as np
 
 from openinfer.bench.metrics import parse_percentiles
 from openinfer.bench.serve_client import RequestInput, RequestResult, open_session, send_request
-from openinfer.bench.serve_report import METRIC_NAMES, compute_metrics, format_block, result_json
+from openinfer.bench.serve_report import (
+    METRIC_NAMES,
+    add_metadata,
+    compute_metrics,
+    format_block,
+    result_json,
+    save_result,
+)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -381,18 +388,11 @@ async def _main(args: argparse.Namespace) -> int:
             "random_output_len": args.random_output_len,
             "random_range_ratio": args.random_range_ratio,
         }
-        for kv in args.metadata or []:
-            key, sep, value = kv.partition("=")
-            if not sep:
-                raise ValueError(f"--metadata entries look like KEY=VALUE, got {kv!r}")
-            header[key] = value
+        add_metadata(header, args.metadata)
         result = result_json(m, results, metrics, percentiles, args.save_detailed, header, duration)
         conc = f"-concurrency{args.max_concurrency}" if args.max_concurrency is not None else ""
         name = args.result_filename or (
             f"{label}-{args.request_rate}qps{conc}-{Path(str(model_id)).name}-{date}.json"
         )
-        path = Path(args.result_dir) / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=2))
-        print(f"Saved results to {path}")
+        save_result(result, args.result_dir, name)
     return 0 if m["completed"] > 0 else 1

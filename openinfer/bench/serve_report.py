@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from openinfer.bench.metrics import p_word, peak_concurrency_per_second, peak_per_second, summarize_ms
@@ -161,3 +163,20 @@ def result_json(
         out["generated_texts"] = [r.generated_text for r in results]
         out["errors"] = [r.error for r in results]
     return out
+
+
+def add_metadata(header: dict, items: list[str] | None) -> None:
+    """``--metadata KEY=VALUE ...`` into the result header."""
+    for kv in items or []:
+        key, sep, value = kv.partition("=")
+        if not sep:
+            raise ValueError(f"--metadata entries look like KEY=VALUE, got {kv!r}")
+        header[key] = value
+
+
+def save_result(result: dict, result_dir: str, filename: str) -> Path:
+    path = Path(result_dir) / filename
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))
+    print(f"Saved results to {path}")
+    return path

@@ -24,8 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from openinfer.bench import results as R
-from openinfer.bench.workload import (DECODE_TAIL_TOKENS, add_workload_args, check_fits, parse_batch_sizes,
-                                      resolve_workload, tokens_needed)
+from openinfer.bench.workload import (DECODE_TAIL_TOKENS, add_workload_args, check_fits, resolve_workload, tokens_needed)
 from openinfer.entrypoints.engine_args import engine_kwargs
 
 logger = logging.getLogger(__name__)

@@ -22,6 +22,7 @@ from openinfer.bench.agentic.report import build_report, format_summary
 from openinfer.bench.agentic.runner import AgenticRunner, RunConfig, scrape_prefix_cache
 from openinfer.bench.agentic.synth import SynthConfig, synthesize
 from openinfer.bench.agentic.trace import TraceRecord, load_trace, write_trace
+from openinfer.bench.serve_report import add_metadata, save_result
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -179,11 +180,7 @@ async def _main(args: argparse.Namespace) -> int:
     }
     if not args.trace:
         header["synthetic"] = vars(synth_config(args, max_context))
-    for kv in args.metadata or []:
-        key, sep, value = kv.partition("=")
-        if not sep:
-            raise ValueError(f"--metadata entries look like KEY=VALUE, got {kv!r}")
-        header[key] = value
+    add_metadata(header, args.metadata)
     report = build_report(requests, args.num_devices, before, after, header, args.save_detailed)
     failed = [q for q in requests if not q.result.success]
     if failed:
@@ -194,8 +191,5 @@ async def _main(args: argparse.Namespace) -> int:
         name = args.result_filename or (
             f"{header['label']}-agentic-concurrency{concurrency}-{model_name}-{header['date']}.json"
         )
-        path = Path(args.result_dir) / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=2))
-        print(f"Saved results to {path}")
+        save_result(report, args.result_dir, name)
     return 0 if report["completed"] > 0 else 1
