@@ -14,6 +14,7 @@ from torch import nn
 
 from openinfer.config import cpu_has_fast_bf16
 from openinfer.executor.forward_context import AttentionMetadata, get_forward_context
+from openinfer.layers import cpu_ops
 
 
 class Attention(nn.Module):
@@ -50,15 +51,11 @@ class Attention(nn.Module):
         out = torch.empty_like(q)
         gqa = self.num_heads != self.num_kv_heads
         nd = md.num_decodes
-        if nd:
-            shape = (nd, -1, self.num_kv_heads, self.head_dim)
-            dt = _decode_dtype(q)
-            kd = _gather_blocks(self.k_cache, md.decode_block_tables).view(shape).transpose(1, 2).to(dt)
-            vd = _gather_blocks(self.v_cache, md.decode_block_tables).view(shape).transpose(1, 2).to(dt)
-            qd = q[:nd].unsqueeze(2).to(dt)  # [B, Hq, 1, D]
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=md.decode_bias(dt), scale=self.scale,
-                                                enable_gqa=gqa)
-            out[:nd] = od.squeeze(2).to(q.dtype)
+        # On CPU the C++ kernel reads K/V straight from the paged cache into out[:nd]; it returns None where
+        # it is unavailable (GPU tensors, OPENINFER_CPU_KERNELS=0, no compiler): then gather + SDPA runs.
+        if nd and cpu_ops.paged_decode_attention(q[:nd], self.k_cache, self.v_cache, md.decode_block_tables,
+                                                 md.decode_seq_lens, self.scale, out=out[:nd]) is None:
+            out[:nd] = self._decode_gather_sdpa(q[:nd], md)
         for span in md.prefills:
             s, n = span.query_start, span.query_len
             qs = q[s:s + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
@@ -78,6 +75,18 @@ class Attention(nn.Module):
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
             out[s:s + n] = o.squeeze(0).transpose(0, 1)
         return out
+
+    def _decode_gather_sdpa(self, qd: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        """Decodes as one padded batched SDPA: each sequence's blocks gathered into [B, Hk, L, D], the padding
+        masked. The GPU path, and the CPU one when the C++ kernel is unavailable."""
+        nd = qd.shape[0]
+        shape = (nd, -1, self.num_kv_heads, self.head_dim)
+        dt = _decode_dtype(qd)
+        kd = _gather_blocks(self.k_cache, md.decode_block_tables).view(shape).transpose(1, 2).to(dt)
+        vd = _gather_blocks(self.v_cache, md.decode_block_tables).view(shape).transpose(1, 2).to(dt)
+        od = F.scaled_dot_product_attention(qd.unsqueeze(2).to(dt), kd, vd, attn_mask=md.decode_bias(dt),
+                                            scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
+        return od.squeeze(2).to(qd.dtype)
 
 
 def _decode_dtype(q: torch.Tensor) -> torch.dtype:

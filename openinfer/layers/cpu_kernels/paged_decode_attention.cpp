@@ -1,0 +1,425 @@
+// Paged decode attention on CPU: one query token per sequence, keys and values read straight from the
+// paged cache (no gather into a padded tensor, no mask).
+//
+//   out[b, hq, :] = softmax(scale * q[b, hq, :] . K[b, :, hq / G, :]) @ V[b, :, hq / G, :]
+//
+// with K/V of sequence b at cache[block_tables[b, p / block_size], p % block_size, hk, :] for p < seq_lens[b]
+// and G = Hq / Hk query heads per kv head (GQA; G = 1 is MHA).
+//
+// One task per (sequence, kv head): its G query rows are loaded once as fp32 (pre-scaled), then each cache
+// block is read once: the block's K rows are converted to fp32, G x n scores computed, the running max / sum
+// of an online softmax updated (accumulators rescaled when the max grows), and the block's V rows
+// accumulated into G fp32 rows. Everything is fp32 internally; bf16 -> fp32 is a 16-bit shift. The inner
+// loops are plain loops over head_dim that the compiler vectorises (-O3 -march=native).
+//
+// Built at run time by openinfer/layers/cpu_ops.py and registered as torch.ops.openinfer_cpu.*.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <initializer_list>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// ---- 16-float vectors ----------------------------------------------------------------------------------
+//
+// GCC/Clang vector types: the compiler maps a 16-float vector to one zmm register (AVX-512) or two ymm
+// (AVX2), with no ISA-specific code. A head_dim that is a multiple of 16 runs on them; other head dims take
+// plain loops. With head_dim and the cache type as template parameters (64 and 128 specialised, any other
+// at run time) every loop over head_dim has a fixed trip count and unrolls; with runtime trip counts the loop
+// set-up cost more than the arithmetic (16 keys of 64 floats per block).
+
+typedef float vfloat __attribute__((vector_size(64)));
+typedef float vfloat8 __attribute__((vector_size(32)));
+typedef float vfloat4 __attribute__((vector_size(16)));
+typedef int32_t vint __attribute__((vector_size(64)));
+typedef uint32_t vuint __attribute__((vector_size(64)));
+typedef uint16_t vushort __attribute__((vector_size(32)));
+constexpr int64_t kW = 16;
+
+inline vfloat loadv(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void storev(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline vfloat splat(float x) { return vfloat{} + x; }
+
+inline vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
+
+inline float hsum(vfloat v) {
+  vfloat8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+              __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  vfloat4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+inline float hmax(vfloat v) {
+  vfloat8 x = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  vfloat8 y = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  vfloat8 a = x > y ? x : y;
+  vfloat4 c = __builtin_shufflevector(a, a, 0, 1, 2, 3), d = __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  vfloat4 b = c > d ? c : d;
+  return std::max(std::max(b[0], b[1]), std::max(b[2], b[3]));
+}
+
+// exp(x) for x <= 0 (scores minus their running max): a Cephes-style polynomial on x = n ln2 + r, 2^n put
+// into the exponent bits; relative error ~1e-7. Inputs below -87 (including -inf) give ~1e-38, which
+// vanishes next to the running sum (>= 1).
+inline vfloat vexp_neg(vfloat x) {
+  const vfloat lo = splat(-87.0f), hi = splat(0.0f);
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  // 1.5 * 2^23: adding it rounds to an integer, held in the low mantissa bits
+  const float magic = 12582912.0f;
+  const vfloat t = x * 1.44269504088896341f + magic;
+  const vfloat n = t - magic;
+  vfloat r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  vfloat p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const vfloat y = p * r * r + r + 1.0f;
+  const vint e = (((vint)t) - 0x4B400000 + 127) << 23;  // n in [-126, 0]: a normal power of two
+  return y * (vfloat)e;
+}
+
+inline float exp_neg(float x) { return vexp_neg(splat(x))[0]; }
+
+// ---- rows of head_dim elements -> fp32 and back --------------------------------------------------------
+
+inline void load_row(const float* __restrict__ src, float* __restrict__ dst, int64_t n) {
+  std::memcpy(dst, src, n * sizeof(float));
+}
+
+inline void load_row(const c10::BFloat16* __restrict__ src, float* __restrict__ dst, int64_t n) {
+  const uint16_t* __restrict__ s = reinterpret_cast<const uint16_t*>(src);
+  int64_t i = 0;
+  for (; i + kW <= n; i += kW) {  // bf16 is the top half of an fp32: widen and shift
+    vushort h;
+    std::memcpy(&h, s + i, sizeof(h));
+    storev(dst + i, (vfloat)(__builtin_convertvector(h, vuint) << 16));
+  }
+  for (; i < n; ++i) dst[i] = __builtin_bit_cast(float, static_cast<uint32_t>(s[i]) << 16);
+}
+
+inline void load_row(const c10::Half* __restrict__ src, float* __restrict__ dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+inline void store_row(const float* __restrict__ src, float* __restrict__ dst, int64_t n) {
+  std::memcpy(dst, src, n * sizeof(float));
+}
+
+inline void store_row(const float* __restrict__ src, c10::BFloat16* __restrict__ dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = c10::BFloat16(src[i]);  // round to nearest even, like torch
+}
+
+inline void store_row(const float* __restrict__ src, c10::Half* __restrict__ dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = c10::Half(src[i]);
+}
+
+// q and out rows: G per task, so a runtime dtype switch costs nothing and keeps q's dtype out of the
+// template parameters (fewer instantiations, faster build).
+inline void load_any(const void* src, at::ScalarType t, float* dst, int64_t n) {
+  switch (t) {
+    case at::kFloat: return load_row(static_cast<const float*>(src), dst, n);
+    case at::kBFloat16: return load_row(static_cast<const c10::BFloat16*>(src), dst, n);
+    default: return load_row(static_cast<const c10::Half*>(src), dst, n);
+  }
+}
+
+inline void store_any(const float* src, void* dst, at::ScalarType t, int64_t n) {
+  switch (t) {
+    case at::kFloat: return store_row(src, static_cast<float*>(dst), n);
+    case at::kBFloat16: return store_row(src, static_cast<c10::BFloat16*>(dst), n);
+    default: return store_row(src, static_cast<c10::Half*>(dst), n);
+  }
+}
+
+// ---- one block's arithmetic ----------------------------------------------------------------------------
+
+// sg[t] = qg . keys[t] for t < n; keys are n rows of D floats. Four keys at a time: four independent FMA
+// chains instead of one.
+inline void block_scores(const float* __restrict__ qg, const float* __restrict__ keys, float* __restrict__ sg,
+                         int64_t n, int64_t D) {
+  int64_t t = 0;
+  if (D % kW == 0) {
+    for (; t + 4 <= n; t += 4) {
+      const float* k0 = keys + t * D;
+      vfloat a0 = {}, a1 = {}, a2 = {}, a3 = {};
+      for (int64_t c = 0; c < D; c += kW) {
+        const vfloat qv = loadv(qg + c);
+        a0 += qv * loadv(k0 + c);
+        a1 += qv * loadv(k0 + D + c);
+        a2 += qv * loadv(k0 + 2 * D + c);
+        a3 += qv * loadv(k0 + 3 * D + c);
+      }
+      sg[t] = hsum(a0);
+      sg[t + 1] = hsum(a1);
+      sg[t + 2] = hsum(a2);
+      sg[t + 3] = hsum(a3);
+    }
+    for (; t < n; ++t) {
+      vfloat a = {};
+      for (int64_t c = 0; c < D; c += kW) a += loadv(qg + c) * loadv(keys + t * D + c);
+      sg[t] = hsum(a);
+    }
+    return;
+  }
+  for (; t < n; ++t) {
+    const float* __restrict__ kt = keys + t * D;
+    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t d = 0; d < D; ++d) dot += qg[d] * kt[d];
+    sg[t] = dot;
+  }
+}
+
+// row *= a
+inline void scale_row(float* __restrict__ row, float a, int64_t D) {
+  if (D % kW == 0) {
+    for (int64_t c = 0; c < D; c += kW) storev(row + c, loadv(row + c) * a);
+    return;
+  }
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) row[d] *= a;
+}
+
+// ag += sum_t pg[t] * vals[t] for t < n; vals are n rows of D floats. Chunks of ag stay in registers across
+// the block, four at a time so that four FMA chains run side by side.
+inline void block_values(float* __restrict__ ag, const float* __restrict__ pg, const float* __restrict__ vals,
+                         int64_t n, int64_t D) {
+  if (D % (4 * kW) == 0) {
+    for (int64_t c = 0; c < D; c += 4 * kW) {
+      vfloat a0 = loadv(ag + c), a1 = loadv(ag + c + kW);
+      vfloat a2 = loadv(ag + c + 2 * kW), a3 = loadv(ag + c + 3 * kW);
+      for (int64_t t = 0; t < n; ++t) {
+        const float* vt = vals + t * D + c;
+        const float p = pg[t];
+        a0 += p * loadv(vt);
+        a1 += p * loadv(vt + kW);
+        a2 += p * loadv(vt + 2 * kW);
+        a3 += p * loadv(vt + 3 * kW);
+      }
+      storev(ag + c, a0);
+      storev(ag + c + kW, a1);
+      storev(ag + c + 2 * kW, a2);
+      storev(ag + c + 3 * kW, a3);
+    }
+    return;
+  }
+  if (D % kW == 0) {
+    for (int64_t c = 0; c < D; c += kW) {
+      vfloat a = loadv(ag + c);
+      for (int64_t t = 0; t < n; ++t) a += pg[t] * loadv(vals + t * D + c);
+      storev(ag + c, a);
+    }
+    return;
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    const float p = pg[t];
+    const float* __restrict__ vt = vals + t * D;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) ag[d] += p * vt[d];
+  }
+}
+
+// ---- the kernel ----------------------------------------------------------------------------------------
+
+struct Problem {
+  int64_t B, Hq, Hk, D, G, block_size, max_blocks;
+  int64_t q_sb, q_sh;      // q strides (elements) over sequence and head; the last dim is contiguous
+  int64_t out_sb, out_sh;  // same for out
+  int64_t c_sblk, c_st;    // cache strides over block and slot (a slot is Hk x D, contiguous)
+  float scale;
+  const int64_t* tables;   // [B, max_blocks]
+  const int64_t* lens;     // [B]
+  at::ScalarType qtype;    // q and out
+  size_t qsize;            // bytes per q element
+};
+
+// CT: the cache's element type. DC: head_dim when fixed at compile time, 0 for any.
+template <typename CT, int64_t DC>
+void run(const Problem& pb, char* out, const char* q, const CT* kc, const CT* vc) {
+  const int64_t D = DC ? DC : pb.D;
+  const int64_t G = pb.G, bs = pb.block_size;
+  const int64_t bsp = (bs + kW - 1) / kW * kW;  // score rows padded to whole vectors
+  const int64_t ntasks = pb.B * pb.Hk;
+  // Dynamic scheduling inside torch's thread pool: sequences differ in length, and at::parallel_for hands
+  // each thread one contiguous range. Each worker takes (sequence, kv head) tasks off a shared counter.
+  std::atomic<int64_t> next{0};
+  const int64_t nworkers = std::min<int64_t>(at::get_num_threads(), ntasks);
+  at::parallel_for(0, nworkers, 1, [&](int64_t w0, int64_t w1) {
+    std::vector<float> scratch(2 * G * D + G * bsp + bs * D + 2 * G);
+    float* __restrict__ qf = scratch.data();   // [G, D] query rows * scale
+    float* __restrict__ acc = qf + G * D;      // [G, D] unnormalised output rows
+    float* __restrict__ sc = acc + G * D;      // [G, bsp] scores, then probabilities, of one block
+    float* __restrict__ buf = sc + G * bsp;    // [bs, D] one block's K (then V) rows in fp32
+    float* __restrict__ mx = buf + bs * D;     // [G] running max
+    float* __restrict__ sum = mx + G;          // [G] running sum of exp(score - max)
+    const float ninf = -std::numeric_limits<float>::infinity();
+    for (int64_t w = w0; w < w1; ++w) {
+      for (int64_t task = next.fetch_add(1); task < ntasks; task = next.fetch_add(1)) {
+        const int64_t b = task / pb.Hk, h = task % pb.Hk;
+        const int64_t len = pb.lens[b];
+        char* orow = out + (b * pb.out_sb + h * G * pb.out_sh) * pb.qsize;
+        if (len <= 0) {  // no keys: define the output as zeros rather than 0/0
+          std::fill(acc, acc + D, 0.0f);
+          for (int64_t g = 0; g < G; ++g) store_any(acc, orow + g * pb.out_sh * pb.qsize, pb.qtype, D);
+          continue;
+        }
+        const char* qrow = q + (b * pb.q_sb + h * G * pb.q_sh) * pb.qsize;
+        for (int64_t g = 0; g < G; ++g) {
+          load_any(qrow + g * pb.q_sh * pb.qsize, pb.qtype, qf + g * D, D);
+          scale_row(qf + g * D, pb.scale, D);
+          mx[g] = ninf;
+          sum[g] = 0.0f;
+        }
+        std::fill(acc, acc + G * D, 0.0f);
+        const int64_t* table = pb.tables + b * pb.max_blocks;
+        const int64_t nblocks = (len + bs - 1) / bs;
+        for (int64_t i = 0; i < nblocks; ++i) {
+          const int64_t n = std::min(bs, len - i * bs);
+          const int64_t base = table[i] * pb.c_sblk + h * D;
+          // scores, then the online softmax: new max, rescale what was accumulated under the old one
+          for (int64_t t = 0; t < n; ++t) load_row(kc + base + t * pb.c_st, buf + t * D, D);
+          for (int64_t g = 0; g < G; ++g) {
+            float* __restrict__ sg = sc + g * bsp;
+            block_scores(qf + g * D, buf, sg, n, D);
+            for (int64_t t = n; t < bsp; ++t) sg[t] = ninf;  // padding: exp() -> ~0, never used for V
+            vfloat m = loadv(sg);
+            for (int64_t c = kW; c < bsp; c += kW) m = vmax(m, loadv(sg + c));
+            const float bmax = std::max(mx[g], hmax(m));
+            if (bmax > mx[g]) {
+              const float alpha = exp_neg(mx[g] - bmax);
+              sum[g] *= alpha;
+              scale_row(acc + g * D, alpha, D);
+              mx[g] = bmax;
+            }
+            vfloat s = {};
+            for (int64_t c = 0; c < bsp; c += kW) {
+              const vfloat p = vexp_neg(loadv(sg + c) - bmax);
+              storev(sg + c, p);
+              s += p;
+            }
+            sum[g] += hsum(s);
+          }
+          // values
+          for (int64_t t = 0; t < n; ++t) load_row(vc + base + t * pb.c_st, buf + t * D, D);
+          for (int64_t g = 0; g < G; ++g) block_values(acc + g * D, sc + g * bsp, buf, n, D);
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          scale_row(acc + g * D, 1.0f / sum[g], D);  // sum >= 1: the max score contributes exp(0)
+          store_any(acc + g * D, orow + g * pb.out_sh * pb.qsize, pb.qtype, D);
+        }
+      }
+    }
+  });
+}
+
+template <typename CT>
+void dispatch_dim(const Problem& pb, char* out, const char* q, const at::Tensor& kc, const at::Tensor& vc) {
+  const CT* k = kc.const_data_ptr<CT>();
+  const CT* v = vc.const_data_ptr<CT>();
+  switch (pb.D) {
+    case 64: return run<CT, 64>(pb, out, q, k, v);
+    case 128: return run<CT, 128>(pb, out, q, k, v);
+    default: return run<CT, 0>(pb, out, q, k, v);
+  }
+}
+
+void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& block_tables,
+                            const at::Tensor& seq_lens, double scale) {
+  const char* fn = "paged_decode_attention: ";
+  const std::initializer_list<const at::Tensor*> all = {&out,     &q,           &k_cache,
+                                                        &v_cache, &block_tables, &seq_lens};
+  for (const at::Tensor* t : all) {
+    TORCH_CHECK(t->device().is_cpu(), fn, "all tensors must be on the CPU");
+  }
+  TORCH_CHECK(q.dim() == 3, fn, "q must be [B, Hq, D], got ", q.sizes());
+  TORCH_CHECK(k_cache.dim() == 4, fn, "k_cache must be [num_blocks, block_size, Hk, D], got ",
+              k_cache.sizes());
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), fn, "v_cache ", v_cache.sizes(), " != k_cache ",
+              k_cache.sizes());
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), fn, "caches must be contiguous");
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), fn, "k_cache and v_cache dtypes differ");
+  TORCH_CHECK(out.sizes() == q.sizes(), fn, "out ", out.sizes(), " must have q's shape ", q.sizes());
+  TORCH_CHECK(out.scalar_type() == q.scalar_type(), fn, "out dtype ", out.scalar_type(), " != q dtype ",
+              q.scalar_type());
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, fn, "q and out need a contiguous last dim");
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t nblk = k_cache.size(0), bs = k_cache.size(1), Hk = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D, fn, "head_dim of q (", D, ") and cache (", k_cache.size(3), ") differ");
+  TORCH_CHECK(Hk > 0 && Hq % Hk == 0, fn, "Hq=", Hq, " is not a multiple of Hk=", Hk);
+  TORCH_CHECK(bs > 0, fn, "block_size must be positive");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong, fn,
+              "block_tables and seq_lens must be int64");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == B && block_tables.is_contiguous(), fn,
+              "block_tables must be a contiguous [B, max_blocks] tensor, got ", block_tables.sizes());
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == B && seq_lens.is_contiguous(), fn,
+              "seq_lens must be a contiguous [B] tensor, got ", seq_lens.sizes());
+  if (B == 0 || Hq == 0) return;
+
+  Problem pb;
+  pb.B = B; pb.Hq = Hq; pb.Hk = Hk; pb.D = D; pb.G = Hq / Hk; pb.block_size = bs;
+  pb.max_blocks = block_tables.size(1);
+  pb.q_sb = q.stride(0); pb.q_sh = q.stride(1);
+  pb.out_sb = out.stride(0); pb.out_sh = out.stride(1);
+  pb.c_sblk = k_cache.stride(0); pb.c_st = k_cache.stride(1);
+  pb.scale = static_cast<float>(scale);
+  pb.tables = block_tables.const_data_ptr<int64_t>();
+  pb.lens = seq_lens.const_data_ptr<int64_t>();
+  // Validate every block the kernel will read, so a bad table is an error here and never an
+  // out-of-bounds read in the loop (B x blocks integer compares).
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t len = pb.lens[b];
+    const int64_t need = len > 0 ? (len + bs - 1) / bs : 0;
+    TORCH_CHECK(need <= pb.max_blocks, fn, "seq_lens[", b, "]=", len, " needs ", need,
+                " blocks; block_tables has ", pb.max_blocks);
+    for (int64_t i = 0; i < need; ++i) {
+      const int64_t blk = pb.tables[b * pb.max_blocks + i];
+      TORCH_CHECK(blk >= 0 && blk < nblk, fn, "block_tables[", b, ", ", i, "]=", blk,
+                  " is outside the cache (", nblk, " blocks)");
+    }
+  }
+  const at::ScalarType qt = q.scalar_type();
+  TORCH_CHECK(qt == at::kFloat || qt == at::kBFloat16 || qt == at::kHalf, fn, "unsupported q dtype ", qt,
+              " (float32, bfloat16 or float16)");
+  pb.qtype = qt;
+  pb.qsize = q.element_size();
+  char* o = static_cast<char*>(out.data_ptr());
+  const char* qp = static_cast<const char*>(q.const_data_ptr());
+  switch (k_cache.scalar_type()) {
+    case at::kFloat: return dispatch_dim<float>(pb, o, qp, k_cache, v_cache);
+    case at::kBFloat16: return dispatch_dim<c10::BFloat16>(pb, o, qp, k_cache, v_cache);
+    case at::kHalf: return dispatch_dim<c10::Half>(pb, o, qp, k_cache, v_cache);
+    default:
+      TORCH_CHECK(false, fn, "unsupported cache dtype ", k_cache.scalar_type(),
+                  " (float32, bfloat16 or float16)");
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(openinfer_cpu, m) {
+  m.def(
+      "paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+      "Tensor seq_lens, float scale) -> ()");
+  m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
+}

@@ -1,0 +1,135 @@
+"""Optional C++ CPU kernels, compiled on first use with ``torch.utils.cpp_extension``.
+
+The sources live in ``cpu_kernels/`` and are built for the machine that runs them (``-march=native``), into
+torch's extension cache (``TORCH_EXTENSIONS_DIR`` or its default) or ``OPENINFER_KERNEL_CACHE``; later
+processes reuse the build. Every kernel here has a plain torch fallback: when the build fails (no C++
+compiler, no ninja) one warning says why and the callers keep their torch path. ``OPENINFER_CPU_KERNELS=0``
+turns the kernels off.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCES = [Path(__file__).parent / "cpu_kernels" / "paged_decode_attention.cpp"]
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast"]
+_LDFLAGS = ["-fopenmp"]
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "ops": the loaded op namespace, or "error": why there is none
+
+
+def enabled() -> bool:
+    return os.environ.get("OPENINFER_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _ninja_on_path() -> None:
+    """torch runs ``ninja`` from PATH; the ``ninja`` wheel installs it next to the interpreter, which is not
+    on PATH when the venv's python is run without activating the venv."""
+    if shutil.which("ninja"):
+        return
+    candidates = [os.path.dirname(sys.executable)]
+    with contextlib.suppress(ImportError, AttributeError):  # the wheel is optional
+        import ninja  # type: ignore[import-not-found]
+
+        candidates.insert(0, ninja.BIN_DIR)
+    for d in candidates:
+        if os.path.isfile(os.path.join(d, "ninja")):
+            os.environ["PATH"] = d + os.pathsep + os.environ.get("PATH", "")
+            return
+
+
+def _cflags() -> list[str]:
+    # OPENINFER_KERNEL_CFLAGS is appended (later flags win): e.g. "-march=x86-64-v3" builds the AVX2 code on
+    # an AVX-512 host, which is how the tests cover the AVX2-only machines.
+    return _CFLAGS + os.environ.get("OPENINFER_KERNEL_CFLAGS", "").split()
+
+
+def _build():
+    from torch.utils import cpp_extension
+
+    _ninja_on_path()
+    cflags = _cflags()
+    # The name carries a hash of sources and flags: an edited kernel, or another torch, builds afresh instead
+    # of tripping over a stale library already loaded under the same name.
+    h = hashlib.sha256()
+    for src in _SOURCES:
+        h.update(src.read_bytes())
+    h.update(" ".join(cflags + _LDFLAGS).encode())
+    h.update(torch.__version__.encode())
+    name = f"openinfer_cpu_{h.hexdigest()[:12]}"
+    build_dir = None
+    root = os.environ.get("OPENINFER_KERNEL_CACHE")
+    if root:
+        build_dir = os.path.join(root, name)
+        os.makedirs(build_dir, exist_ok=True)
+    t0 = time.perf_counter()
+    cpp_extension.load(name=name, sources=[str(s) for s in _SOURCES], extra_cflags=cflags,
+                       extra_ldflags=_LDFLAGS, build_directory=build_dir, is_python_module=False,
+                       verbose=False)
+    logger.debug("openinfer CPU kernels ready in %.1f s (%s)", time.perf_counter() - t0, name)
+    return torch.ops.openinfer_cpu
+
+
+def _reason(e: Exception) -> str:
+    """One line for the warning: the compiler's first error when there is one, else the exception's last
+    line."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    first_error = next((ln for ln in lines if "error:" in ln), None)
+    return f"{type(e).__name__}: {first_error or (lines[-1] if lines else '')}"[:500]
+
+
+def get_ops():
+    """The ``torch.ops.openinfer_cpu`` namespace, built on the first call; None when disabled or
+    unbuildable."""
+    if not enabled():
+        return None
+    ops = _state.get("ops")
+    if ops is not None or "error" in _state:
+        return ops
+    with _lock:
+        if "ops" not in _state and "error" not in _state:
+            try:
+                _state["ops"] = _build()
+            except Exception as e:  # noqa: BLE001 - any build/load failure means "use the torch path"
+                _state["error"] = _reason(e)
+                logger.warning("openinfer CPU kernels unavailable, using the torch path (%s)",
+                               _state["error"])
+        return _state.get("ops")
+
+
+def available() -> bool:
+    return get_ops() is not None
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Single-query attention over the paged cache. q: [B, Hq, D] (last dim contiguous); caches
+    ``[num_blocks, block_size, Hk, D]``; block_tables [B, max_blocks] int64; seq_lens [B] int64. Returns
+    [B, Hq, D] in q's dtype (written into ``out`` when given), or None when the kernel is unavailable
+    (disabled, unbuildable, or a non-CPU tensor) so the caller takes its torch path."""
+    if q.device.type != "cpu":
+        return None
+    ops = get_ops()
+    if ops is None:
+        return None
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    dst = out if out is not None and out.stride(-1) == 1 else torch.empty(q.shape, dtype=q.dtype)
+    ops.paged_decode_attention(dst, q, k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(),
+                               float(scale))
+    if out is not None and dst is not out:
+        out.copy_(dst)
+    return out if out is not None else dst
