@@ -4,7 +4,9 @@ Two backends share the cache layout ``[num_blocks, block_size, num_kv_heads, hea
 - ``reference``: per sequence, per query, explicit fp32 softmax over keys gathered slot by slot — slow and
   obviously right; the fast path is tested against it.
 - ``sdpa``: all decodes in one padded batched ``scaled_dot_product_attention`` over gathered blocks; each
-  prefill chunk one causal SDPA (directly on the fresh K/V when nothing precedes it in the cache).
+  prefill chunk one causal SDPA (directly on the fresh K/V when nothing precedes it in the cache). On CPU the
+  decodes go to a C++ kernel (``cpu_ops.paged_decode_attention``) that reads the paged cache in place; the
+  gather + SDPA path remains for GPUs and for when the kernel is off or could not be built.
 """
 from __future__ import annotations
 
