@@ -33,12 +33,16 @@ class _FirstTokenClock:
 class HFRunner:
     name = "hf"
 
-    def __init__(self, model_path: str, dtype: torch.dtype, device: str = "cpu") -> None:
+    def __init__(self, model_path: str, dtype: torch.dtype, device: str = "cpu",
+                 experts_implementation: str | None = None) -> None:
         from transformers import AutoModelForCausalLM, StoppingCriteriaList
 
         self._criteria_list = StoppingCriteriaList
         t0 = time.perf_counter()
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
+        # Only MoE models take the kwarg; None leaves transformers' own default (grouped_mm in 5.22).
+        extra = {"experts_implementation": experts_implementation} if experts_implementation else {}
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, **extra).to(device).eval()
+        self.experts_implementation = getattr(self.model.config, "_experts_implementation", None)
         self.load_time_s = time.perf_counter() - t0
         self.device = device
         self.dtype = dtype
@@ -57,6 +61,7 @@ class HFRunner:
             "runner": "transformers AutoModelForCausalLM.generate (e2e); forward loop with "
                       "past_key_values (decode mode)",
             "transformers": transformers.__version__,
+            "experts_implementation": self.experts_implementation,
             "dtype": str(self.dtype).removeprefix("torch."),
             "sampling": "greedy (do_sample=False)",
             "attn_implementation": getattr(self.model.config, "_attn_implementation", None),

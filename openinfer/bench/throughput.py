@@ -273,7 +273,7 @@ def _run_here(args: argparse.Namespace, batches: list[int]) -> dict[str, Any]:
         result["environment"].setdefault("model", info)
         hf_batches = [b for b in batches if b <= args.hf_max_batch]
         if hf_batches:
-            hf = HFRunner(path, dtype, device)
+            hf = HFRunner(path, dtype, device, experts_implementation=args.hf_experts_implementation)
             result["engines"]["hf"] = hf.describe()
             for s in sweep(hf, hf_batches, args, vocab or info["vocab_size"], block or args.block_size,
                            num_devices):

@@ -59,6 +59,9 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                    help="speculative decoding settings as JSON, recorded with the workload; only null is "
                         "accepted until speculative decoding exists")
     g.add_argument("--hf-max-batch", type=int, default=64, help="largest batch the HF side runs")
+    g.add_argument("--hf-experts-implementation", default=None, choices=["eager", "grouped_mm", "batched_mm"],
+                   help="transformers' MoE experts backend (its default in 5.22 is grouped_mm; eager is the "
+                        "per-expert Python loop)")
 
 
 def parse_batch_sizes(text: str) -> list[int]:
