@@ -78,7 +78,10 @@ def _build():
     cpp_extension.load(name=name, sources=[str(s) for s in _SOURCES], extra_cflags=cflags,
                        extra_ldflags=_LDFLAGS, build_directory=build_dir, is_python_module=False,
                        verbose=False)
-    logger.debug("openinfer CPU kernels ready in %.1f s (%s)", time.perf_counter() - t0, name)
+    took = time.perf_counter() - t0
+    # a fresh build (~7 s) delays the first decode step: say so; a cached load is quiet
+    logger.log(logging.INFO if took > 1.0 else logging.DEBUG, "openinfer CPU kernels ready in %.1f s (%s)",
+               took, name)
     return torch.ops.openinfer_cpu
 
 
