@@ -61,13 +61,18 @@ def _build():
 
     _ninja_on_path()
     cflags = _cflags()
-    # The name carries a hash of sources and flags: an edited kernel, or another torch, builds afresh instead
-    # of tripping over a stale library already loaded under the same name.
+    # The name carries a hash of sources, flags, torch and the CPU: an edited kernel, another torch, or a
+    # cache directory shared with a different CPU (-march=native) builds afresh instead of loading a stale
+    # or illegal-instruction library.
+    from openinfer.config import cpu_info
+
     h = hashlib.sha256()
     for src in _SOURCES:
         h.update(src.read_bytes())
     h.update(" ".join(cflags + _LDFLAGS).encode())
     h.update(torch.__version__.encode())
+    model, cpu_flags = cpu_info()
+    h.update((model + " " + " ".join(sorted(cpu_flags))).encode())
     name = f"openinfer_cpu_{h.hexdigest()[:12]}"
     build_dir = None
     root = os.environ.get("OPENINFER_KERNEL_CACHE")
