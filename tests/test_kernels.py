@@ -51,6 +51,13 @@ def test_sdpa_paged_attention_matches_reference(dtype, tol, hq, hk):
     q = torch.randn(t, hq, d, generator=gen).to(dtype)
     k = torch.randn(t, hk, d, generator=gen).to(dtype)
     v = torch.randn(t, hk, d, generator=gen).to(dtype)
+    outs = _backend_outputs(md, kc, vc, q, k, v)
+    assert (outs[0] - outs[1]).abs().max() < tol
+
+
+def _backend_outputs(md, kc, vc, q, k, v) -> list[torch.Tensor]:
+    """The same step through the sdpa and the reference backend, each on its own copy of the cache."""
+    (hq, d), hk = q.shape[1:], k.shape[1]
     outs = []
     for backend in ("sdpa", "reference"):
         attn = Attention(hq, hk, d, d ** -0.5)
@@ -58,7 +65,7 @@ def test_sdpa_paged_attention_matches_reference(dtype, tol, hq, hk):
         attn.k_cache, attn.v_cache = kc.clone(), vc.clone()
         with set_forward_context(md):
             outs.append(attn(q, k, v).float())
-    assert (outs[0] - outs[1]).abs().max() < tol
+    return outs
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 5e-2)])
@@ -178,14 +185,7 @@ def _mixed_attention_outputs(hq=8, hk=2, d=64, dtype=torch.float32):
     md, kc, vc = build_batch([1, 17, 40, 64, 200], [(5, 5), (7, 30)], 16, hk, d, 64, dtype, gen)
     t = md.num_tokens
     q, k, v = (torch.randn(t, h, d, generator=gen).to(dtype) for h in (hq, hk, hk))
-    outs = []
-    for backend in ("sdpa", "reference"):
-        attn = Attention(hq, hk, d, d ** -0.5)
-        attn.backend = backend
-        attn.k_cache, attn.v_cache = kc.clone(), vc.clone()
-        with set_forward_context(md):
-            outs.append(attn(q, k, v).float())
-    return outs
+    return _backend_outputs(md, kc, vc, q, k, v)
 
 
 def test_attention_uses_kernel_for_cpu_decodes(kernel_ops, monkeypatch):
