@@ -13,6 +13,7 @@ from openinfer.executor.forward_context import AttentionMetadata, PrefillSpan, s
 from openinfer.executor.kv_sizing import plan_kv_blocks
 from openinfer.executor.loader import load_model
 from openinfer.executor.sampler import SamplingRow, sample, top_logprobs
+from openinfer.layers import cpu_ops
 from openinfer.layers.linear import prepack_linears
 
 logger = logging.getLogger(__name__)
@@ -30,6 +31,10 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.model = load_model(config.model)
         prepack_linears(self.model)
+        if self.device.type == "cpu":
+            # Build (first run on a machine: ~7 s) or load the C++ CPU kernels now, at start-up, rather than
+            # inside the first decode step where it would land in the first request's latency.
+            cpu_ops.get_ops()
         self.load_time_s = time.perf_counter() - t0
         backend = "reference" if config.attention_backend == "reference" else "sdpa"
         for layer in self.attention_layers():
