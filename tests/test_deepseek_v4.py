@@ -28,6 +28,7 @@ from openinfer.models.deepseek_v4.indexer import Indexer
 from openinfer.models.deepseek_v4.hc import HyperConnection, fused_post_pre, hc_post
 from openinfer.models.deepseek_v4.moe import DeepseekV4MoE
 from openinfer.layers.deepseek_moe import RouterConfig, route
+from openinfer.layers.linear import num_parameters
 from openinfer.layers.moe import reference_experts, swiglu
 from tests.helpers import hf_greedy
 
@@ -442,7 +443,7 @@ def test_deepseek_release_names_and_mtp(ckpt, prompts, hf_ref, tmp_path, caplog)
     llm = LLM(str(ds_dir), tokenizer=str(ckpt), dtype="float32", max_model_len=128, num_kv_blocks=32)
     model = llm.engine.runner.model
     assert model.mtp is not None
-    torch.testing.assert_close(model.mtp[0].self_attn.q_a_proj.weight, out["mtp.0.attn.wq_a.weight"])
+    torch.testing.assert_close(model.mtp[0].self_attn.q_a_proj.dense_weight(), out["mtp.0.attn.wq_a.weight"])
     w3 = out["mtp.0.ffn.experts.3.w3.weight"]
     torch.testing.assert_close(model.mtp[0].mlp.experts.w13_weight[3, 64:], w3)
     _assert_matches(_run(llm, prompts[:2], 8), [(t[:8], lp[:8]) for t, lp in hf_ref[:2]])
@@ -456,7 +457,7 @@ def test_generator_writes_loadable_checkpoints(ckpt, tmp_path):
     cfg = json.loads((bench / "config.json").read_text())
     assert cfg["architectures"] == ["DeepseekV4ForCausalLM"]
     llm = LLM(str(bench), dtype="bfloat16", num_kv_blocks=16, max_num_batched_tokens=64)
-    n = sum(p.numel() for p in llm.engine.runner.model.parameters())
+    n = num_parameters(llm.engine.runner.model)
     assert 100e6 <= n <= 300e6, n
     out = _run(llm, [list(range(6, 40))], 4)
     assert len(out[0].outputs[0].token_ids) == 4

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from openinfer.layers.linear import Linear
 from openinfer.layers.moe import fused_experts, swiglu
 
 # New score functions are added here; RouterConfig validates against this table.
@@ -173,9 +174,10 @@ class DeepseekExperts(nn.Module):
         return fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.swiglu_limit)
 
 
-class CheckpointLinear(nn.Linear):
-    """nn.Linear without the kaiming init: every weight comes from the checkpoint (the loaders reject missing
-    tensors), and initialising a V4-Flash-sized model at construction would cost minutes."""
+class CheckpointLinear(Linear):
+    """openinfer's Linear (CPU prepacking included) without the kaiming init: every weight comes from the
+    checkpoint (the loaders reject missing tensors), and initialising a V4-Flash-sized model at construction
+    would cost minutes."""
 
     def reset_parameters(self) -> None:
         pass

@@ -53,6 +53,8 @@ def cpu_prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
 
 class Linear(nn.Linear):
     _packed: torch.Tensor | None = None
+    # False for a module whose weight other code reads as a matrix (packing empties ``weight``).
+    prepack: bool = True
 
     @torch.no_grad()
     def prepack_cpu(self, keep_weight: bool = False) -> bool:
@@ -64,6 +66,10 @@ class Linear(nn.Linear):
         if not keep_weight:
             self.weight = nn.Parameter(w.new_empty(0), requires_grad=False)
         return True
+
+    def dense_weight(self) -> torch.Tensor:
+        """The weight as a plain ``[out, in]`` matrix, packed or not (the reorder is exact both ways)."""
+        return self._packed.to_dense() if self._packed is not None else self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed is not None:
@@ -85,8 +91,18 @@ def prepack_linears(model: nn.Module) -> int:
         counts[id(p)] = counts.get(id(p), 0) + 1
     packed = 0
     for module in model.modules():
-        if isinstance(module, Linear):
+        if isinstance(module, Linear) and module.prepack:
             packed += module.prepack_cpu(keep_weight=counts.get(id(module.weight), 0) > 1)
     if packed:
         logger.info("prepacked %d linear weights for oneDNN (CPU)", packed)
     return packed
+
+
+def num_parameters(model: nn.Module) -> int:
+    """Parameter count with prepacked linears counted at their logical shape (their ``weight`` is a
+    placeholder once packed)."""
+    n = sum(p.numel() for p in model.parameters())
+    for m in model.modules():
+        if isinstance(m, Linear) and m._packed is not None and m.weight.numel() == 0:
+            n += m.in_features * m.out_features
+    return n

@@ -64,6 +64,7 @@ class DeepseekV4Attention(nn.Module):
         self.kv_norm = V4RMSNorm(self.head_dim, eps)
         self.o_a_proj = Linear(self.num_heads * self.head_dim // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank,
                                bias=False)
+        self.o_a_proj.prepack = False  # _project_out reads its weight as a grouped matrix
         self.o_b_proj = Linear(cfg.o_groups * cfg.o_lora_rank, hidden, bias=False)
         self.sinks = fp32_param(self.num_heads)
         self.compressor = None
