@@ -10,4 +10,5 @@ class SiluAndMul(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         d = x.shape[-1] // 2
-        return F.silu(x[..., :d]) * x[..., d:]
+        # In place on silu's fresh output: one activation-sized buffer fewer per MLP.
+        return F.silu(x[..., :d]).mul_(x[..., d:])

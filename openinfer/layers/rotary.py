@@ -58,15 +58,24 @@ class RotaryEmbedding(nn.Module):
         self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, Hq, D], k: [T, Hk, D]; returns rotated copies. One instance is shared by all layers of a
-        model, so the cos/sin rows are gathered once per step (keyed on the positions tensor itself)."""
-        if self._last is not None and self._last[0] is positions:
-            cos, sin = self._last[1], self._last[2]
-        else:
-            cos = self.cos[positions].unsqueeze(1)
-            sin = self.sin[positions].unsqueeze(1)
-            self._last = (positions, cos, sin)
+        """q: [T, Hq, D], k: [T, Hk, D]; returns rotated copies."""
+        cos, sin = self._cos_sin(positions)
         return self._apply(q, cos, sin), self._apply(k, cos, sin)
+
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, H, D] (any heads, e.g. q and k side by side); returns a rotated copy."""
+        cos, sin = self._cos_sin(positions)
+        return self._apply(x, cos, sin)
+
+    def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One instance is shared by all layers of a model, so the cos/sin rows are gathered once per step
+        (keyed on the positions tensor itself)."""
+        if self._last is not None and self._last[0] is positions:
+            return self._last[1], self._last[2]
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        self._last = (positions, cos, sin)
+        return cos, sin
 
     def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rd = self.rot_dim

@@ -42,13 +42,17 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+            q, k = qkv[:, :self.q_size + self.kv_size].split([self.q_size, self.kv_size], dim=-1)
+            q = self.q_norm(q.view(t, self.num_heads, self.head_dim))
+            k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim))
+            q, k = self.rotary_emb(positions, q, k)
+        else:
+            # q and k sit side by side in the fused projection: rotate them as one [T, Hq + Hk, D] tensor.
+            qk = self.rotary_emb.rotate(positions, qkv[:, :self.q_size + self.kv_size].view(t, -1, self.head_dim))
+            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         return self.o_proj(self.attn(q, k, v))
 
 
