@@ -8,7 +8,7 @@ writes ``benchmarks/report/`` (end-to-end: ``peers.json``, ``throughput.png``, `
 ``benchmarks/report/decode/`` (steady-state decode at context 512, same three files), creating the 246M
 Llama checkpoint at ``.bench/llama-200m`` first if it is missing. The dtype defaults to bf16 where the CPU has
 native bf16 (AMX / AVX512-BF16) and fp32 elsewhere, because emulated bf16 would measure the emulation. The
-workload is issue 2's (prompt 128, output 128); the defaults are sized so the whole run takes about 25 minutes
+workload is issue 2's (prompt 128, output 128, batch 1-256); the defaults are sized so the whole run takes about 25 minutes
 on a 2-core host; ``--no-decode`` skips the decode curve.
 
 A smoke run on a tiny checkpoint (seconds)::
@@ -36,7 +36,7 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/report", help="report folder")
     ap.add_argument("--threads", type=int, default=2, help="torch / OpenMP threads for every engine")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on CPUs with native bf16, else float32")
-    ap.add_argument("--batch-sizes", default="1,8,32,64")
+    ap.add_argument("--batch-sizes", default="1,8,32,64,128,256")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--num-iters", type=int, default=2, help="fresh processes per engine and point")
@@ -56,7 +56,8 @@ def main() -> int:
         if args.model != ap.get_default("model"):
             ap.error(f"--model {args.model} does not exist")
         run([sys.executable, "scripts/make_bench_checkpoint.py", "--out", str(model)], args.threads)
-    common = ["--model", str(model), "--peers", "hf", "--dtype", args.dtype,
+    largest = max(int(b) for b in (args.batch_sizes + "," + args.decode_batch_sizes).split(",") if b.strip())
+    common = ["--model", str(model), "--peers", "hf", "--dtype", args.dtype, "--hf-max-batch", str(largest),
               "--num-threads", str(args.threads), "--num-iters", str(args.num_iters)]
     peers = [sys.executable, "-m", "openinfer", "bench", "peers"]
     t0 = time.perf_counter()
