@@ -86,6 +86,18 @@ def test_trace_errors_name_line_and_field(tmp_path, row, message):
         load_trace(path, block_size=4)
 
 
+def test_missing_trace_file_fails_before_any_request(tmp_path, capsys):
+    """A bad --trace is reported at once, without waiting for a server (port 1 has none)."""
+    from openinfer.entrypoints.cli import main as cli_main
+
+    with pytest.raises(TraceError, match="no such file"):
+        load_trace(tmp_path / "absent.jsonl")
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["bench", "serve", "--workload", "agentic", "--trace", str(tmp_path / "absent.jsonl"),
+                  "--port", "1", "--ready-check-timeout-sec", "30"])
+    assert exit_info.value.code == 2 and "no such file" in capsys.readouterr().err
+
+
 def test_theoretical_hit_rate_on_a_hand_made_trace():
     def r(n_in, hashes):
         return TraceRecord("s", "main", 0, n_in, 1, tuple(hashes))

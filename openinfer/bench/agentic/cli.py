@@ -133,13 +133,17 @@ async def _main(args: argparse.Namespace) -> int:
             sampling[key] = getattr(args, key)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     salt = args.salt if args.salt is not None else secrets.token_hex(8)
+    # A trace file is checked before waiting on the server: a bad file is the client's mistake and should fail
+    # at once; a synthetic trace needs the server's max_model_len first.
+    records = load_trace(args.trace, args.trace_block_size) if args.trace else None
     async with open_session() as http:
         server_model, root = await _discover_model(http, base, headers, args.ready_check_timeout_sec)
         model_id = args.served_model_name or args.model or server_model
         if not model_id:
             raise ValueError("cannot tell which model to request: pass --model")
         max_context = await _max_model_len(http, base, headers)
-        records = trace_for(args, max_context)
+        if records is None:
+            records = trace_for(args, max_context)
         tokenizer, tokenizer_id = load_tokenizer_for(args, root)
         filler = Filler.for_tokenizer(tokenizer, args.trace_block_size, salt)
         cfg = RunConfig(

@@ -149,6 +149,8 @@ def load_trace(path: str | Path, block_size: int = 64) -> list[TraceRecord]:
     if block_size < 1:
         raise TraceError(f"trace block size must be >= 1, got {block_size}")
     out = []
+    if not Path(path).is_file():
+        raise TraceError(f"--trace {path}: no such file")
     with open(path, encoding="utf-8") as f:
         for i, line in enumerate(f, 1):
             if not line.strip():
