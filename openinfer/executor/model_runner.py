@@ -14,6 +14,7 @@ from openinfer.executor.kv_sizing import plan_kv_blocks
 from openinfer.executor.loader import load_model
 from openinfer.executor.sampler import SamplingRow, sample, top_logprobs
 from openinfer.layers import cpu_ops
+from openinfer.layers.attention import Attention
 from openinfer.layers.linear import prepack_linears
 
 logger = logging.getLogger(__name__)
@@ -31,14 +32,16 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.model = load_model(config.model)
         prepack_linears(self.model)
-        if self.device.type == "cpu":
-            # Build (first run on a machine: ~7 s) or load the C++ CPU kernels now, at start-up, rather than
-            # inside the first decode step where it would land in the first request's latency.
-            cpu_ops.get_ops()
-        self.load_time_s = time.perf_counter() - t0
         backend = "reference" if config.attention_backend == "reference" else "sdpa"
         for layer in self.attention_layers():
             layer.backend = backend
+        if (self.device.type == "cpu" and backend == "sdpa"
+                and any(isinstance(a, Attention) for a in self.attention_layers())):
+            # Build (first run on a machine: ~7 s) or load the C++ decode kernel now, at start-up, rather than
+            # inside the first decode step where it would land in the first request's latency. Only models
+            # whose layers use it (paged Attention; not MLA or DeepSeek-V4's own attention) pay for it.
+            cpu_ops.get_ops()
+        self.load_time_s = time.perf_counter() - t0
         self.num_blocks: dict[str, int] = {}
 
     # -- KV cache --------------------------------------------------------------------------------
