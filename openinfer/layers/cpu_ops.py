@@ -22,7 +22,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "cpu_kernels" / "paged_decode_attention.cpp"]
+# Every .cpp in cpu_kernels/ goes into the one extension (one build, one cache entry, one op namespace).
+_SOURCES = sorted((Path(__file__).parent / "cpu_kernels").glob("*.cpp"))
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast"]
 _LDFLAGS = ["-fopenmp"]
 
