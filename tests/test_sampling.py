@@ -182,3 +182,12 @@ def test_chat_uses_template(llm):
                    use_tqdm=False)[0]
     tok = llm.get_tokenizer()
     assert tok.decode(out.prompt_token_ids) == "<|user|>hi</s><|assistant|>"
+
+
+def test_greedy_argmax_takes_the_first_of_tied_maxima():
+    from openinfer.executor.sampler import _argmax
+
+    x = torch.tensor([[1.0, 3.0, 3.0, 0.0], [5.0, 5.0, 5.0, 5.0], [0.0, 1.0, 2.0, 2.0]])
+    assert _argmax(x).tolist() == [1, 0, 2] == x.argmax(dim=-1).tolist()
+    big = torch.randn(64, 32000).round()  # many ties among the maxima
+    assert torch.equal(_argmax(big), big.argmax(dim=-1))
