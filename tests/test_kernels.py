@@ -98,29 +98,6 @@ def test_row_blocked_linear_equals_plain(m, bias):
 
 # ---- the C++ paged decode-attention kernel (openinfer/layers/cpu_ops.py) --------------------------------
 
-def _toolchain() -> bool:
-    import shutil
-
-    from openinfer.layers import cpu_ops
-
-    cpu_ops._ninja_on_path()
-    return bool(shutil.which("c++") or shutil.which("g++")) and bool(shutil.which("ninja"))
-
-
-@pytest.fixture
-def kernel_ops():
-    """The built kernel. With a C++ compiler and ninja present, a failed build fails the test (no skip)."""
-    from openinfer.layers import cpu_ops
-
-    if not cpu_ops.enabled():
-        pytest.skip("OPENINFER_CPU_KERNELS=0")
-    if not _toolchain():
-        pytest.skip("no C++ compiler or ninja: the CPU kernels cannot be built here")
-    ops = cpu_ops.get_ops()
-    assert ops is not None, f"CPU kernel build failed: {cpu_ops._state.get('error')}"
-    return ops
-
-
 DECODE_LENS = [1, 15, 16, 17, 50, 300, 3]  # around the block size 16, several blocks, long
 
 
@@ -229,7 +206,8 @@ def test_attention_falls_back_without_kernel(how, monkeypatch, caplog):
 @pytest.mark.skipif(bool(__import__("os").environ.get("OPENINFER_KERNEL_CFLAGS")), reason="already a variant")
 def test_paged_decode_kernel_avx2_build(kernel_ops, tmp_path):
     """The kernel is built with -march=native; CI may run on an AVX2-only CPU. Build it for x86-64-v3 (AVX2,
-    FMA, no AVX-512) in a subprocess and run the kernel tests against that build."""
+    FMA, no AVX-512) in a subprocess and run the kernel tests (this file's and test_layer_kernels.py's) against
+    that build."""
     import os
     import platform
     import subprocess
@@ -238,8 +216,9 @@ def test_paged_decode_kernel_avx2_build(kernel_ops, tmp_path):
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("x86 only")
     env = dict(os.environ, OPENINFER_KERNEL_CFLAGS="-march=x86-64-v3", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-           "-k", "(paged_decode_kernel or uses_kernel) and not avx2"]
+    layer_ops = os.path.join(os.path.dirname(__file__), "test_layer_kernels.py")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, layer_ops,
+           "-k", "(paged_decode_kernel or uses_kernel or layer_kernel) and not avx2"]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert " passed" in r.stdout and "skipped" not in r.stdout.splitlines()[-1], r.stdout[-1000:]

@@ -34,15 +34,17 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [T, Hq, D]; k, v: [T, Hk, D]. Returns [T, Hq*D]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cached: bool = False) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hk, D]. Returns [T, Hq*D]. ``kv_cached``: the caller already wrote k and v
+        into this layer's cache at the step's slots (a fused rotary + cache-write kernel)."""
         md = get_forward_context()
         if self.k_cache is None:
             raise RuntimeError("attention layer has no KV cache bound")
-        kc = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
-        vc = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
-        kc.index_copy_(0, md.slot_mapping, k.to(kc.dtype))
-        vc.index_copy_(0, md.slot_mapping, v.to(vc.dtype))
+        if not kv_cached:
+            kc = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
+            vc = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
+            kc.index_copy_(0, md.slot_mapping, k.to(kc.dtype))
+            vc.index_copy_(0, md.slot_mapping, v.to(vc.dtype))
         if self.backend == "reference":
             out = reference_paged_attention(q, md, self.k_cache, self.v_cache, self.scale)
         else:

@@ -142,3 +142,62 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if out is not None and dst is not out:
         out.copy_(dst)
     return out if out is not None else dst
+
+
+# ---- fused per-layer ops (cpu_kernels/layer_ops.cpp) --------------------------------------------------------
+# Each returns None / False when the kernel cannot take the call (disabled or unbuilt kernels, a GPU tensor, a
+# layout or dtype mix the kernel does not handle), and the caller runs its torch code instead.
+
+def _rows(t: torch.Tensor) -> bool:
+    return t.dim() == 2 and t.stride(1) == 1
+
+
+def _fused_ops(*tensors: torch.Tensor):
+    if any(t.device.type != "cpu" for t in tensors):
+        return None
+    return get_ops()
+
+
+def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> bool:
+    """In place: residual += x (rounded to its dtype), then x = RMSNorm(residual) * weight. [T, D] each."""
+    ops = _fused_ops(x, residual)
+    if (ops is None or not (_rows(x) and _rows(residual)) or x.shape != residual.shape
+            or not (x.dtype == residual.dtype == weight.dtype)):
+        return False
+    ops.add_rms_norm(x, residual, weight, float(eps))
+    return True
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """RMSNorm(x) * weight into a new [T, D] tensor."""
+    ops = _fused_ops(x)
+    if ops is None or not _rows(x) or x.dtype != weight.dtype:
+        return None
+    out = torch.empty(x.shape, dtype=x.dtype)
+    ops.rms_norm(out, x, weight, float(eps))
+    return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
+    """silu(x[:, :d]) * x[:, d:] into a new [T, d] tensor."""
+    ops = _fused_ops(x)
+    if ops is None or not _rows(x) or x.shape[1] % 2:
+        return None
+    out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype)
+    ops.silu_and_mul(out, x)
+    return out
+
+
+def rotary_cache_write_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                        num_heads: int, num_kv_heads: int, head_dim: int, rot_dim: int) -> bool:
+    """In place on a fused [T, (Hq + 2 Hk) * D] projection: rotary on the q and k heads (NeoX layout, first
+    rot_dim dims, fp32 cos/sin tables [max_pos, rot_dim / 2]), then k and v copied into the paged caches at
+    ``slot_mapping``."""
+    ops = _fused_ops(qkv, k_cache)
+    if (ops is None or not _rows(qkv) or k_cache.dtype != qkv.dtype or cos.dtype != torch.float32
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
+        return False
+    ops.rotary_cache_write(qkv, positions.contiguous(), cos, sin, k_cache, v_cache, slot_mapping.contiguous(),
+                           num_heads, num_kv_heads, head_dim, rot_dim)
+    return True

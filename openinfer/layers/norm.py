@@ -4,6 +4,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from openinfer.layers import cpu_ops
+
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32 like HF. ``forward(x, residual)`` also does the residual add first and
@@ -21,7 +23,12 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """With a residual this may reuse x's and residual's storage for its two results (on CPU the fused
+        kernel works in place): callers pass activations they do not read again, as decoder layers do."""
         if residual is None:
-            return self._norm(x)
+            out = cpu_ops.rms_norm(x, self.weight, self.eps)
+            return out if out is not None else self._norm(x)
+        if cpu_ops.add_rms_norm_(x, residual, self.weight, self.eps):
+            return x, residual
         residual = x + residual
         return self._norm(residual), residual

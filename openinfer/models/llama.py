@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from openinfer.executor.forward_context import get_forward_context
+from openinfer.layers import cpu_ops
 from openinfer.layers.activation import SiluAndMul
 from openinfer.layers.attention import Attention
 from openinfer.layers.linear import Linear
@@ -49,11 +51,25 @@ class LlamaAttention(nn.Module):
             q = self.q_norm(q.view(t, self.num_heads, self.head_dim))
             k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim))
             q, k = self.rotary_emb(positions, q, k)
+        elif self._fused_rotary_cache_write(positions, qkv):
+            q = qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim)
+            k = qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
+            return self.o_proj(self.attn(q, k, v, kv_cached=True))
         else:
             # q and k sit side by side in the fused projection: rotate them as one [T, Hq + Hk, D] tensor.
             qk = self.rotary_emb.rotate(positions, qkv[:, :self.q_size + self.kv_size].view(t, -1, self.head_dim))
             q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         return self.o_proj(self.attn(q, k, v))
+
+    def _fused_rotary_cache_write(self, positions: torch.Tensor, qkv: torch.Tensor) -> bool:
+        """On CPU: rotary on q and k in place in the fused projection and k / v into the paged cache, one
+        kernel pass (cpu_kernels/layer_ops.cpp) instead of ~10 ops. False where the kernel does not apply."""
+        a, rot = self.attn, self.rotary_emb
+        if a.k_cache is None:
+            return False
+        return cpu_ops.rotary_cache_write_(qkv, positions, rot.cos, rot.sin, a.k_cache, a.v_cache,
+                                           get_forward_context().slot_mapping, self.num_heads, self.num_kv_heads,
+                                           self.head_dim, rot.rot_dim)
 
 
 class LlamaMLP(nn.Module):

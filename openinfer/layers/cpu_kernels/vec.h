@@ -1,0 +1,145 @@
+// Shared helpers of the CPU kernels: 16-float vectors, a fast exp, and rows of fp32 / bf16 / fp16 converted
+// to fp32 and back. Header-only (inline, in an anonymous namespace): each kernel file gets its own copy.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+// ---- 16-float vectors ----------------------------------------------------------------------------------
+//
+// GCC/Clang vector types: the compiler maps a 16-float vector to one zmm register (AVX-512) or two ymm
+// (AVX2), with no ISA-specific code. A head_dim that is a multiple of 16 runs on them; other head dims take
+// plain loops. With head_dim and the cache type as template parameters (64 and 128 specialised, any other
+// at run time) every loop over head_dim has a fixed trip count and unrolls; with runtime trip counts the loop
+// set-up cost more than the arithmetic (16 keys of 64 floats per block).
+
+typedef float vfloat __attribute__((vector_size(64)));
+typedef float vfloat8 __attribute__((vector_size(32)));
+typedef float vfloat4 __attribute__((vector_size(16)));
+typedef int32_t vint __attribute__((vector_size(64)));
+typedef uint32_t vuint __attribute__((vector_size(64)));
+typedef uint16_t vushort __attribute__((vector_size(32)));
+constexpr int64_t kW = 16;
+
+inline vfloat loadv(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void storev(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline vfloat splat(float x) { return vfloat{} + x; }
+
+inline vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
+
+inline float hsum(vfloat v) {
+  vfloat8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+              __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  vfloat4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+inline float hmax(vfloat v) {
+  vfloat8 x = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  vfloat8 y = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  vfloat8 a = x > y ? x : y;
+  vfloat4 c = __builtin_shufflevector(a, a, 0, 1, 2, 3), d = __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  vfloat4 b = c > d ? c : d;
+  return std::max(std::max(b[0], b[1]), std::max(b[2], b[3]));
+}
+
+// exp(x) for x <= 0 (scores minus their running max): a Cephes-style polynomial on x = n ln2 + r, 2^n put
+// into the exponent bits; relative error ~1e-7. Inputs below -87 (including -inf) give ~1e-38, which
+// vanishes next to the running sum (>= 1).
+inline vfloat vexp_neg(vfloat x) {
+  const vfloat lo = splat(-87.0f), hi = splat(0.0f);
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  // 1.5 * 2^23: adding it rounds to an integer, held in the low mantissa bits
+  const float magic = 12582912.0f;
+  const vfloat t = x * 1.44269504088896341f + magic;
+  const vfloat n = t - magic;
+  vfloat r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  vfloat p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const vfloat y = p * r * r + r + 1.0f;
+  const vint e = (((vint)t) - 0x4B400000 + 127) << 23;  // n in [-126, 0]: a normal power of two
+  return y * (vfloat)e;
+}
+
+inline float exp_neg(float x) { return vexp_neg(splat(x))[0]; }
+
+// ---- rows of head_dim elements -> fp32 and back --------------------------------------------------------
+
+inline void load_row(const float* __restrict__ src, float* __restrict__ dst, int64_t n) {
+  std::memcpy(dst, src, n * sizeof(float));
+}
+
+inline void load_row(const c10::BFloat16* __restrict__ src, float* __restrict__ dst, int64_t n) {
+  const uint16_t* __restrict__ s = reinterpret_cast<const uint16_t*>(src);
+  int64_t i = 0;
+  for (; i + kW <= n; i += kW) {  // bf16 is the top half of an fp32: widen and shift
+    vushort h;
+    std::memcpy(&h, s + i, sizeof(h));
+    storev(dst + i, (vfloat)(__builtin_convertvector(h, vuint) << 16));
+  }
+  for (; i < n; ++i) dst[i] = __builtin_bit_cast(float, static_cast<uint32_t>(s[i]) << 16);
+}
+
+inline void load_row(const c10::Half* __restrict__ src, float* __restrict__ dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+inline void store_row(const float* __restrict__ src, float* __restrict__ dst, int64_t n) {
+  std::memcpy(dst, src, n * sizeof(float));
+}
+
+inline void store_row(const float* __restrict__ src, c10::BFloat16* __restrict__ dst, int64_t n) {
+  uint16_t* __restrict__ d = reinterpret_cast<uint16_t*>(dst);
+  int64_t i = 0;
+  for (; i + kW <= n; i += kW) {  // round to nearest even like torch (c10::round_to_nearest_even), NaN -> 0x7FC0
+    const vfloat f = loadv(src + i);
+    const vuint u = (vuint)f;
+    const vuint r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    const vuint out = f != f ? vuint{} + 0x7FC0u : r;
+    const vushort h = __builtin_convertvector(out, vushort);
+    std::memcpy(d + i, &h, sizeof(h));
+  }
+  for (; i < n; ++i) dst[i] = c10::BFloat16(src[i]);
+}
+
+inline void store_row(const float* __restrict__ src, c10::Half* __restrict__ dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = c10::Half(src[i]);
+}
+
+// q and out rows: G per task, so a runtime dtype switch costs nothing and keeps q's dtype out of the
+// template parameters (fewer instantiations, faster build).
+inline void load_any(const void* src, at::ScalarType t, float* dst, int64_t n) {
+  switch (t) {
+    case at::kFloat: return load_row(static_cast<const float*>(src), dst, n);
+    case at::kBFloat16: return load_row(static_cast<const c10::BFloat16*>(src), dst, n);
+    default: return load_row(static_cast<const c10::Half*>(src), dst, n);
+  }
+}
+
+inline void store_any(const float* src, void* dst, at::ScalarType t, int64_t n) {
+  switch (t) {
+    case at::kFloat: return store_row(src, static_cast<float*>(dst), n);
+    case at::kBFloat16: return store_row(src, static_cast<c10::BFloat16*>(dst), n);
+    default: return store_row(src, static_cast<c10::Half*>(dst), n);
+  }
+}
+
+}  // namespace

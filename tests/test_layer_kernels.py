@@ -1,0 +1,130 @@
+"""The fused per-layer CPU kernels (cpu_kernels/layer_ops.cpp) against the torch code they replace."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from openinfer.layers import cpu_ops
+from openinfer.layers.activation import SiluAndMul
+from openinfer.layers.norm import RMSNorm
+from openinfer.layers.rotary import RotaryEmbedding
+
+# fp32 agrees to rounding; bf16 to about one last-bit step where fp32 rounding lands on a bf16 tie (relative
+# 2^-8 of the value) — compared relative to each tensor's scale.
+TOL = {torch.float32: 2e-6, torch.bfloat16: 8e-3}
+SHAPES = [(1, 64), (7, 1000), (300, 1024)]  # one row; a width off the 16-lane vectors; enough rows to go parallel
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, dtype) -> None:
+    a, b = a.float(), b.float()
+    err = ((a - b).abs() / (b.abs() + 1)).max().item()
+    assert err <= TOL[dtype], err
+
+
+def _torch_norm(x, w, eps):  # norm.py's torch path: fp32 norm, cast, then the weight in the activation dtype
+    return w * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_layer_kernel_add_rms_norm(kernel_ops, dtype, shape):
+    gen = torch.Generator().manual_seed(0)
+    x, r = (torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
+    w = (1 + 0.1 * torch.randn(shape[1], generator=gen)).to(dtype)
+    want_r = x + r
+    want = _torch_norm(want_r, w, 1e-6)
+    assert cpu_ops.add_rms_norm_(x, r, w, 1e-6)
+    assert torch.equal(r, want_r)  # the residual add rounds exactly like torch's
+    _close(x, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_layer_kernel_rms_norm_strided_rows(kernel_ops, dtype, shape):
+    gen = torch.Generator().manual_seed(1)
+    wide = torch.randn(shape[0], shape[1] + 24, generator=gen).to(dtype)
+    x = wide[:, 8:8 + shape[1]]  # rows of a wider tensor, as a split of a fused projection gives
+    w = (1 + 0.1 * torch.randn(shape[1], generator=gen)).to(dtype)
+    before = wide.clone()
+    out = cpu_ops.rms_norm(x, w, 1e-5)
+    assert out is not None and out.is_contiguous()
+    _close(out, _torch_norm(x, w, 1e-5), dtype)
+    assert torch.equal(wide, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_layer_kernel_silu_and_mul(kernel_ops, dtype, shape):
+    gen = torch.Generator().manual_seed(2)
+    x = (4 * torch.randn(shape[0], 2 * shape[1], generator=gen)).to(dtype)
+    x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # far tails of the sigmoid, and zero
+    d = shape[1]
+    out = cpu_ops.silu_and_mul(x)
+    _close(out, F.silu(x[:, :d]) * x[:, d:], dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq, hk, d, rot", [(4, 2, 64, 64), (8, 8, 80, 80), (4, 1, 64, 32)])
+def test_layer_kernel_rotary_cache_write(kernel_ops, dtype, hq, hk, d, rot):
+    gen = torch.Generator().manual_seed(3)
+    t, num_blocks, bs = 37, 12, 16
+    rope = RotaryEmbedding(d, 4096, {"rope_theta": 10000.0, "rope_type": "default"}, rot_dim=rot)
+    qkv = torch.randn(t, (hq + 2 * hk) * d, generator=gen).to(dtype)
+    positions = torch.randint(0, 4096, (t,), generator=gen)
+    slots = torch.randperm(num_blocks * bs, generator=gen)[:t]
+    kc = torch.randn(num_blocks, bs, hk, d, generator=gen).to(dtype)
+    vc = torch.randn(num_blocks, bs, hk, d, generator=gen).to(dtype)
+    # the torch path: rotate q|k as one tensor (llama.py), then index_copy_ into the caches (attention.py)
+    qk = rope.rotate(positions, qkv[:, :(hq + hk) * d].view(t, hq + hk, d))
+    want_k, want_v = kc.clone().view(-1, hk, d), vc.clone().view(-1, hk, d)
+    want_k.index_copy_(0, slots, qk[:, hq:])
+    want_v.index_copy_(0, slots, qkv[:, (hq + hk) * d:].view(t, hk, d))
+    v_before = qkv[:, (hq + hk) * d:].clone()
+
+    assert cpu_ops.rotary_cache_write_(qkv, positions, rope.cos, rope.sin, kc, vc, slots, hq, hk, d, rot)
+    _close(qkv[:, :(hq + hk) * d].view(t, hq + hk, d), qk, dtype)
+    assert torch.equal(qkv[:, (hq + hk) * d:], v_before)
+    _close(kc.view(-1, hk, d), want_k, dtype)
+    assert torch.equal(vc.view(-1, hk, d), want_v)
+    untouched = torch.ones(num_blocks * bs, dtype=torch.bool)
+    untouched[slots] = False
+    assert torch.equal(kc.view(-1, hk, d)[untouched], want_k[untouched])
+
+
+def test_layer_kernel_rotary_rejects_out_of_range_indices(kernel_ops):
+    rope = RotaryEmbedding(64, 128, {"rope_theta": 10000.0, "rope_type": "default"})
+    qkv = torch.randn(2, 3 * 64)
+    kc, vc = torch.zeros(4, 16, 1, 64), torch.zeros(4, 16, 1, 64)
+    with pytest.raises(RuntimeError, match="position 128 outside"):
+        cpu_ops.rotary_cache_write_(qkv, torch.tensor([0, 128]), rope.cos, rope.sin, kc, vc,
+                                    torch.tensor([0, 1]), 1, 1, 64, 64)
+    with pytest.raises(RuntimeError, match="slot 64 outside"):
+        cpu_ops.rotary_cache_write_(qkv, torch.tensor([0, 1]), rope.cos, rope.sin, kc, vc,
+                                    torch.tensor([0, 64]), 1, 1, 64, 64)
+    assert not kc.any() and not vc.any()  # checked before anything is written
+
+
+def test_layer_kernel_modules_take_the_kernel_and_fall_back(kernel_ops, monkeypatch):
+    """RMSNorm / SiluAndMul call the kernels on CPU, and give the same values on the torch path."""
+    gen = torch.Generator().manual_seed(4)
+    norm, act = RMSNorm(256), SiluAndMul()
+    x, r, h = torch.randn(9, 256, generator=gen), torch.randn(9, 256, generator=gen), torch.randn(9, 64, generator=gen)
+
+    def run():
+        a, res = norm(x.clone(), r.clone())
+        return norm(x), a, res, act(h)
+
+    used = []
+    for name in ("rms_norm", "add_rms_norm_", "silu_and_mul"):
+        real = getattr(cpu_ops, name)
+        monkeypatch.setattr(cpu_ops, name, lambda *a, _r=real, _n=name: used.append((_n, _r(*a))) or used[-1][1])
+    fast = run()
+    assert [n for n, res in used if res is not None and res is not False] == ["add_rms_norm_", "rms_norm",
+                                                                            "silu_and_mul"]
+    used.clear()
+    monkeypatch.setenv("OPENINFER_CPU_KERNELS", "0")
+    slow = run()
+    assert len(used) == 3 and all(res is None or res is False for _, res in used)  # each wrapper declined
+    for f, s in zip(fast, slow):
+        _close(f, s, torch.float32)
