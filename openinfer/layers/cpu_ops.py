@@ -68,7 +68,7 @@ def _build():
     from openinfer.config import cpu_info
 
     h = hashlib.sha256()
-    for src in _SOURCES:
+    for src in sorted(_SOURCES[0].parent.glob("*.[ch]*")):  # the headers too: an edited vec.h must rebuild
         h.update(src.read_bytes())
     h.update(" ".join(cflags + _LDFLAGS).encode())
     h.update(torch.__version__.encode())
