@@ -41,18 +41,31 @@ def build_batch(decode_lens, prefills, bs, hk, d, num_blocks, dtype, gen):
     return md, kc, vc
 
 
+# (query_len, context_len) prefill chunks: fresh ones (query == context) next to each other with one length are
+# attended in one batched call, so the second list has runs of 3 and 2 split by a chunk after cached tokens.
+PREFILLS = [[(5, 5), (7, 30), (16, 16), (3, 50)], [(8, 8), (8, 8), (8, 8), (7, 30), (8, 8), (8, 8), (5, 5)]]
+
+
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("hq, hk", [(4, 4), (8, 2)])
-def test_sdpa_paged_attention_matches_reference(dtype, tol, hq, hk):
+@pytest.mark.parametrize("prefills", PREFILLS)
+def test_sdpa_paged_attention_matches_reference(dtype, tol, hq, hk, prefills):
     gen = torch.Generator().manual_seed(0)
     bs, d = 16, 32
-    md, kc, vc = build_batch([1, 17, 40, 64], [(5, 5), (7, 30), (16, 16), (3, 50)], bs, hk, d, 64, dtype, gen)
+    md, kc, vc = build_batch([1, 17, 40, 64], prefills, bs, hk, d, 64, dtype, gen)
     t = md.num_tokens
     q = torch.randn(t, hq, d, generator=gen).to(dtype)
     k = torch.randn(t, hk, d, generator=gen).to(dtype)
     v = torch.randn(t, hk, d, generator=gen).to(dtype)
     outs = _backend_outputs(md, kc, vc, q, k, v)
     assert (outs[0] - outs[1]).abs().max() < tol
+
+
+def test_fresh_prefill_runs_group_adjacent_equal_chunks():
+    from openinfer.layers.attention import _fresh_prefill_runs
+
+    md, _, _ = build_batch([1], PREFILLS[1], 16, 1, 8, 64, torch.float32, torch.Generator().manual_seed(0))
+    assert _fresh_prefill_runs(md.prefills) == [(1, 3, 8), (32, 2, 8), (48, 1, 5)]
 
 
 def _backend_outputs(md, kc, vc, q, k, v) -> list[torch.Tensor]:

@@ -60,23 +60,27 @@ class Attention(nn.Module):
         if nd and cpu_ops.paged_decode_attention(q[:nd], self.k_cache, self.v_cache, md.decode_block_tables,
                                                  md.decode_seq_lens, self.scale, out=out[:nd]) is None:
             out[:nd] = self._decode_gather_sdpa(q[:nd], md)
-        for span in md.prefills:
+        for s, g, n in _fresh_prefill_runs(md.prefills):
+            # g back-to-back chunks of n tokens with nothing cached before them: one causal SDPA over
+            # [g, H, n, D] views of the fresh q/k/v (a call per chunk cost ~0.25 ms each at n=128: 512 calls
+            # for a 32 x 128-token prefill of a 16-layer model).
+            e = s + g * n
+            qs, ks, vs = (x[s:e].view(g, n, x.shape[1], x.shape[2]).transpose(1, 2) for x in (q, k, v))
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale, enable_gqa=gqa)
+            out[s:e] = o.transpose(1, 2).reshape(e - s, *out.shape[1:])
+        for span in md.prefills:  # chunks after cached tokens: their keys come from the cache
             s, n = span.query_start, span.query_len
-            qs = q[s:s + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
             if span.context_len == n:
-                ks = k[s:s + n].transpose(0, 1).unsqueeze(0)
-                vs = v[s:s + n].transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale,
-                                                   enable_gqa=gqa)
-            else:
-                ks, vs = _gather(self.k_cache, self.v_cache, span.block_table, span.context_len)
-                ks = ks.transpose(0, 1).unsqueeze(0).to(q.dtype)
-                vs = vs.transpose(0, 1).unsqueeze(0).to(q.dtype)
-                # Query i sits at absolute position context_len - n + i and sees keys 0..that position.
-                q_pos = torch.arange(span.context_len - n, span.context_len, device=q.device)
-                k_pos = torch.arange(span.context_len, device=q.device)
-                mask = k_pos[None, :] <= q_pos[:, None]
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
+                continue
+            qs = q[s:s + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+            ks, vs = _gather(self.k_cache, self.v_cache, span.block_table, span.context_len)
+            ks = ks.transpose(0, 1).unsqueeze(0).to(q.dtype)
+            vs = vs.transpose(0, 1).unsqueeze(0).to(q.dtype)
+            # Query i sits at absolute position context_len - n + i and sees keys 0..that position.
+            q_pos = torch.arange(span.context_len - n, span.context_len, device=q.device)
+            k_pos = torch.arange(span.context_len, device=q.device)
+            mask = k_pos[None, :] <= q_pos[:, None]
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
             out[s:s + n] = o.squeeze(0).transpose(0, 1)
         return out
 
@@ -91,6 +95,21 @@ class Attention(nn.Module):
         od = F.scaled_dot_product_attention(qd.unsqueeze(2).to(dt), kd, vd, attn_mask=md.decode_bias(dt),
                                             scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
         return od.squeeze(2).to(qd.dtype)
+
+
+def _fresh_prefill_runs(prefills) -> list[tuple[int, int, int]]:
+    """(first token, chunk count, chunk length) for each run of adjacent prefill chunks that have nothing
+    cached before them (context_len == query_len) and share one length."""
+    runs: list[list[int]] = []
+    for span in prefills:
+        if span.context_len != span.query_len:
+            continue
+        last = runs[-1] if runs else None
+        if last is not None and last[2] == span.query_len and last[0] + last[1] * last[2] == span.query_start:
+            last[1] += 1
+        else:
+            runs.append([span.query_start, 1, span.query_len])
+    return [tuple(r) for r in runs]
 
 
 def _decode_dtype(q: torch.Tensor) -> torch.dtype:

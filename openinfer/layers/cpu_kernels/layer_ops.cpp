@@ -135,7 +135,8 @@ inline vfloat vsilu(vfloat g) {
   const vfloat ag = g < 0.0f ? -g : g;
   const vfloat e = vexp_neg(-ag);
   const vfloat one = splat(1.0f);
-  const vfloat sig = g < 0.0f ? e / (one + e) : one / (one + e);
+  const vfloat r = one / (one + e);  // one division: a vector divide costs as much as the rest together
+  const vfloat sig = g < 0.0f ? e * r : r;
   return g * sig;
 }
 
