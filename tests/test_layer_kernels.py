@@ -128,3 +128,19 @@ def test_layer_kernel_modules_take_the_kernel_and_fall_back(kernel_ops, monkeypa
     assert len(used) == 3 and all(res is None or res is False for _, res in used)  # each wrapper declined
     for f, s in zip(fast, slow):
         _close(f, s, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_kernel_argmax_rows(kernel_ops, dtype):
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(40, 1003, generator=gen).round().to(dtype)  # rounded: many tied maxima; 1003 = lanes + tail
+    x[1, 500:] = float("inf")  # first of many maxima
+    x[2] = float("-inf")  # nothing but -inf: index 0
+    x[3, 7] = x[3, 900] = float("nan")  # NaN wins, first NaN
+    x[4, 1002] = 100.0  # maximum in the scalar tail
+    x[5, 15] = x[5, 16] = 100.0  # tie across two lanes' first elements
+    want = x.max(dim=-1).indices
+    assert torch.equal(cpu_ops.argmax_rows(x), want)
+    assert torch.equal(want, x.float().argmax(dim=-1))  # the index greedy decoding has always taken
+    strided = torch.randn(6, 2048, generator=gen).to(dtype)[:, 100:1100]
+    assert torch.equal(cpu_ops.argmax_rows(strided), strided.max(dim=-1).indices)

@@ -180,7 +180,7 @@ class ModelRunner:
             off += n
         out = RunnerOutput()
         if sample_rows:
-            logits = self.model.compute_logits(hidden[sample_rows]).float()
+            logits = self.model.compute_logits(hidden[sample_rows])  # sample() casts to fp32 where it needs
             rows = [SamplingRow(s.sampling_params, s.prompt_token_ids, s.output_token_ids) for s in sample_seqs]
             tokens, raw_lp = sample(logits, rows, self.generator)
             tokens_list = tokens.tolist()

@@ -201,3 +201,14 @@ def rotary_cache_write_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.T
     ops.rotary_cache_write(qkv, positions.contiguous(), cos, sin, k_cache, v_cache, slot_mapping.contiguous(),
                            num_heads, num_kv_heads, head_dim, rot_dim)
     return True
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
+    """Index of each row's first maximum (a NaN counts as the maximum, as in ``torch.max(dim)``), read in x's
+    own dtype: greedy decoding needs no fp32 copy of the logits."""
+    ops = _fused_ops(x)
+    if ops is None or not _rows(x) or x.shape[1] == 0:
+        return None
+    out = torch.empty(x.shape[0], dtype=torch.long)
+    ops.argmax_rows(out, x)
+    return out

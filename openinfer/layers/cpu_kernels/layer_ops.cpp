@@ -25,6 +25,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -218,6 +219,63 @@ void rotary_cache_write_impl(at::Tensor& qkv, const at::Tensor& positions, const
   });
 }
 
+// First index of each row's maximum; a NaN wins (first NaN), as torch's max(dim) reports it. Lanes keep their
+// own best value and index (strictly greater replaces, so each lane holds its first maximum); the lanes are
+// then reduced to the largest value, smallest index on ties.
+template <typename T>
+void argmax_rows_impl(at::Tensor& out, const at::Tensor& x) {
+  const int64_t rows = x.size(0), n = x.size(1), xs = x.stride(0);
+  const T* xp = x.data_ptr<T>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, 65536 / std::max<int64_t>(n, 1)), [&](int64_t begin, int64_t end) {
+    float buf[kW];
+    for (int64_t r = begin; r < end; ++r) {
+      const T* row = xp + r * xs;
+      vfloat best = splat(-std::numeric_limits<float>::infinity());
+      vint idx = vint{} - 1;
+      vint lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+      vint nans = {};
+      int64_t i = 0;
+      for (; i + kW <= n; i += kW, lane += kW) {
+        load_row(row + i, buf, kW);
+        const vfloat v = loadv(buf);
+        nans |= v != v;
+        const vint gt = v > best;
+        best = gt ? v : best;
+        idx = gt ? lane : idx;
+      }
+      float bv = -std::numeric_limits<float>::infinity();
+      int64_t bi = -1;
+      bool nan = false;
+      for (int64_t l = 0; l < kW; ++l) {
+        nan |= nans[l] != 0;
+        if (idx[l] >= 0 && (best[l] > bv || (best[l] == bv && idx[l] < bi))) {
+          bv = best[l];
+          bi = idx[l];
+        }
+      }
+      for (; i < n; ++i) {
+        const float v = static_cast<float>(row[i]);
+        nan |= v != v;
+        if (v > bv) {
+          bv = v;
+          bi = i;
+        }
+      }
+      if (nan) {  // rare: the first NaN is the answer
+        for (int64_t j = 0; j < n; ++j) {
+          const float v = static_cast<float>(row[j]);
+          if (v != v) {
+            bi = j;
+            break;
+          }
+        }
+      }
+      op[r] = bi < 0 ? 0 : bi;  // every value -inf: index 0, like torch
+    }
+  });
+}
+
 // ---- entry points: checks, then a dtype dispatch --------------------------------------------------------
 
 void check_rows(const at::Tensor& t, const char* name) {
@@ -284,6 +342,14 @@ void rotary_cache_write(at::Tensor qkv, const at::Tensor& positions, const at::T
                                                 num_kv_heads, head_dim, rot_dim));
 }
 
+void argmax_rows(at::Tensor out, const at::Tensor& x) {
+  check_rows(x, "x");
+  TORCH_CHECK(out.dim() == 1 && out.size(0) == x.size(0) && out.scalar_type() == at::kLong && out.is_contiguous(),
+              "argmax_rows: out must be a contiguous int64 [rows]");
+  TORCH_CHECK(x.size(1) > 0, "argmax_rows: empty rows");
+  OI_DISPATCH(x.scalar_type(), "argmax_rows", argmax_rows_impl<scalar_t>(out, x));
+}
+
 #undef OI_DISPATCH
 
 }  // namespace
@@ -299,4 +365,6 @@ TORCH_LIBRARY_FRAGMENT(openinfer_cpu, m) {
       "rotary_cache_write(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, Tensor(b!) k_cache, "
       "Tensor(c!) v_cache, Tensor slot_mapping, int num_heads, int num_kv_heads, int head_dim, int rot_dim) -> ()");
   m.impl("rotary_cache_write", c10::DispatchKey::CPU, &rotary_cache_write);
+  m.def("argmax_rows(Tensor(a!) out, Tensor x) -> ()");
+  m.impl("argmax_rows", c10::DispatchKey::CPU, &argmax_rows);
 }
