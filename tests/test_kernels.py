@@ -136,6 +136,34 @@ def test_paged_decode_kernel_matches_reference_and_sdpa(kernel_ops, dtype, tol, 
     assert (got.float() - sdpa.float()).abs().max() < (tol if dtype == torch.float32 else 3e-2)
 
 
+@pytest.mark.parametrize("amx", [True, False])
+@pytest.mark.parametrize("hq, hk, d, bs", [(16, 4, 64, 16), (16, 1, 128, 16), (4, 4, 64, 32), (6, 2, 128, 16)])
+def test_paged_decode_kernel_amx_and_vector_paths(kernel_ops, amx, hq, hk, d, bs):
+    """bf16 caches take AMX tiles where the CPU has them (head_dim % 64, block_size % 16, <= 16 q heads per kv
+    head); both paths against the fp32 reference, with NaN planted in the unused slots of partly filled blocks
+    (stale cache rows must never reach the output)."""
+    from openinfer.config import cpu_info
+    from openinfer.layers import cpu_ops
+    from openinfer.layers.attention import reference_paged_attention
+
+    has_amx = kernel_ops.decode_attention_use_amx(amx)
+    try:
+        if amx and not __import__("os").environ.get("OPENINFER_KERNEL_CFLAGS"):
+            assert has_amx == ("amx_bf16" in cpu_info()[1])  # a native build on an AMX CPU must use it
+        gen = torch.Generator().manual_seed(d + hq + bs)
+        md, kc, vc = build_batch([1, 15, 16, 17, 33, 50, 300, 3, 64], [], bs, hk, d, 160, torch.bfloat16, gen)
+        for b, n in enumerate(md.decode_seq_lens.tolist()):  # NaN in every slot past each sequence's end
+            last = md.decode_block_tables[b, (n - 1) // bs]
+            kc[last, (n - 1) % bs + 1:] = float("nan")
+            vc[last, (n - 1) % bs + 1:] = float("nan")
+        q = torch.randn(md.num_decodes, hq, d, generator=gen).bfloat16()
+        got = cpu_ops.paged_decode_attention(q, kc, vc, md.decode_block_tables, md.decode_seq_lens, d ** -0.5)
+        ref = reference_paged_attention(q, md, kc, vc, d ** -0.5)
+        assert not got.isnan().any() and (got.float() - ref.float()).abs().max() < 1e-2
+    finally:
+        kernel_ops.decode_attention_use_amx(True)
+
+
 def test_paged_decode_kernel_edge_cases(kernel_ops):
     from openinfer.layers import cpu_ops
     from openinfer.layers.attention import reference_paged_attention

@@ -88,7 +88,11 @@ def _build():
     # a fresh build (~7 s) delays the first decode step: say so; a cached load is quiet
     logger.log(logging.INFO if took > 1.0 else logging.DEBUG, "openinfer CPU kernels ready in %.1f s (%s)",
                took, name)
-    return torch.ops.openinfer_cpu
+    ops = torch.ops.openinfer_cpu
+    # bf16 decode attention on AMX tiles where the CPU has them; OPENINFER_CPU_AMX=0 keeps the vector kernel
+    ops.decode_attention_use_amx(os.environ.get("OPENINFER_CPU_AMX", "1").strip().lower()
+                                 not in ("0", "false", "no", "off"))
+    return ops
 
 
 def _reason(e: Exception) -> str:

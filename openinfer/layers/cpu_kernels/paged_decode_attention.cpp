@@ -256,6 +256,12 @@ void run(const Problem& pb, char* out, const char* q, const CT* kc, const CT* vc
   });
 }
 
+}  // namespace
+
+#include "amx_decode_attention.h"
+
+namespace {
+
 template <typename CT>
 void dispatch_dim(const Problem& pb, char* out, const char* q, const at::Tensor& kc, const at::Tensor& vc) {
   const CT* k = kc.const_data_ptr<CT>();
@@ -329,6 +335,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
   pb.qsize = q.element_size();
   char* o = static_cast<char*>(out.data_ptr());
   const char* qp = static_cast<const char*>(q.const_data_ptr());
+  if (amx_decode_attention(pb, o, qp, k_cache, v_cache)) return;
   switch (k_cache.scalar_type()) {
     case at::kFloat: return dispatch_dim<float>(pb, o, qp, k_cache, v_cache);
     case at::kBFloat16: return dispatch_dim<c10::BFloat16>(pb, o, qp, k_cache, v_cache);
@@ -346,4 +353,10 @@ TORCH_LIBRARY(openinfer_cpu, m) {
       "paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor seq_lens, float scale) -> ()");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
+  // Turns the AMX path on or off (OPENINFER_CPU_AMX=0, and tests comparing the two); returns whether this
+  // build and machine can run it.
+  m.def("decode_attention_use_amx(bool enable) -> bool", [](bool enable) {
+    g_amx_enabled.store(enable);
+    return amx_available();
+  });
 }
