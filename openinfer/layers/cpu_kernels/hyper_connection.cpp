@@ -1,25 +1,33 @@
-// DeepSeek-V4 manifold-constrained hyper-connections (mHC) on CPU: the per-token activation of one sub-layer.
+// DeepSeek-V4 manifold-constrained hyper-connections (mHC, openinfer/models/deepseek_v4/hc.py) on CPU.
 //
-// Given the 24-wide mixes of each token (n = hc_mult streams; the RMSNorm already applied), computes
+// hc_activate: the per-token activation of one sub-layer (HyperConnection._activate). Given the (2+n)*n
+// mixes of each token (n = hc_mult streams; the RMSNorm already applied),
 //   pre  = sigmoid(m_pre * scale[0] + base_pre) + eps                       [T, n]
 //   post = 2 * sigmoid(m_post * scale[1] + base_post)                       [T, n]
 //   comb = Sinkhorn(softmax(m_comb * scale[2] + base_comb, -1) + eps)       [T, n, n]
 //   x_in = sum_j pre_j * X[:, j, :]   (fp32 products and sum, rounded once to X's dtype)  [T, D]
-// i.e. HyperConnection._activate in openinfer/models/deepseek_v4/hc.py. The torch path spends ~100 tiny ops
-// per sub-layer on this (20 Sinkhorn iterations of 4 ops on [T, n, n]); here it is one pass per token.
+// The torch path spends ~100 tiny ops per sub-layer on this (20 Sinkhorn iterations of 4 ops on
+// [T, n, n]); here it is one pass per token.
 //
-// The arithmetic follows the torch path op by op in fp32 (products rounded before the add, divisions not
-// turned into reciprocal multiplies, sums in index order), so the results agree to float rounding: the
-// file is compiled without FMA contraction for that reason (the extension's -ffp-contract=fast would fuse
-// the mul-adds and drift by an ulp, which a bf16 rounding of x_in can turn into a visible difference).
+// hc_post_pre: hc.fused_post_pre in one pass per token: the finished sub-layer's new streams
+//   new[k] = post_k * y + sum_j comb[j, k] X[j]      (in X's dtype, like the torch path)
+// then the next sub-layer's mixes (new.float() @ fn.T) * inv_rms(new) and hc_activate on them. The streams
+// are read once and written once; the torch path makes ~8 full passes over [T, n, D] for this, which is
+// what a long prefill spends its mHC time on.
 //
-// Built at run time by openinfer/layers/cpu_ops.py and registered as torch.ops.openinfer_cpu.hc_activate.
-
-#pragma GCC optimize("fp-contract=off")
+// The activation follows the torch path op by op in fp32 (products rounded before the add, divisions kept
+// as divisions, sums in index order), so hc_activate agrees with it to float rounding (exp and sigmoid are
+// libm's, not torch's, ~1 ulp); that part is compiled without FMA contraction, since the extension's
+// -ffp-contract=fast would fuse its mul-adds and drift by an ulp, which the bf16 rounding of x_in can turn
+// into a visible difference. Only the mixes GEMV of hc_post_pre (whose torch counterpart is a BLAS call
+// with its own summation order anyway) uses FMAs.
+//
+// Built at run time by openinfer/layers/cpu_ops.py and registered as torch.ops.openinfer_cpu.*.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
@@ -27,15 +35,132 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <initializer_list>
 #include <tuple>
 #include <vector>
 
 namespace {
 
+typedef float vfloat __attribute__((vector_size(64)));
+constexpr int64_t kW = 16;
+
+inline vfloat loadv(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline float hsum(vfloat v) {
+  float s = 0.0f;
+  for (int i = 0; i < kW; ++i) s += v[i];
+  return s;
+}
+
+// mixes = (x @ W.T) * inv for W [m, K]: four outputs per pass over x, two accumulators each (enough
+// independent FMA chains to keep both FMA ports busy; W streams from L2, x stays in L1).
+__attribute__((optimize("fp-contract=fast"))) void gemv(const float* __restrict__ x,
+                                                        const float* __restrict__ W, int64_t m, int64_t K,
+                                                        float inv, float* __restrict__ out) {
+  int64_t o = 0;
+  for (; o + 4 <= m; o += 4) {
+    const float* w[4] = {W + o * K, W + (o + 1) * K, W + (o + 2) * K, W + (o + 3) * K};
+    vfloat a[4] = {}, b[4] = {};
+    int64_t i = 0;
+    for (; i + 2 * kW <= K; i += 2 * kW) {
+      const vfloat x0 = loadv(x + i), x1 = loadv(x + i + kW);
+      for (int r = 0; r < 4; ++r) {
+        a[r] += x0 * loadv(w[r] + i);
+        b[r] += x1 * loadv(w[r] + i + kW);
+      }
+    }
+    for (int r = 0; r < 4; ++r) {
+      float s = hsum(a[r] + b[r]);
+      for (int64_t j = i; j < K; ++j) s += x[j] * w[r][j];
+      out[o + r] = s * inv;
+    }
+  }
+  for (; o < m; ++o) {
+    const float* w = W + o * K;
+    vfloat a = {};
+    int64_t i = 0;
+    for (; i + kW <= K; i += kW) a += loadv(x + i) * loadv(w + i);
+    float s = hsum(a);
+    for (; i < K; ++i) s += x[i] * w[i];
+    out[o] = s * inv;
+  }
+}
+
+// Vector partial sums: a plain float loop would not vectorise (no -ffast-math reassociation).
+float sum_squares(const float* x, int64_t K) {
+  vfloat a = {}, b = {};
+  int64_t i = 0;
+  for (; i + 2 * kW <= K; i += 2 * kW) {
+    const vfloat x0 = loadv(x + i), x1 = loadv(x + i + kW);
+    a += x0 * x0;
+    b += x1 * x1;
+  }
+  float s = hsum(a + b);
+  for (; i < K; ++i) s += x[i] * x[i];
+  return s;
+}
+
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+
+// ---- fp32 rows <-> storage dtype ---------------------------------------------------------------------
+
+inline uint32_t bits(float f) { return __builtin_bit_cast(uint32_t, f); }
+inline float from_bits(uint32_t u) { return __builtin_bit_cast(float, u); }
+
+// bf16 round to nearest even, NaN kept a NaN (c10::BFloat16's rounding, as plain integer ops that vectorise)
+inline uint32_t bf16_round_bits(float f) {
+  const uint32_t u = bits(f);
+  return f != f ? 0x7FC00000u : (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+}
+
+inline void load_row(const float* __restrict__ s, float* __restrict__ d, int64_t n) {
+  std::memcpy(d, s, n * sizeof(float));
+}
+inline void load_row(const c10::BFloat16* __restrict__ s, float* __restrict__ d, int64_t n) {
+  const uint16_t* __restrict__ h = reinterpret_cast<const uint16_t*>(s);
+  for (int64_t i = 0; i < n; ++i) d[i] = from_bits(static_cast<uint32_t>(h[i]) << 16);
+}
+inline void load_row(const c10::Half* __restrict__ s, float* __restrict__ d, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) d[i] = static_cast<float>(s[i]);
+}
+
+inline void store_row(const float* __restrict__ s, float* __restrict__ d, int64_t n) {
+  std::memcpy(d, s, n * sizeof(float));
+}
+inline void store_row(const float* __restrict__ s, c10::BFloat16* __restrict__ d, int64_t n) {
+  uint16_t* __restrict__ h = reinterpret_cast<uint16_t*>(d);
+  for (int64_t i = 0; i < n; ++i) h[i] = static_cast<uint16_t>(bf16_round_bits(s[i]) >> 16);
+}
+inline void store_row(const float* __restrict__ s, c10::Half* __restrict__ d, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) d[i] = c10::Half(s[i]);
+}
+
+// v := float(T(v)): the value a torch op computing in T would hold.
+inline void round_row(float*, int64_t, float*) {}
+inline void round_row(float* __restrict__ v, int64_t n, c10::BFloat16*) {
+  for (int64_t i = 0; i < n; ++i) v[i] = from_bits(bf16_round_bits(v[i]));
+}
+inline void round_row(float* __restrict__ v, int64_t n, c10::Half*) {
+  for (int64_t i = 0; i < n; ++i) v[i] = static_cast<float>(c10::Half(v[i]));
+}
+
+template <typename T>
+inline float round_to(float v) {
+  round_row(&v, 1, static_cast<T*>(nullptr));
+  return v;
+}
+
+// ---- the activation ----------------------------------------------------------------------------------
+
 inline float sigmoidf(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 
-// Row softmax + eps, then the column normalisation and iters-1 row/column rounds (hc.sinkhorn); c is n x n
-// row-major, sums scratch of n.
+// hc.sinkhorn on one n x n row-major matrix of logits; sums: scratch of n.
 void sinkhorn(float* c, int64_t n, int64_t iters, float eps, float* sums) {
   for (int64_t i = 0; i < n; ++i) {
     float* r = c + i * n;
@@ -70,88 +195,173 @@ void sinkhorn(float* c, int64_t n, int64_t iters, float eps, float* sums) {
   }
 }
 
-template <typename T>
-inline float to_f(T v) { return static_cast<float>(v); }
+struct Params {
+  const float* base;
+  const float* scale;
+  int64_t n, D, iters;
+  float eps;
+};
 
-// x_in[d] = sum_j pre[j] * X[j, d]; fp32 accumulation in j order, one rounding to T at the end.
+struct Scratch {  // per thread: fp32 rows of X / of the new streams, one row, and per-token smalls
+  std::vector<float> xf, rows, acc, pre, sums, combT, mixes;
+  Scratch(int64_t n, int64_t D)
+      : xf(n * D), rows(n * D), acc(D), pre(n), sums(n), combT(n * n), mixes((2 + n) * n) {}
+};
+
+// One token: mixes mt -> post pt [n], comb ct [n, n], and x_in from the fp32 streams xf [n, D] into out.
 template <typename T>
-void weighted_sum(const T* X, int64_t n, int64_t D, const float* pre, T* out, float* acc) {
-  for (int64_t d = 0; d < D; ++d) acc[d] = pre[0] * to_f(X[d]);
-  for (int64_t j = 1; j < n; ++j) {
-    const T* x = X + j * D;
-    const float p = pre[j];
-    for (int64_t d = 0; d < D; ++d) acc[d] = acc[d] + p * to_f(x[d]);
+void activate_token(const Params& p, const float* mt, const float* xf, float* pt, float* ct, T* out,
+                    Scratch& s) {
+  const int64_t n = p.n, D = p.D;
+  const float* b = p.base;
+  for (int64_t j = 0; j < n; ++j) {
+    s.pre[j] = sigmoidf(mt[j] * p.scale[0] + b[j]) + p.eps;
+    pt[j] = 2.0f * sigmoidf(mt[n + j] * p.scale[1] + b[n + j]);
   }
-  for (int64_t d = 0; d < D; ++d) out[d] = static_cast<T>(acc[d]);
+  for (int64_t q = 0; q < n * n; ++q) ct[q] = mt[2 * n + q] * p.scale[2] + b[2 * n + q];
+  sinkhorn(ct, n, p.iters, p.eps, s.sums.data());
+  float* __restrict__ acc = s.acc.data();
+  const float p0 = s.pre[0];
+  for (int64_t d = 0; d < D; ++d) acc[d] = p0 * xf[d];
+  for (int64_t j = 1; j < n; ++j) {
+    const float* __restrict__ x = xf + j * D;
+    const float pj = s.pre[j];
+    for (int64_t d = 0; d < D; ++d) acc[d] = acc[d] + pj * x[d];
+  }
+  store_row(acc, out, D);
+}
+
+// new[k] = post_k * y + sum_j comb[j, k] X[j] as the torch path computes it in T: post and comb cast to T,
+// post_k * y rounded to T, the matmul accumulated in fp32 onto it and rounded once. Writes new to newX and
+// float(new) to s.rows.
+template <typename T>
+void post_token(const float* post, const float* comb, const T* y, const T* X, T* newX, int64_t n, int64_t D,
+                Scratch& s) {
+  T* tag = nullptr;
+  float* __restrict__ yf = s.acc.data();
+  float* __restrict__ xf = s.xf.data();
+  load_row(y, yf, D);
+  load_row(X, xf, n * D);
+  for (int64_t q = 0; q < n * n; ++q) s.combT[q] = round_to<T>(comb[q]);
+  for (int64_t k = 0; k < n; ++k) {
+    float* __restrict__ r = s.rows.data() + k * D;
+    const float pk = round_to<T>(post[k]);
+    for (int64_t d = 0; d < D; ++d) r[d] = pk * yf[d];
+    round_row(r, D, tag);
+    for (int64_t j = 0; j < n; ++j) {
+      const float c = s.combT[j * n + k];
+      const float* __restrict__ x = xf + j * D;
+      for (int64_t d = 0; d < D; ++d) r[d] = r[d] + c * x[d];
+    }
+    round_row(r, D, tag);
+  }
+  store_row(s.rows.data(), newX, n * D);
+}
+
+#pragma GCC pop_options
+
+inline int64_t grain_for(int64_t per_token) {
+  // ~64k flops per chunk: a small decode batch stays on one thread, a prefill splits across all of them
+  return std::max<int64_t>(1, 65536 / std::max<int64_t>(1, per_token));
 }
 
 template <typename T>
-void run(const float* mixes, const float* base, const float* scale, const T* X, T* x_in, float* post,
-         float* comb, int64_t Tn, int64_t n, int64_t D, float eps, int64_t iters) {
-  const int64_t m = (2 + n) * n;
-  // A task costs ~n*D for the weighted sum plus ~iters*n*n for Sinkhorn; aim for ~32k of work per chunk so a
-  // decode step (T = batch) splits across threads only when it is big enough to pay for it.
-  const int64_t per_token = n * D + iters * n * n * 4;
-  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, per_token));
-  at::parallel_for(0, Tn, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(D), pre(n), sums(n);
+void run_activate(const Params& p, const float* mixes, const T* X, T* x_in, float* post, float* comb,
+                  int64_t Tn) {
+  const int64_t n = p.n, D = p.D, m = (2 + n) * n;
+  at::parallel_for(0, Tn, grain_for(n * D + p.iters * n * n * 4), [&](int64_t begin, int64_t end) {
+    Scratch s(n, D);
     for (int64_t t = begin; t < end; ++t) {
-      const float* mt = mixes + t * m;
-      float* pt = post + t * n;
-      float* ct = comb + t * n * n;
-      for (int64_t j = 0; j < n; ++j) {
-        pre[j] = sigmoidf(mt[j] * scale[0] + base[j]) + eps;
-        pt[j] = 2.0f * sigmoidf(mt[n + j] * scale[1] + base[n + j]);
-      }
-      for (int64_t q = 0; q < n * n; ++q) ct[q] = mt[2 * n + q] * scale[2] + base[2 * n + q];
-      sinkhorn(ct, n, iters, eps, sums.data());
-      weighted_sum<T>(X + t * n * D, n, D, pre.data(), x_in + t * D, acc.data());
+      load_row(X + t * n * D, s.xf.data(), n * D);
+      activate_token<T>(p, mixes + t * m, s.xf.data(), post + t * n, comb + t * n * n, x_in + t * D, s);
     }
   });
 }
 
+template <typename T>
+void run_post_pre(const Params& p, const T* y, const T* X, const float* post, const float* comb,
+                  const float* fn, float norm_eps, T* newX, T* x_in, float* post2, float* comb2, int64_t Tn) {
+  const int64_t n = p.n, D = p.D, m = (2 + n) * n, K = n * D;
+  at::parallel_for(0, Tn, grain_for(K * (n + 2 + m)), [&](int64_t begin, int64_t end) {
+    Scratch s(n, D);
+    for (int64_t t = begin; t < end; ++t) {
+      post_token<T>(post + t * n, comb + t * n * n, y + t * D, X + t * K, newX + t * K, n, D, s);
+      const float* xf = s.rows.data();
+      const float inv_rms = 1.0f / std::sqrt(sum_squares(xf, K) / static_cast<float>(K) + norm_eps);
+      gemv(xf, fn, m, K, inv_rms, s.mixes.data());
+      activate_token<T>(p, s.mixes.data(), xf, post2 + t * n, comb2 + t * n * n, x_in + t * D, s);
+    }
+  });
+}
+
+void check_float(const at::Tensor& t, const char* name, std::initializer_list<int64_t> shape) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.sizes().vec() == std::vector<int64_t>(shape),
+              name, " must be a contiguous float32 ", at::IntArrayRef(shape), " tensor, got ", t.scalar_type(),
+              " ", t.sizes(), t.is_contiguous() ? "" : " (not contiguous)");
+}
+
+Params params_of(const at::Tensor& X, const at::Tensor& base, const at::Tensor& scale, double eps,
+                 int64_t iters) {
+  TORCH_CHECK(X.dim() == 3 && X.is_contiguous(), "X must be a contiguous [T, n, D] tensor, got ", X.sizes());
+  TORCH_CHECK(X.scalar_type() == at::kFloat || X.scalar_type() == at::kBFloat16 ||
+                  X.scalar_type() == at::kHalf,
+              "unsupported X dtype ", X.scalar_type(), " (float32, bfloat16 or float16)");
+  const int64_t n = X.size(1);
+  check_float(base, "base", {(2 + n) * n});
+  check_float(scale, "scale", {3});
+  TORCH_CHECK(iters >= 0, "iters must be >= 0, got ", iters);
+  return Params{base.const_data_ptr<float>(), scale.const_data_ptr<float>(), n, X.size(2), iters,
+                static_cast<float>(eps)};
+}
+
+#define HC_DISPATCH(dtype, ...)                                                          \
+  switch (dtype) {                                                                       \
+    case at::kFloat: { using T = float; __VA_ARGS__; break; }                            \
+    case at::kBFloat16: { using T = c10::BFloat16; __VA_ARGS__; break; }                 \
+    default: { using T = c10::Half; __VA_ARGS__; break; }                                \
+  }
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> hc_activate(const at::Tensor& mixes, const at::Tensor& base,
                                                            const at::Tensor& scale, const at::Tensor& X,
                                                            double eps, int64_t iters) {
-  const char* fn = "hc_activate: ";
-  TORCH_CHECK(X.dim() == 3 && X.is_contiguous(), fn, "X must be a contiguous [T, n, D] tensor, got ",
-              X.sizes());
-  const int64_t Tn = X.size(0), n = X.size(1), D = X.size(2), m = (2 + n) * n;
-  TORCH_CHECK(mixes.scalar_type() == at::kFloat && base.scalar_type() == at::kFloat &&
-                  scale.scalar_type() == at::kFloat,
-              fn, "mixes, base and scale must be float32");
-  TORCH_CHECK(mixes.dim() == 2 && mixes.size(0) == Tn && mixes.size(1) == m && mixes.is_contiguous(), fn,
-              "mixes must be a contiguous [", Tn, ", ", m, "] tensor, got ", mixes.sizes());
-  TORCH_CHECK(base.numel() == m && base.is_contiguous(), fn, "base must hold ", m, " contiguous values");
-  TORCH_CHECK(scale.numel() == 3 && scale.is_contiguous(), fn, "scale must hold 3 contiguous values");
-  TORCH_CHECK(iters >= 0, fn, "iters must be >= 0");
-  auto f32 = mixes.options();
-  at::Tensor x_in = at::empty({Tn, D}, X.options());
-  at::Tensor post = at::empty({Tn, n}, f32);
-  at::Tensor comb = at::empty({Tn, n, n}, f32);
-  if (Tn == 0) return {x_in, post, comb};
-  const float* mp = mixes.const_data_ptr<float>();
-  const float* bp = base.const_data_ptr<float>();
-  const float* sp = scale.const_data_ptr<float>();
-  float* pp = post.data_ptr<float>();
-  float* cp = comb.data_ptr<float>();
-  const float e = static_cast<float>(eps);
-  switch (X.scalar_type()) {
-    case at::kFloat:
-      run<float>(mp, bp, sp, X.const_data_ptr<float>(), x_in.data_ptr<float>(), pp, cp, Tn, n, D, e, iters);
-      break;
-    case at::kBFloat16:
-      run<c10::BFloat16>(mp, bp, sp, X.const_data_ptr<c10::BFloat16>(), x_in.data_ptr<c10::BFloat16>(), pp,
-                         cp, Tn, n, D, e, iters);
-      break;
-    case at::kHalf:
-      run<c10::Half>(mp, bp, sp, X.const_data_ptr<c10::Half>(), x_in.data_ptr<c10::Half>(), pp, cp, Tn, n,
-                     D, e, iters);
-      break;
-    default:
-      TORCH_CHECK(false, fn, "unsupported X dtype ", X.scalar_type(), " (float32, bfloat16 or float16)");
+  const Params p = params_of(X, base, scale, eps, iters);
+  const int64_t Tn = X.size(0), n = p.n;
+  check_float(mixes, "mixes", {Tn, (2 + n) * n});
+  at::Tensor x_in = at::empty({Tn, p.D}, X.options());
+  at::Tensor post = at::empty({Tn, n}, mixes.options());
+  at::Tensor comb = at::empty({Tn, n, n}, mixes.options());
+  if (Tn > 0) {
+    HC_DISPATCH(X.scalar_type(),
+                run_activate<T>(p, mixes.const_data_ptr<float>(), X.const_data_ptr<T>(), x_in.data_ptr<T>(),
+                                post.data_ptr<float>(), comb.data_ptr<float>(), Tn));
   }
   return {x_in, post, comb};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hc_post_pre(
+    const at::Tensor& y, const at::Tensor& X, const at::Tensor& post, const at::Tensor& comb,
+    const at::Tensor& fn, const at::Tensor& base, const at::Tensor& scale, double norm_eps, double eps,
+    int64_t iters) {
+  const Params p = params_of(X, base, scale, eps, iters);
+  const int64_t Tn = X.size(0), n = p.n, D = p.D;
+  TORCH_CHECK(y.scalar_type() == X.scalar_type() && y.is_contiguous() && y.sizes() == at::IntArrayRef({Tn, D}),
+              "y must be a contiguous [", Tn, ", ", D, "] tensor of X's dtype, got ", y.scalar_type(), " ",
+              y.sizes());
+  check_float(post, "post", {Tn, n});
+  check_float(comb, "comb", {Tn, n, n});
+  check_float(fn, "fn", {(2 + n) * n, n * D});
+  at::Tensor newX = at::empty_like(X);
+  at::Tensor x_in = at::empty({Tn, D}, X.options());
+  at::Tensor post2 = at::empty({Tn, n}, post.options());
+  at::Tensor comb2 = at::empty({Tn, n, n}, post.options());
+  if (Tn > 0) {
+    HC_DISPATCH(X.scalar_type(),
+                run_post_pre<T>(p, y.const_data_ptr<T>(), X.const_data_ptr<T>(), post.const_data_ptr<float>(),
+                                comb.const_data_ptr<float>(), fn.const_data_ptr<float>(),
+                                static_cast<float>(norm_eps), newX.data_ptr<T>(), x_in.data_ptr<T>(),
+                                post2.data_ptr<float>(), comb2.data_ptr<float>(), Tn));
+  }
+  return {newX, x_in, post2, comb2};
 }
 
 }  // namespace
@@ -161,4 +371,7 @@ TORCH_LIBRARY_FRAGMENT(openinfer_cpu, m) {
   m.def("hc_activate(Tensor mixes, Tensor base, Tensor scale, Tensor X, float eps, int iters) "
         "-> (Tensor, Tensor, Tensor)");
   m.impl("hc_activate", c10::DispatchKey::CPU, &hc_activate);
+  m.def("hc_post_pre(Tensor y, Tensor X, Tensor post, Tensor comb, Tensor fn, Tensor base, Tensor scale, "
+        "float norm_eps, float eps, int iters) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.impl("hc_post_pre", c10::DispatchKey::CPU, &hc_post_pre);
 }

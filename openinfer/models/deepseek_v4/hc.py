@@ -77,13 +77,24 @@ def fused_post_pre(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: t
                    nxt: HyperConnection) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """hc_post of the finished sub-layer and the next sub-layer's mixes in one pass.
     Returns (new streams, next x_in, next post, next comb)."""
+    # On CPU one C++ pass per token; the torch path below makes ~8 full passes over the streams (a third of
+    # a long prefill's time went there).
+    out = hc_kernels.hc_post_pre(y, X, post, comb, nxt.fn, nxt.base, nxt.scale, nxt.norm_eps, nxt.hc_eps,
+                                 nxt.sinkhorn_iters)
+    if out is not None:
+        return out
+    return fused_post_pre_torch(y, X, post, comb, nxt)
+
+
+def fused_post_pre_torch(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                         nxt: HyperConnection) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     dtype = X.dtype
     new = torch.baddbmm(post.to(dtype).unsqueeze(-1) * y.unsqueeze(-2), comb.to(dtype).transpose(-1, -2), X)
     flat = new.reshape(new.shape[0], -1).float()
     # Prenorm GEMM: RMSNorm is a per-row scalar, so it commutes with the projection and is applied to the
     # 24-wide result instead of the n*D-wide input.
     inv_rms = torch.rsqrt(flat.square().mean(-1, keepdim=True) + nxt.norm_eps)
-    x_in, p, c = nxt._activate((flat @ nxt.fn.t()) * inv_rms, new)
+    x_in, p, c = nxt._activate_torch((flat @ nxt.fn.t()) * inv_rms, new)
     return new, x_in, p, c
 
 
