@@ -57,38 +57,40 @@ inline float hsum(vfloat v) {
   return s;
 }
 
-// mixes = (x @ W.T) * inv for W [m, K]: four outputs per pass over x, two accumulators each (enough
-// independent FMA chains to keep both FMA ports busy; W streams from L2, x stays in L1).
-__attribute__((optimize("fp-contract=fast"))) void gemv(const float* __restrict__ x,
-                                                        const float* __restrict__ W, int64_t m, int64_t K,
-                                                        float inv, float* __restrict__ out) {
+// mixes[t] = (x[t] @ W.T) * inv[t] for W [m, K] and NT = 1 or 2 tokens: four outputs per pass, so each
+// W row (streamed from L2: W is (2+n)n x nD fp32, 384 KB for V4's n = 4, D = 1024) is loaded once for both
+// tokens and 4 * NT (8 for a pair) independent FMA chains keep both FMA ports busy.
+template <int NT>
+__attribute__((optimize("fp-contract=fast"))) void gemv(const float* const* x, const float* __restrict__ W,
+                                                        int64_t m, int64_t K, const float* inv, float* const* out) {
   int64_t o = 0;
   for (; o + 4 <= m; o += 4) {
-    const float* w[4] = {W + o * K, W + (o + 1) * K, W + (o + 2) * K, W + (o + 3) * K};
-    vfloat a[4] = {}, b[4] = {};
+    vfloat a[NT][4] = {};
     int64_t i = 0;
-    for (; i + 2 * kW <= K; i += 2 * kW) {
-      const vfloat x0 = loadv(x + i), x1 = loadv(x + i + kW);
+    for (; i + kW <= K; i += kW) {
+      vfloat xv[NT];
+      for (int t = 0; t < NT; ++t) xv[t] = loadv(x[t] + i);
       for (int r = 0; r < 4; ++r) {
-        a[r] += x0 * loadv(w[r] + i);
-        b[r] += x1 * loadv(w[r] + i + kW);
+        const vfloat w = loadv(W + (o + r) * K + i);
+        for (int t = 0; t < NT; ++t) a[t][r] += xv[t] * w;
       }
     }
-    for (int r = 0; r < 4; ++r) {
-      float s = hsum(a[r] + b[r]);
-      for (int64_t j = i; j < K; ++j) s += x[j] * w[r][j];
-      out[o + r] = s * inv;
+    for (int t = 0; t < NT; ++t)
+      for (int r = 0; r < 4; ++r) {
+        float v = hsum(a[t][r]);
+        for (int64_t j = i; j < K; ++j) v += x[t][j] * W[(o + r) * K + j];
+        out[t][o + r] = v * inv[t];
+      }
+  }
+  for (; o < m; ++o)
+    for (int t = 0; t < NT; ++t) {
+      vfloat a = {};
+      int64_t i = 0;
+      for (; i + kW <= K; i += kW) a += loadv(x[t] + i) * loadv(W + o * K + i);
+      float v = hsum(a);
+      for (; i < K; ++i) v += x[t][i] * W[o * K + i];
+      out[t][o] = v * inv[t];
     }
-  }
-  for (; o < m; ++o) {
-    const float* w = W + o * K;
-    vfloat a = {};
-    int64_t i = 0;
-    for (; i + kW <= K; i += kW) a += loadv(x + i) * loadv(w + i);
-    float s = hsum(a);
-    for (; i < K; ++i) s += x[i] * w[i];
-    out[o] = s * inv;
-  }
 }
 
 // Vector partial sums: a plain float loop would not vectorise (no -ffast-math reassociation).
@@ -231,6 +233,30 @@ void activate_token(const Params& p, const float* mt, const float* xf, float* pt
   store_row(acc, out, D);
 }
 
+// post_token's rows for V4's n = 4 in one pass over d per row (the generic loop makes n + 3 passes).
+template <typename T>
+void post_rows4(const float* post, const float* c, const float* __restrict__ yf, const float* __restrict__ xf,
+                T* newX, int64_t D, float* __restrict__ rows) {
+  const float* __restrict__ x0 = xf;
+  const float* __restrict__ x1 = xf + D;
+  const float* __restrict__ x2 = xf + 2 * D;
+  const float* __restrict__ x3 = xf + 3 * D;
+  for (int64_t k = 0; k < 4; ++k) {
+    float* __restrict__ r = rows + k * D;
+    const float pk = round_to<T>(post[k]);
+    const float c0 = c[k], c1 = c[4 + k], c2 = c[8 + k], c3 = c[12 + k];
+    for (int64_t d = 0; d < D; ++d) {
+      float v = round_to<T>(pk * yf[d]);
+      v = v + c0 * x0[d];
+      v = v + c1 * x1[d];
+      v = v + c2 * x2[d];
+      v = v + c3 * x3[d];
+      r[d] = round_to<T>(v);
+    }
+  }
+  store_row(rows, newX, 4 * D);
+}
+
 // new[k] = post_k * y + sum_j comb[j, k] X[j] as the torch path computes it in T: post and comb cast to T,
 // post_k * y rounded to T, the matmul accumulated in fp32 onto it and rounded once. Writes new to newX and
 // float(new) to s.rows.
@@ -243,6 +269,7 @@ void post_token(const float* post, const float* comb, const T* y, const T* X, T*
   load_row(y, yf, D);
   load_row(X, xf, n * D);
   for (int64_t q = 0; q < n * n; ++q) s.combT[q] = round_to<T>(comb[q]);
+  if (n == 4) return post_rows4<T>(post, s.combT.data(), yf, xf, newX, D, s.rows.data());
   for (int64_t k = 0; k < n; ++k) {
     float* __restrict__ r = s.rows.data() + k * D;
     const float pk = round_to<T>(post[k]);
@@ -283,13 +310,25 @@ void run_post_pre(const Params& p, const T* y, const T* X, const float* post, co
                   const float* fn, float norm_eps, T* newX, T* x_in, float* post2, float* comb2, int64_t Tn) {
   const int64_t n = p.n, D = p.D, m = (2 + n) * n, K = n * D;
   at::parallel_for(0, Tn, grain_for(K * (n + 2 + m)), [&](int64_t begin, int64_t end) {
-    Scratch s(n, D);
-    for (int64_t t = begin; t < end; ++t) {
-      post_token<T>(post + t * n, comb + t * n * n, y + t * D, X + t * K, newX + t * K, n, D, s);
-      const float* xf = s.rows.data();
-      const float inv_rms = 1.0f / std::sqrt(sum_squares(xf, K) / static_cast<float>(K) + norm_eps);
-      gemv(xf, fn, m, K, inv_rms, s.mixes.data());
-      activate_token<T>(p, s.mixes.data(), xf, post2 + t * n, comb2 + t * n * n, x_in + t * D, s);
+    Scratch s[2] = {Scratch(n, D), Scratch(n, D)};
+    for (int64_t t0 = begin; t0 < end; t0 += 2) {
+      const int nt = end - t0 >= 2 ? 2 : 1;  // token pairs share the GEMV's loads of fn
+      const float* xs[2];
+      float* mixes[2];
+      float inv[2];
+      for (int i = 0; i < nt; ++i) {
+        const int64_t t = t0 + i;
+        post_token<T>(post + t * n, comb + t * n * n, y + t * D, X + t * K, newX + t * K, n, D, s[i]);
+        xs[i] = s[i].rows.data();
+        mixes[i] = s[i].mixes.data();
+        inv[i] = 1.0f / std::sqrt(sum_squares(xs[i], K) / static_cast<float>(K) + norm_eps);
+      }
+      if (nt == 2) gemv<2>(xs, fn, m, K, inv, mixes);
+      else gemv<1>(xs, fn, m, K, inv, mixes);
+      for (int i = 0; i < nt; ++i) {
+        const int64_t t = t0 + i;
+        activate_token<T>(p, mixes[i], xs[i], post2 + t * n, comb2 + t * n * n, x_in + t * D, s[i]);
+      }
     }
   });
 }
