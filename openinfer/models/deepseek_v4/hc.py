@@ -8,6 +8,9 @@ Per sub-layer, from the streams X [T, n, D] (fp32 maths, like HF):
 ``fused_post_pre`` does X' of one sub-layer and the mixes of the next in one pass with the norm applied after the
 GEMM (the DeepGEMM "prenorm GEMM" form), so the flattened streams are read once; it is tested against
 ``hc_post`` followed by ``HyperConnection.forward``.
+On CPU, ``_activate`` and ``fused_post_pre`` run as C++ kernels (``hc_kernels``: one pass per token instead of
+~100 tiny torch ops per sub-layer); the torch code here is their fallback and the reference they are tested
+against (tests/test_hc_kernels.py).
 """
 from __future__ import annotations
 
