@@ -8,12 +8,16 @@ Per sub-layer, from the streams X [T, n, D] (fp32 maths, like HF):
 ``fused_post_pre`` does X' of one sub-layer and the mixes of the next in one pass with the norm applied after the
 GEMM (the DeepGEMM "prenorm GEMM" form), so the flattened streams are read once; it is tested against
 ``hc_post`` followed by ``HyperConnection.forward``.
+On CPU, ``_activate`` and ``fused_post_pre`` run as C++ kernels (``hc_kernels``: one pass per token instead of
+~100 tiny torch ops per sub-layer); the torch code here is their fallback and the reference they are tested
+against (tests/test_hc_kernels.py).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from openinfer.models.deepseek_v4 import hc_kernels
 from openinfer.models.deepseek_v4.common import fp32_param
 
 
@@ -41,6 +45,14 @@ class HyperConnection(nn.Module):
         self.scale = fp32_param(3)
 
     def _activate(self, mixes: torch.Tensor, X: torch.Tensor):
+        # On CPU one C++ pass replaces the ~100 tiny ops below (Sinkhorn is 4 ops per iteration on [T, n, n]),
+        # which dominated a decode step; same maths in the same fp32 order.
+        out = hc_kernels.hc_activate(mixes, self.base, self.scale, X, self.hc_eps, self.sinkhorn_iters)
+        if out is not None:
+            return out
+        return self._activate_torch(mixes, X)
+
+    def _activate_torch(self, mixes: torch.Tensor, X: torch.Tensor):
         n = self.hc_mult
         pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
         pre_b, post_b, comb_b = self.base.split([n, n, n * n])
@@ -68,13 +80,24 @@ def fused_post_pre(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: t
                    nxt: HyperConnection) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """hc_post of the finished sub-layer and the next sub-layer's mixes in one pass.
     Returns (new streams, next x_in, next post, next comb)."""
+    # On CPU one C++ pass per token; the torch path below makes ~8 full passes over the streams (a third of
+    # a long prefill's time went there).
+    out = hc_kernels.hc_post_pre(y, X, post, comb, nxt.fn, nxt.base, nxt.scale, nxt.norm_eps, nxt.hc_eps,
+                                 nxt.sinkhorn_iters)
+    if out is not None:
+        return out
+    return fused_post_pre_torch(y, X, post, comb, nxt)
+
+
+def fused_post_pre_torch(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                         nxt: HyperConnection) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     dtype = X.dtype
     new = torch.baddbmm(post.to(dtype).unsqueeze(-1) * y.unsqueeze(-2), comb.to(dtype).transpose(-1, -2), X)
     flat = new.reshape(new.shape[0], -1).float()
     # Prenorm GEMM: RMSNorm is a per-row scalar, so it commutes with the projection and is applied to the
     # 24-wide result instead of the n*D-wide input.
     inv_rms = torch.rsqrt(flat.square().mean(-1, keepdim=True) + nxt.norm_eps)
-    x_in, p, c = nxt._activate((flat @ nxt.fn.t()) * inv_rms, new)
+    x_in, p, c = nxt._activate_torch((flat @ nxt.fn.t()) * inv_rms, new)
     return new, x_in, p, c
 
 
