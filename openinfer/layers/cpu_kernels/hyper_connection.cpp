@@ -40,22 +40,9 @@
 #include <tuple>
 #include <vector>
 
+#include "vec.h"  // 16-float vectors, hsum, and the fp32 <-> fp32 / bf16 / fp16 row conversions
+
 namespace {
-
-typedef float vfloat __attribute__((vector_size(64)));
-constexpr int64_t kW = 16;
-
-inline vfloat loadv(const float* p) {
-  vfloat v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline float hsum(vfloat v) {
-  float s = 0.0f;
-  for (int i = 0; i < kW; ++i) s += v[i];
-  return s;
-}
 
 // mixes[t] = (x[t] @ W.T) * inv[t] for W [m, K] and NT = 1 or 2 tokens: four outputs per pass, so each
 // W row (streamed from L2: W is (2+n)n x nD fp32, 384 KB for V4's n = 4, D = 1024) is loaded once for both
@@ -119,28 +106,6 @@ inline float from_bits(uint32_t u) { return __builtin_bit_cast(float, u); }
 inline uint32_t bf16_round_bits(float f) {
   const uint32_t u = bits(f);
   return f != f ? 0x7FC00000u : (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
-}
-
-inline void load_row(const float* __restrict__ s, float* __restrict__ d, int64_t n) {
-  std::memcpy(d, s, n * sizeof(float));
-}
-inline void load_row(const c10::BFloat16* __restrict__ s, float* __restrict__ d, int64_t n) {
-  const uint16_t* __restrict__ h = reinterpret_cast<const uint16_t*>(s);
-  for (int64_t i = 0; i < n; ++i) d[i] = from_bits(static_cast<uint32_t>(h[i]) << 16);
-}
-inline void load_row(const c10::Half* __restrict__ s, float* __restrict__ d, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) d[i] = static_cast<float>(s[i]);
-}
-
-inline void store_row(const float* __restrict__ s, float* __restrict__ d, int64_t n) {
-  std::memcpy(d, s, n * sizeof(float));
-}
-inline void store_row(const float* __restrict__ s, c10::BFloat16* __restrict__ d, int64_t n) {
-  uint16_t* __restrict__ h = reinterpret_cast<uint16_t*>(d);
-  for (int64_t i = 0; i < n; ++i) h[i] = static_cast<uint16_t>(bf16_round_bits(s[i]) >> 16);
-}
-inline void store_row(const float* __restrict__ s, c10::Half* __restrict__ d, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) d[i] = c10::Half(s[i]);
 }
 
 // v := float(T(v)): the value a torch op computing in T would hold.
