@@ -83,17 +83,24 @@ def _backend_outputs(md, kc, vc, q, k, v) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 5e-2)])
 @pytest.mark.parametrize("limit", [None, 0.5])
-def test_grouped_moe_matches_reference(dtype, tol, limit):
+@pytest.mark.parametrize("packed", [False, True])
+def test_grouped_moe_matches_reference(dtype, tol, limit, packed):
+    from openinfer.layers.linear import cpu_prepack_supported
+    from openinfer.layers.moe import pack_experts
+
+    if packed and not cpu_prepack_supported(torch.device("cpu"), dtype):
+        pytest.skip(f"oneDNN prepacking is off for {dtype} on this CPU")
     gen = torch.Generator().manual_seed(1)
-    t, h, i, e, k = 45, 64, 32, 8, 3
+    t, h, i, e, k = 45, 64, 32, 9, 3
     x = torch.randn(t, h, generator=gen).to(dtype)
     w13 = (torch.randn(e, 2 * i, h, generator=gen) * 0.1).to(dtype)
     w2 = (torch.randn(e, h, i, generator=gen) * 0.1).to(dtype)
     ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
     ids[:5] = 2  # an expert with many rows and (below) experts with none
     ids[:5, 1], ids[:5, 2] = 3, 4
+    ids[ids == 8] = 7  # expert 8 gets no rows
     w = torch.rand(t, k, generator=gen)
-    got = fused_experts(x, w13, w2, w, ids, limit).float()
+    got = fused_experts(x, w13, w2, w, ids, limit, packed=pack_experts(w13, w2) if packed else None).float()
     ref = reference_experts(x, w13, w2, w, ids, limit).float()
     assert (got - ref).abs().max() < tol * max(1.0, ref.abs().max().item())
 

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from openinfer.layers.linear import Linear
-from openinfer.layers.moe import fused_experts, swiglu
+from openinfer.layers.linear import Linear, cpu_prepack_supported
+from openinfer.layers.moe import fused_experts, pack_experts, swiglu
 
 # New score functions are added here; RouterConfig validates against this table.
 SCORING_FUNCS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -170,8 +170,30 @@ class DeepseekExperts(nn.Module):
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size),
                                       requires_grad=False)
 
+    _packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+
+    @torch.no_grad()
+    def prepack_cpu(self, keep_weight: bool = False) -> bool:
+        """Per-expert oneDNN-prepacked weights (``moe.pack_experts``) replace the stacked ones, as
+        ``Linear.prepack_cpu`` does for a linear layer; called by ``prepack_linears`` after loading."""
+        w = self.w13_weight
+        if self._packed is not None or w.numel() == 0 or not cpu_prepack_supported(w.device, w.dtype):
+            return self._packed is not None
+        self._packed = pack_experts(self.w13_weight, self.w2_weight)
+        if not keep_weight:
+            self.w13_weight = nn.Parameter(w.new_empty(0), requires_grad=False)
+            self.w2_weight = nn.Parameter(w.new_empty(0), requires_grad=False)
+        return True
+
+    def dense_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13 [E, 2I, H], w2 [E, H, I]) as plain tensors, packed or not (the reorder is exact both ways)."""
+        if self._packed is None:
+            return self.w13_weight, self.w2_weight
+        return tuple(torch.stack([w.to_dense() for w in ws]) for ws in self._packed)
+
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        return fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.swiglu_limit)
+        return fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.swiglu_limit,
+                             packed=self._packed)
 
 
 class CheckpointLinear(Linear):

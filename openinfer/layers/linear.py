@@ -93,6 +93,8 @@ def prepack_linears(model: nn.Module) -> int:
     for module in model.modules():
         if isinstance(module, Linear) and module.prepack:
             packed += module.prepack_cpu(keep_weight=counts.get(id(module.weight), 0) > 1)
+        elif not isinstance(module, Linear) and hasattr(module, "prepack_cpu"):  # e.g. stacked MoE experts
+            packed += module.prepack_cpu()
     if packed:
         logger.info("prepacked %d linear weights for oneDNN (CPU)", packed)
     return packed
@@ -105,4 +107,6 @@ def num_parameters(model: nn.Module) -> int:
     for m in model.modules():
         if isinstance(m, Linear) and m._packed is not None and m.weight.numel() == 0:
             n += m.in_features * m.out_features
+        elif not isinstance(m, Linear) and isinstance(getattr(m, "_packed", None), tuple):  # packed experts
+            n += sum(w.numel() for ws in m._packed for w in ws)
     return n
