@@ -1,8 +1,9 @@
 """Grouped mixture-of-experts compute: tokens sorted by expert, one grouped matmul per projection.
 
 ``fused_experts`` is the fast path (``torch._grouped_mm`` over expert-contiguous rows, no Python loop over
-experts or tokens); ``reference_experts`` is the plain per-expert loop it is tested against. Routing (which
-experts, which weights) is the model's business; this file only runs the chosen experts.
+tokens; on CPU, with ``pack_experts`` weights, one oneDNN matmul per expert that has rows); ``reference_experts``
+is the plain per-token loop it is tested against. Routing (which experts, which weights) is the model's business;
+this file only runs the chosen experts.
 """
 from __future__ import annotations
 
