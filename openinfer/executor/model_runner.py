@@ -16,6 +16,7 @@ from openinfer.executor.sampler import SamplingRow, sample, top_logprobs
 from openinfer.layers import cpu_ops
 from openinfer.layers.attention import Attention
 from openinfer.layers.linear import prepack_linears
+from openinfer.utils.cpu_malloc import tune_malloc
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +27,8 @@ class ModelRunner:
         self.device = config.model.device
         self.dtype = config.model.dtype
         self.block_size = config.cache.block_size
+        if self.device.type == "cpu":
+            tune_malloc()  # before the model's first activations (utils/cpu_malloc.py says why)
         torch.manual_seed(config.seed)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
