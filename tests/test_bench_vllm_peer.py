@@ -17,6 +17,7 @@ import pytest
 from openinfer.bench import peers, vllm_peer
 from openinfer.bench import results as R
 from openinfer.bench.throughput import make_prompts
+from openinfer.utils import cpu_malloc
 from openinfer.bench.workload import resolve_workload
 
 REPO = Path(__file__).resolve().parents[1]
@@ -109,7 +110,7 @@ def test_child_command_runs_the_script_standalone(tmp_path):
     assert proc.returncode == 1 and "schema 'other'" in proc.stderr
 
 
-def test_child_env(model_dir):
+def test_child_env(model_dir, monkeypatch):
     args = _args(model_dir)
     env = vllm_peer.child_env(args, str(model_dir), 160, 8, base={"PATH": "/bin"})
     cpus = sorted(os.sched_getaffinity(0))
@@ -117,11 +118,14 @@ def test_child_env(model_dir):
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == vllm_peer._cpu_list(cpus)
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1"  # 8 x 160 tokens x 16 KiB is far under 1 GiB
     # Whatever the user set wins; --num-threads N binds the first N CPUs; --kv-cache-memory-gb is rounded up.
-    mine = {"VLLM_CPU_OMP_THREADS_BIND": "0-1|2-3", "VLLM_CPU_KVCACHE_SPACE": "7"}
-    assert vllm_peer.child_env(args, str(model_dir), 160, 8, base=mine) == mine
+    # The child also gets openinfer's malloc settings (utils/cpu_malloc.py), so neither engine gains from them.
+    mine = {"VLLM_CPU_OMP_THREADS_BIND": "0-1|2-3", "VLLM_CPU_KVCACHE_SPACE": "7", "MALLOC_TOP_PAD_": "0"}
+    assert vllm_peer.child_env(args, str(model_dir), 160, 8, base=mine) == {**cpu_malloc.ENV, **mine}
     args = _args(model_dir, "--num-threads", "1", "--kv-cache-memory-gb", "2.5")
     env = vllm_peer.child_env(args, str(model_dir), 160, 8, base={})
-    assert env == {"VLLM_CPU_OMP_THREADS_BIND": str(cpus[0]), "VLLM_CPU_KVCACHE_SPACE": "3"}
+    assert env == {"VLLM_CPU_OMP_THREADS_BIND": str(cpus[0]), "VLLM_CPU_KVCACHE_SPACE": "3", **cpu_malloc.ENV}
+    monkeypatch.setenv("OPENINFER_MALLOC_TUNING", "0")  # turned off for openinfer: off for the peer too
+    assert not set(cpu_malloc.ENV) & set(vllm_peer.child_env(args, str(model_dir), 160, 8, base={}))
 
 
 def test_kv_cache_gib(model_dir):

@@ -12,6 +12,7 @@ import time
 import torch
 
 from openinfer.bench.results import IterationSample
+from openinfer.utils.cpu_malloc import tune_malloc
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,8 @@ class HFRunner:
         from transformers import AutoModelForCausalLM, StoppingCriteriaList
 
         self._criteria_list = StoppingCriteriaList
+        # the allocator settings openinfer's engine runs with (utils/cpu_malloc.py), so neither side gains from them
+        self.malloc_tuning = tune_malloc() if device == "cpu" else False
         t0 = time.perf_counter()
         # Only MoE models take the kwarg; None leaves transformers' own default (grouped_mm in 5.22).
         extra = {"experts_implementation": experts_implementation} if experts_implementation else {}
@@ -67,6 +70,7 @@ class HFRunner:
             "attn_implementation": getattr(self.model.config, "_attn_implementation", None),
             "load_time_s": self.load_time_s,
             "padding": "none: equal-length prompts in one [B, L] tensor",
+            "malloc_tuning": self.malloc_tuning,
         }
 
     @torch.inference_mode()
