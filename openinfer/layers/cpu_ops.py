@@ -23,7 +23,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 # Every .cpp in cpu_kernels/ goes into the one extension (one build, one cache entry, one op namespace).
-_SOURCES = sorted((Path(__file__).parent / "cpu_kernels").glob("*.cpp"))
+_KERNEL_DIR = Path(__file__).parent / "cpu_kernels"
+_SOURCES = sorted(_KERNEL_DIR.glob("*.cpp"))
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast"]
 _LDFLAGS = ["-fopenmp"]
 
@@ -68,7 +69,7 @@ def _build():
     from openinfer.config import cpu_info
 
     h = hashlib.sha256()
-    for src in sorted(_SOURCES[0].parent.glob("*.[ch]*")):  # the headers too: an edited vec.h must rebuild
+    for src in sorted(_KERNEL_DIR.glob("*.[ch]*")):  # the headers too: an edited vec.h must rebuild
         h.update(src.read_bytes())
     h.update(" ".join(cflags + _LDFLAGS).encode())
     h.update(torch.__version__.encode())
@@ -156,7 +157,8 @@ def _rows(t: torch.Tensor) -> bool:
     return t.dim() == 2 and t.stride(1) == 1
 
 
-def _fused_ops(*tensors: torch.Tensor):
+def ops_for(*tensors: torch.Tensor):
+    """The op namespace when every tensor is on the CPU and the kernels are available, else None."""
     if any(t.device.type != "cpu" for t in tensors):
         return None
     return get_ops()
@@ -164,7 +166,7 @@ def _fused_ops(*tensors: torch.Tensor):
 
 def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> bool:
     """In place: residual += x (rounded to its dtype), then x = RMSNorm(residual) * weight. [T, D] each."""
-    ops = _fused_ops(x, residual)
+    ops = ops_for(x, residual)
     if (ops is None or not (_rows(x) and _rows(residual)) or x.shape != residual.shape
             or not (x.dtype == residual.dtype == weight.dtype)):
         return False
@@ -174,7 +176,7 @@ def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """RMSNorm(x) * weight into a new [T, D] tensor."""
-    ops = _fused_ops(x)
+    ops = ops_for(x)
     if ops is None or not _rows(x) or x.dtype != weight.dtype:
         return None
     out = torch.empty(x.shape, dtype=x.dtype)
@@ -184,7 +186,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
     """silu(x[:, :d]) * x[:, d:] into a new [T, d] tensor."""
-    ops = _fused_ops(x)
+    ops = ops_for(x)
     if ops is None or not _rows(x) or x.shape[1] % 2:
         return None
     out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype)
@@ -198,7 +200,7 @@ def rotary_cache_write_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.T
     """In place on a fused [T, (Hq + 2 Hk) * D] projection: rotary on the q and k heads (NeoX layout, first
     rot_dim dims, fp32 cos/sin tables [max_pos, rot_dim / 2]), then k and v copied into the paged caches at
     ``slot_mapping``."""
-    ops = _fused_ops(qkv, k_cache)
+    ops = ops_for(qkv, k_cache)
     if (ops is None or not _rows(qkv) or k_cache.dtype != qkv.dtype or cos.dtype != torch.float32
             or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
         return False
@@ -210,7 +212,7 @@ def rotary_cache_write_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.T
 def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
     """Index of each row's first maximum (a NaN counts as the maximum, as in ``torch.max(dim)``), read in x's
     own dtype: greedy decoding needs no fp32 copy of the logits."""
-    ops = _fused_ops(x)
+    ops = ops_for(x)
     if ops is None or not _rows(x) or x.shape[1] == 0:
         return None
     out = torch.empty(x.shape[0], dtype=torch.long)

@@ -14,39 +14,36 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
 
 logger = logging.getLogger(__name__)
 
-# mallopt parameter numbers (malloc.h)
-_M_TRIM_THRESHOLD = -1
-_M_TOP_PAD = -2
-_M_MMAP_THRESHOLD = -3
-
-_SETTINGS = ((_M_MMAP_THRESHOLD, 1 << 30), (_M_TRIM_THRESHOLD, (1 << 31) - 1), (_M_TOP_PAD, 256 << 20))
-_done: list[bool] = []
-# The same settings as glibc's environment variables, for child processes openinfer does not run in (vllm_peer).
-ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str((1 << 31) - 1),
-       "MALLOC_TOP_PAD_": str(256 << 20)}
+# glibc's environment variable for each knob -> (its mallopt parameter number from malloc.h, the value)
+_SETTINGS = {
+    "MALLOC_MMAP_THRESHOLD_": (-3, 1 << 30),  # allocations up to 1 GiB come from the heap, not a fresh mmap
+    "MALLOC_TRIM_THRESHOLD_": (-1, (1 << 31) - 1),  # never hand the heap top back to the OS
+    "MALLOC_TOP_PAD_": (-2, 256 << 20),  # grow the heap 256 MB at a time
+}
+# The same settings as environment variables, for child processes openinfer does not run in (vllm_peer).
+ENV = {name: str(value) for name, (_, value) in _SETTINGS.items()}
 
 
 def enabled() -> bool:
     return os.environ.get("OPENINFER_MALLOC_TUNING", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+@functools.cache
 def tune_malloc() -> bool:
     """Apply the settings once per process; returns whether glibc accepted them (False off glibc, or when
     turned off)."""
-    if _done:
-        return _done[0]
-    ok = False
-    if enabled():
-        try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            ok = all([libc.mallopt(param, value) == 1 for param, value in _SETTINGS])  # try every one
-        except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to tune
-            ok = False
-        logger.debug("malloc tuning %s", "applied" if ok else "unavailable")
-    _done.append(ok)
+    if not enabled():
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        ok = all([libc.mallopt(param, value) == 1 for param, value in _SETTINGS.values()])  # try every one
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to tune
+        ok = False
+    logger.debug("malloc tuning %s", "applied" if ok else "unavailable")
     return ok

@@ -80,42 +80,10 @@ __attribute__((optimize("fp-contract=fast"))) void gemv(const float* const* x, c
     }
 }
 
-// Vector partial sums: a plain float loop would not vectorise (no -ffast-math reassociation).
-float sum_squares(const float* x, int64_t K) {
-  vfloat a = {}, b = {};
-  int64_t i = 0;
-  for (; i + 2 * kW <= K; i += 2 * kW) {
-    const vfloat x0 = loadv(x + i), x1 = loadv(x + i + kW);
-    a += x0 * x0;
-    b += x1 * x1;
-  }
-  float s = hsum(a + b);
-  for (; i < K; ++i) s += x[i] * x[i];
-  return s;
-}
-
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
 
-// ---- fp32 rows <-> storage dtype ---------------------------------------------------------------------
-
-inline uint32_t bits(float f) { return __builtin_bit_cast(uint32_t, f); }
-inline float from_bits(uint32_t u) { return __builtin_bit_cast(float, u); }
-
-// bf16 round to nearest even, NaN kept a NaN (c10::BFloat16's rounding, as plain integer ops that vectorise)
-inline uint32_t bf16_round_bits(float f) {
-  const uint32_t u = bits(f);
-  return f != f ? 0x7FC00000u : (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
-}
-
-// v := float(T(v)): the value a torch op computing in T would hold.
-inline void round_row(float*, int64_t, float*) {}
-inline void round_row(float* __restrict__ v, int64_t n, c10::BFloat16*) {
-  for (int64_t i = 0; i < n; ++i) v[i] = from_bits(bf16_round_bits(v[i]));
-}
-inline void round_row(float* __restrict__ v, int64_t n, c10::Half*) {
-  for (int64_t i = 0; i < n; ++i) v[i] = static_cast<float>(c10::Half(v[i]));
-}
+// ---- rounding to the storage dtype (round_row is in vec.h) ------------------------------------------
 
 template <typename T>
 inline float round_to(float v) {

@@ -37,40 +37,6 @@ namespace {
 // (a decode step's [32, 1024] norm runs on one).
 int64_t row_grain(int64_t row_elems) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(row_elems, 1)); }
 
-inline vfloat round_bf16(vfloat f) {
-  const vuint u = (vuint)f;
-  const vuint r = ((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16) << 16;
-  return f != f ? f : (vfloat)r;
-}
-
-inline float round_bf16(float f) { return static_cast<float>(c10::BFloat16(f)); }
-
-// Round each element to T and back (identity for fp32).
-template <typename T>
-inline void round_to(float* __restrict__ row, int64_t n) {
-  if constexpr (std::is_same_v<T, float>) {
-    return;
-  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    int64_t i = 0;
-    for (; i + kW <= n; i += kW) storev(row + i, round_bf16(loadv(row + i)));
-    for (; i < n; ++i) row[i] = round_bf16(row[i]);
-  } else {
-    for (int64_t i = 0; i < n; ++i) row[i] = static_cast<float>(static_cast<T>(row[i]));
-  }
-}
-
-inline float sum_squares(const float* __restrict__ x, int64_t n) {
-  vfloat acc = {};
-  int64_t i = 0;
-  for (; i + kW <= n; i += kW) {
-    const vfloat v = loadv(x + i);
-    acc += v * v;
-  }
-  float s = hsum(acc);
-  for (; i < n; ++i) s += x[i] * x[i];
-  return s;
-}
-
 // row <- dt(w * dt(row * inv_rms)), w already fp32.
 template <typename T>
 inline void normalise_row(float* __restrict__ row, const float* __restrict__ w, int64_t n, double eps) {
@@ -78,7 +44,7 @@ inline void normalise_row(float* __restrict__ row, const float* __restrict__ w, 
   int64_t i = 0;
   for (; i + kW <= n; i += kW) storev(row + i, loadv(row + i) * inv);
   for (; i < n; ++i) row[i] *= inv;
-  round_to<T>(row, n);
+  round_row(row, n, static_cast<T*>(nullptr));
   i = 0;
   for (; i + kW <= n; i += kW) storev(row + i, loadv(row + i) * loadv(w + i));
   for (; i < n; ++i) row[i] *= w[i];
@@ -107,7 +73,7 @@ void add_rms_norm_impl(at::Tensor& x, at::Tensor& residual, const at::Tensor& we
       for (; i + kW <= n; i += kW) storev(a.data() + i, loadv(a.data() + i) + loadv(b.data() + i));
       for (; i < n; ++i) a[i] += b[i];
       store_row(a.data(), rp + t * rs, n);  // the new residual, in its dtype
-      round_to<T>(a.data(), n);             // ... and normalised from that rounded value, as torch does
+      round_row(a.data(), n, static_cast<T*>(nullptr));  // ... normalised from that rounded value, as torch does
       normalise_row<T>(a.data(), w.data(), n, eps);
       store_row(a.data(), xp + t * xs, n);
     }
@@ -155,7 +121,7 @@ void silu_and_mul_impl(at::Tensor& out, const at::Tensor& x) {
       int64_t i = 0;
       for (; i + kW <= d; i += kW) storev(g.data() + i, vsilu(loadv(g.data() + i)));
       for (; i < d; ++i) g[i] = vsilu(splat(g[i]))[0];
-      round_to<T>(g.data(), d);
+      round_row(g.data(), d, static_cast<T*>(nullptr));
       i = 0;
       for (; i + kW <= d; i += kW) storev(g.data() + i, loadv(g.data() + i) * loadv(u.data() + i));
       for (; i < d; ++i) g[i] *= u[i];

@@ -106,15 +106,19 @@ inline void store_row(const float* __restrict__ src, float* __restrict__ dst, in
   std::memcpy(dst, src, n * sizeof(float));
 }
 
+// fp32 -> the bf16 bit pattern in the high half: round to nearest even like torch (c10::round_to_nearest_even),
+// NaN -> the canonical 0x7FC0 NaN
+inline vuint bf16_round_bits(vfloat f) {
+  const vuint u = (vuint)f;
+  const vuint r = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+  return f != f ? vuint{} + 0x7FC00000u : r;
+}
+
 inline void store_row(const float* __restrict__ src, c10::BFloat16* __restrict__ dst, int64_t n) {
   uint16_t* __restrict__ d = reinterpret_cast<uint16_t*>(dst);
   int64_t i = 0;
-  for (; i + kW <= n; i += kW) {  // round to nearest even like torch (c10::round_to_nearest_even), NaN -> 0x7FC0
-    const vfloat f = loadv(src + i);
-    const vuint u = (vuint)f;
-    const vuint r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-    const vuint out = f != f ? vuint{} + 0x7FC0u : r;
-    const vushort h = __builtin_convertvector(out, vushort);
+  for (; i + kW <= n; i += kW) {
+    const vushort h = __builtin_convertvector(bf16_round_bits(loadv(src + i)) >> 16, vushort);
     std::memcpy(d + i, &h, sizeof(h));
   }
   for (; i < n; ++i) dst[i] = c10::BFloat16(src[i]);
@@ -122,6 +126,34 @@ inline void store_row(const float* __restrict__ src, c10::BFloat16* __restrict__
 
 inline void store_row(const float* __restrict__ src, c10::Half* __restrict__ dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = c10::Half(src[i]);
+}
+
+// v := float(T(v)) for each element: the value a torch op computing in T holds (identity for fp32). The tag
+// pointer only picks the overload.
+inline void round_row(float*, int64_t, float*) {}
+
+inline void round_row(float* __restrict__ v, int64_t n, c10::BFloat16*) {
+  int64_t i = 0;
+  for (; i + kW <= n; i += kW) storev(v + i, (vfloat)bf16_round_bits(loadv(v + i)));
+  for (; i < n; ++i) v[i] = static_cast<float>(c10::BFloat16(v[i]));
+}
+
+inline void round_row(float* __restrict__ v, int64_t n, c10::Half*) {
+  for (int64_t i = 0; i < n; ++i) v[i] = static_cast<float>(c10::Half(v[i]));
+}
+
+// sum of x[i]^2 in two vector partial sums (a plain loop would not vectorise without -ffast-math)
+inline float sum_squares(const float* __restrict__ x, int64_t n) {
+  vfloat a = {}, b = {};
+  int64_t i = 0;
+  for (; i + 2 * kW <= n; i += 2 * kW) {
+    const vfloat x0 = loadv(x + i), x1 = loadv(x + i + kW);
+    a += x0 * x0;
+    b += x1 * x1;
+  }
+  float s = hsum(a + b);
+  for (; i < n; ++i) s += x[i] * x[i];
+  return s;
 }
 
 // q and out rows: G per task, so a runtime dtype switch costs nothing and keeps q's dtype out of the

@@ -11,11 +11,11 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _ops(*tensors: torch.Tensor):
-    if any(t.device.type != "cpu" for t in tensors) or tensors[-1].dtype not in _DTYPES:
+    if tensors[-1].dtype not in _DTYPES:
         return None
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return None  # the ops have no backward
-    return cpu_ops.get_ops()
+    return cpu_ops.ops_for(*tensors)
 
 
 def hc_activate(mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, X: torch.Tensor, eps: float,
