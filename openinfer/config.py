@@ -5,12 +5,14 @@ construction with a message naming the field, never deep inside a step.
 """
 from __future__ import annotations
 
-import functools
+import enum
 import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from openinfer.platform import cpu_has_fast_bf16, resolve_device
 
 if TYPE_CHECKING:  # torch is imported lazily so the scheduler's configs load without it
     import torch
@@ -20,32 +22,6 @@ _DTYPE_NAMES = {
     "bfloat16": "bfloat16", "bf16": "bfloat16",
     "float16": "float16", "fp16": "float16", "half": "float16",
 }
-
-
-# CPU flags that give bf16 matmuls native hardware (else oneDNN emulates them, ~3x slower than fp32).
-FAST_BF16_CPU_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})
-
-
-@functools.cache
-def cpu_info() -> tuple[str, frozenset[str]]:
-    """(model name, flags) of the first CPU in /proc/cpuinfo; ("unknown", {}) where there is none."""
-    model, flags = "unknown", frozenset()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key == "model name" and model == "unknown":
-                    model = value.strip()
-                elif key == "flags" and not flags:
-                    flags = frozenset(value.split())
-    except OSError:
-        pass
-    return model, flags
-
-
-def cpu_has_fast_bf16() -> bool:
-    return bool(cpu_info()[1] & FAST_BF16_CPU_FLAGS)
 
 
 def resolve_dtype(dtype: str | torch.dtype, hf_config: dict[str, Any], device: torch.device) -> torch.dtype:
@@ -65,15 +41,23 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config: dict[str, Any], device: t
     return getattr(torch, _DTYPE_NAMES[dtype])
 
 
-def resolve_device(device: str | None) -> torch.device:
-    import torch
+class AttentionBackend(enum.Enum):
+    """Chosen once, when the model is built: ``SDPA`` is the fast path (fused kernels where they apply),
+    ``REFERENCE`` plain torch attention that is slow and obviously right (tests, debugging)."""
 
-    if device in (None, "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r} requested but CUDA is not available on this machine")
-    return dev
+    SDPA = "sdpa"
+    REFERENCE = "reference"
+
+    @classmethod
+    def parse(cls, value: str | AttentionBackend) -> AttentionBackend:
+        if isinstance(value, cls):
+            return value
+        if value == "auto":
+            return cls.SDPA
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"attention_backend={value!r}; choose one of auto, sdpa, reference") from None
 
 
 @dataclass(frozen=True)
@@ -142,7 +126,7 @@ class ModelConfig:
 class CacheConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
-    # Memory for the KV cache; None = derive from memory free after warm-up (see executor.kv_sizing).
+    # Memory for the KV cache; None = derive from memory free after warm-up (see worker.Worker.determine_kv_budget).
     kv_cache_memory_gb: float | None = None
     # Fraction of free device memory used when kv_cache_memory_gb is unset.
     memory_utilization: float = 0.9
@@ -179,14 +163,12 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     seed: int = 0
-    # "auto" picks the fast path; "reference" forces the plain torch attention (tests, debugging).
-    attention_backend: str = "auto"
+    attention_backend: AttentionBackend = AttentionBackend.SDPA
 
     def __post_init__(self) -> None:
-        if self.attention_backend not in ("auto", "sdpa", "reference"):
-            raise ValueError(
-                f"attention_backend={self.attention_backend!r}; choose one of auto, sdpa, reference"
-            )
+        if not isinstance(self.attention_backend, AttentionBackend):
+            raise ValueError(f"attention_backend must be an AttentionBackend, got {self.attention_backend!r} "
+                             f"(AttentionBackend.parse reads 'auto', 'sdpa', 'reference')")
         if self.scheduler.max_model_len != self.model.max_model_len:
             raise ValueError("scheduler.max_model_len must equal model.max_model_len")
 
@@ -228,5 +210,5 @@ class EngineConfig:
                 max_model_len=mc.max_model_len,
             ),
             seed=seed,
-            attention_backend=attention_backend,
+            attention_backend=AttentionBackend.parse(attention_backend),
         )

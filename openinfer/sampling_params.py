@@ -1,10 +1,21 @@
 """Per-request sampling settings, shaped like vLLM's ``SamplingParams``."""
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field
 
 _MAX_LOGPROBS = 20
+
+
+class RequestOutputKind(enum.Enum):
+    """What each ``RequestOutput`` of a request carries (vLLM's names): everything so far (CUMULATIVE), only what
+    is new since the previous one (DELTA: streaming, no per-step copies), or one output when it finishes
+    (FINAL_ONLY: offline batches)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -27,6 +38,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled by the engine from the tokenizer / generation_config; not user-facing.
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
 
@@ -82,6 +94,8 @@ class SamplingParams:
             raise bad("seed", self.seed, "an integer")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", self.stop, "a list of non-empty strings")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise bad("output_kind", self.output_kind, "a RequestOutputKind")
         if any(t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", self.stop_token_ids, "non-negative token ids")
 

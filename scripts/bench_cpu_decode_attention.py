@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from openinfer.executor.forward_context import AttentionMetadata
+from openinfer.forward_context import AttentionMetadata
 from openinfer.layers import cpu_ops
 from openinfer.layers.attention import Attention
 
@@ -23,16 +23,12 @@ def make_decode_batch(batch: int, ctx: int, bs: int, hk: int, d: int, dtype: tor
     lens = [max(1, int(ctx * (0.75 + 0.5 * torch.rand(1, generator=gen).item()))) for _ in range(batch)]
     nbs = [-(-n // bs) for n in lens]
     num_blocks = sum(nbs) + 1
-    perm = torch.randperm(num_blocks, generator=gen)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
     tables, off = [], 0
     for nb in nbs:
         tables.append(perm[off:off + nb])
         off += nb
-    mb = max(nbs)
-    dbt = torch.stack([torch.cat([t, t.new_zeros(mb - len(t))]) for t in tables])
-    dlens = torch.tensor(lens)
-    dmask = (torch.arange(mb * bs)[None] < dlens[:, None])[:, None, None, :]
-    md = AttentionMetadata(batch, bs, torch.zeros(batch, dtype=torch.long), batch, dbt, dlens, dmask, [])
+    md = AttentionMetadata.build([1] * batch, lens, {"full": tables}, {"full": bs}, bs, torch.device("cpu"))
     kc = torch.randn(num_blocks, bs, hk, d, generator=gen).to(dtype)
     vc = torch.randn(num_blocks, bs, hk, d, generator=gen).to(dtype)
     return md, kc, vc
@@ -77,9 +73,10 @@ def main() -> None:
             out = torch.empty_like(q)
 
             # the additive mask is built once per step (cached on md), shared by the layers, as in the model
-            sdpa_layer = functools.partial(lambda a, q, md, out: out.copy_(a._decode_gather_sdpa(q, md)),
+            tables = md.group("full")
+            sdpa_layer = functools.partial(lambda a, q, md, out: out.copy_(a._decode_gather_sdpa(q, md, tables)),
                                            attn, q, md, out)
-            kernel = functools.partial(cpu_ops.paged_decode_attention, q, kc, vc, md.decode_block_tables,
+            kernel = functools.partial(cpu_ops.paged_decode_attention, q, kc, vc, tables.decode_block_tables,
                                        md.decode_seq_lens, attn.scale, out=out)
             t_s, t_k = bench(sdpa_layer), bench(kernel)
             print(f"{b:>4} {t_s * 1e3:>15.3f} {t_k * 1e3:>10.3f} {t_s / t_k:>7.1f}x", flush=True)

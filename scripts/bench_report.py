@@ -48,7 +48,7 @@ def main() -> int:
 
     if args.dtype is None:
         sys.path.insert(0, str(REPO))
-        from openinfer.config import cpu_has_fast_bf16
+        from openinfer.platform import cpu_has_fast_bf16
 
         args.dtype = "bfloat16" if cpu_has_fast_bf16() else "float32"
     model, out = Path(args.model), Path(args.out)

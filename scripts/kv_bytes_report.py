@@ -1,7 +1,7 @@
 """Print the KV bytes per token openinfer reports for model configs, without weights (models are built on
 the meta device). Usage: python scripts/kv_bytes_report.py CONFIG.json [...] [--dtype bfloat16] [--block-size 16]
 
-The figures are the ones the engine logs at start-up (kv_groups.kv_bytes_summary)."""
+The figures are the ones the engine logs at start-up (kv_cache_interface.kv_bytes_summary)."""
 from __future__ import annotations
 
 import argparse
@@ -9,8 +9,7 @@ import json
 
 import torch
 
-from openinfer.engine.kv_groups import kv_bytes_summary
-from openinfer.executor.model_runner import kv_groups_of
+from openinfer.kv_cache_interface import kv_bytes_summary
 from openinfer.models.registry import resolve_model_class
 
 
@@ -22,7 +21,7 @@ def report(hf_config: dict, dtype: torch.dtype, block_size: int) -> str:
             model = resolve_model_class(hf_config["architectures"][0])(hf_config)
     finally:
         torch.set_default_dtype(prev)
-    return kv_bytes_summary(kv_groups_of(model, block_size, dtype), block_size)
+    return kv_bytes_summary(model.kv_cache_spec(block_size, dtype), block_size)
 
 
 def main() -> None:

@@ -61,3 +61,13 @@ def hf_greedy(path: str | Path, prompts: list[list[int]], max_new_tokens: int):
         lps = [float(lp[len(ids) - 1 + i, t]) for i, t in enumerate(toks)]
         results.append((toks, lps))
     return results
+
+
+def engine_model(llm):
+    """The model inside an in-process engine (tests inspect weights and caches; the engine itself never does)."""
+    return llm.engine.core.executor.driver_worker.model
+
+
+def kv_manager(llm):
+    """The engine core's KV cache manager (tests check pools and tables)."""
+    return llm.engine.core.kv

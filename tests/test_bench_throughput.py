@@ -212,7 +212,7 @@ def test_decode_window_steps_and_greedy_parity_with_hf(ckpt):
     win = runner.last_window
     assert win.start_index == [1, 1, 1] and [len(t) for t in win.tokens] == [STEPS] * 3
     assert not engine.has_unfinished_requests()  # the requests were aborted, their blocks freed
-    assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
+    assert engine.core.kv.all_free()
 
     hf = HFRunner(str(ckpt), torch.float32)
     hf_sample = hf.run_decode(prompts, STEPS)

@@ -17,7 +17,7 @@ import pytest
 from openinfer.bench import peers, vllm_peer
 from openinfer.bench import results as R
 from openinfer.bench.throughput import make_prompts
-from openinfer.utils import cpu_malloc
+from openinfer import platform as cpu_malloc
 from openinfer.bench.workload import resolve_workload
 
 REPO = Path(__file__).resolve().parents[1]
@@ -118,14 +118,14 @@ def test_child_env(model_dir, monkeypatch):
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == vllm_peer._cpu_list(cpus)
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1"  # 8 x 160 tokens x 16 KiB is far under 1 GiB
     # Whatever the user set wins; --num-threads N binds the first N CPUs; --kv-cache-memory-gb is rounded up.
-    # The child also gets openinfer's malloc settings (utils/cpu_malloc.py), so neither engine gains from them.
+    # The child also gets openinfer's malloc settings (platform.py), so neither engine gains from them.
     mine = {"VLLM_CPU_OMP_THREADS_BIND": "0-1|2-3", "VLLM_CPU_KVCACHE_SPACE": "7", "MALLOC_TOP_PAD_": "0"}
-    assert vllm_peer.child_env(args, str(model_dir), 160, 8, base=mine) == {**cpu_malloc.ENV, **mine}
+    assert vllm_peer.child_env(args, str(model_dir), 160, 8, base=mine) == {**cpu_malloc.MALLOC_ENV, **mine}
     args = _args(model_dir, "--num-threads", "1", "--kv-cache-memory-gb", "2.5")
     env = vllm_peer.child_env(args, str(model_dir), 160, 8, base={})
-    assert env == {"VLLM_CPU_OMP_THREADS_BIND": str(cpus[0]), "VLLM_CPU_KVCACHE_SPACE": "3", **cpu_malloc.ENV}
+    assert env == {"VLLM_CPU_OMP_THREADS_BIND": str(cpus[0]), "VLLM_CPU_KVCACHE_SPACE": "3", **cpu_malloc.MALLOC_ENV}
     monkeypatch.setenv("OPENINFER_MALLOC_TUNING", "0")  # turned off for openinfer: off for the peer too
-    assert not set(cpu_malloc.ENV) & set(vllm_peer.child_env(args, str(model_dir), 160, 8, base={}))
+    assert not set(cpu_malloc.MALLOC_ENV) & set(vllm_peer.child_env(args, str(model_dir), 160, 8, base={}))
 
 
 def test_kv_cache_gib(model_dir):

@@ -1,4 +1,4 @@
-"""utils/cpu_malloc.py: glibc's mallopt knobs set once per process, and the switch that leaves them alone."""
+"""platform.py (malloc): glibc's mallopt knobs set once per process, and the switch that leaves them alone."""
 from __future__ import annotations
 
 import platform
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-_PROBE = ("import openinfer.utils.cpu_malloc as m; a = m.tune_malloc(); b = m.tune_malloc(); "
+_PROBE = ("import openinfer.platform as m; a = m.tune_malloc(); b = m.tune_malloc(); "
           "print(a, b)")
 
 

@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import hf_greedy, write_char_tokenizer
+from helpers import engine_model, hf_greedy, write_char_tokenizer
 
 from openinfer import LLM, SamplingParams
-from openinfer.executor.forward_context import AttentionMetadata, PrefillSpan, set_forward_context
-from openinfer.executor.loader import iterate_weights
+from openinfer.config import AttentionBackend
+from openinfer.forward_context import AttentionMetadata, set_forward_context
+from openinfer.worker.loader import iterate_weights
 from openinfer.layers.deepseek_moe import RouterConfig, route
 from openinfer.layers.mla import MLAAttention
 from openinfer.models.deepseek_v3 import DeepseekV3ForCausalLM
@@ -106,7 +107,7 @@ def test_preemption_matches_hf_on_reference_backend(v3):
     # 122 tokens fit in 8 blocks; all 8 requests need ~40, so requests must be preempted and recomputed.
     llm = LLM(str(path), dtype="float32", num_kv_blocks=12, attention_backend="reference")
     assert_matches_hf(generate(llm, prompts), ref)
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.stats().num_preemptions > 0
 
 
 def test_variant_without_q_lora_interleave_or_groups(tmp_path):
@@ -143,27 +144,17 @@ def test_mla_fast_path_equals_reference():
     kv_b = 0.2 * torch.randn(h * (dn + dv), lr)
     # Two decodes (context 6 and 13), a prefill chunk after 9 cached tokens, a fresh 7-token prompt.
     seqs = [([3, 7], 6, 1), ([10, 2, 20, 5], 13, 1), ([1, 4, 8, 9], 16, 7), ([11, 12], 7, 7)]
-    slots, prefills, off = [], [], 0
-    for table, ctx, n in seqs:
-        slots += [table[p // bs] * bs + p % bs for p in range(ctx - n, ctx)]
-        if n > 1:
-            prefills.append(PrefillSpan(off, n, ctx, torch.tensor(table)))
-        off += n
-    dec = seqs[:2]
-    dbt = torch.tensor([t + [0] * (4 - len(t)) for t, _, _ in dec])
-    dlens = torch.tensor([ctx for _, ctx, _ in dec])
-    md = AttentionMetadata(num_tokens=off, block_size=bs, slot_mapping=torch.tensor(slots), num_decodes=2,
-                           decode_block_tables=dbt, decode_seq_lens=dlens,
-                           decode_mask=(torch.arange(16)[None, :] < dlens[:, None])[:, None, None, :],
-                           prefills=prefills)
+    md = AttentionMetadata.build([n for _, _, n in seqs], [ctx for _, ctx, _ in seqs],
+                                 {"full": [t for t, _, _ in seqs]}, {"full": bs}, bs, torch.device("cpu"))
+    off = md.num_tokens
     q_nope, q_pe = torch.randn(off, h, dn), torch.randn(off, h, r)
     c_kv, k_pe = torch.randn(off, lr), torch.randn(off, r)
     outs = {}
-    for backend in ("sdpa", "reference"):
+    for backend in AttentionBackend:
         attn.backend, attn.kv_cache = backend, cache.clone()
         with set_forward_context(md):
             outs[backend] = attn(q_nope, q_pe, c_kv, k_pe, kv_b)
-    torch.testing.assert_close(outs["sdpa"], outs["reference"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(outs[AttentionBackend.SDPA], outs[AttentionBackend.REFERENCE], atol=1e-5, rtol=1e-5)
 
 
 def reference_route(logits, cfg: RouterConfig, bias):
@@ -218,14 +209,14 @@ def test_router_matches_reference_and_hf():
 def test_kv_bytes_per_token_is_the_latent(v3):
     path = v3[0]
     llm = LLM(str(path), dtype="float32", num_kv_blocks=10)
-    model = llm.engine.runner.model
-    assert model.kv_bytes_per_token() == 3 * (32 + 8) * 4
+    model = engine_model(llm)
+    assert model.kv_cache_spec(16, torch.float32)[0].bytes_per_block == 16 * 3 * (32 + 8) * 4
     assert llm.engine.kv_bytes_per_token == 3 * (32 + 8) * 4
     assert all(a.kv_cache.shape == (10, 16, 40) for a in model.attention_layers())
     prev = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
-        assert DeepseekV3ForCausalLM(hf_config(path)).kv_bytes_per_token() == 3 * 40 * 2
+        assert DeepseekV3ForCausalLM(hf_config(path)).kv_cache_spec(1, torch.bfloat16)[0].bytes_per_block == 3 * 40 * 2
     finally:
         torch.set_default_dtype(prev)
 

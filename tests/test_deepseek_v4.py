@@ -30,7 +30,8 @@ from openinfer.models.deepseek_v4.moe import DeepseekV4MoE
 from openinfer.layers.deepseek_moe import RouterConfig, route
 from openinfer.layers.linear import num_parameters
 from openinfer.layers.moe import reference_experts, swiglu
-from tests.helpers import hf_greedy
+from tests.helpers import engine_model, hf_greedy, kv_manager
+from openinfer.config import AttentionBackend
 
 ROOT = Path(__file__).resolve().parents[1]
 NEW_TOKENS = 32
@@ -80,12 +81,11 @@ def _assert_matches(outs, ref) -> None:
 def test_parity_with_hf_one_batch(ckpt, prompts, hf_ref):
     llm = LLM(str(ckpt), dtype="float32", max_model_len=128, num_kv_blocks=96)
     _assert_matches(_run(llm, prompts), hf_ref)
-    runner = llm.engine.runner  # the reported size is what is allocated, per group
-    model = runner.model
+    model = engine_model(llm)  # the reported size is what is allocated, per group
     allocated = sum(getattr(a.cache, n).nbytes for a in model.attention_layers() for n in a.cache.names)
-    blocks = runner.num_blocks
+    blocks = llm.engine.num_kv_blocks
     assert blocks["full"] == 96 and blocks["window"] == 96  # window capped at the full group's count
-    assert allocated == sum(g.bytes_per_block * blocks[g.name] for g in model.kv_cache_spec(16))
+    assert allocated == sum(g.bytes_per_block * blocks[g.name] for g in model.kv_cache_spec(16, torch.float32))
     assert all(a.cache.kv.shape[0] == blocks["window"] for a in model.attention_layers())
     assert (f"96 blocks of 16 + 96 window blocks, {llm.engine.kv_bytes_per_token} bytes/token steady state"
             in llm.engine.startup_message)
@@ -97,7 +97,7 @@ def test_reference_backend_matches_fast_path(ckpt, prompts, hf_ref, block_size):
               block_size=block_size)
     fast = _run(LLM(str(ckpt), **kw), prompts[:4], 8)
     ref_llm = LLM(str(ckpt), attention_backend="reference", **kw)
-    assert {a.backend for a in ref_llm.engine.runner.model.attention_layers()} == {"reference"}
+    assert {a.backend for a in engine_model(ref_llm).attention_layers()} == {AttentionBackend.REFERENCE}
     ref = _run(ref_llm, prompts[:4], 8)
     for a, b in zip(fast, ref):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
@@ -113,7 +113,9 @@ def test_chunked_prefill_and_prefix_cache_hits(ckpt, prompts, hf_ref):
     llm = LLM(str(ckpt), dtype="float32", max_model_len=128, block_size=8, max_num_batched_tokens=8,
               num_kv_blocks=160)
     # HCA entries (m = 16 = 2 blocks) live in the coarse group, one 16-token block per entry.
-    assert llm.engine.kv.coarse_block_tokens == 16 and len(llm.engine.kv.pools) == 3
+    kv = kv_manager(llm)
+    assert [g.tokens_per_block for g in kv.groups] == [8, 8, 16] and [g.name for g in kv.groups] == [
+        "full", "window", "coarse"]
     _assert_matches(_run(llm, prompts), hf_ref)
     g = torch.Generator().manual_seed(7)
     branches = [prompts[i][:cut] + torch.randint(6, 256, (9,), generator=g).tolist()
@@ -132,14 +134,12 @@ def test_preemption_recomputes_identically(ckpt, prompts, hf_ref):
     # The four longest prompts need 4 x 7 blocks of 16 at the end; 12 blocks force recompute-preemption.
     llm = LLM(str(ckpt), dtype="float32", max_model_len=128, num_kv_blocks=12, max_num_batched_tokens=64)
     _assert_matches(_run(llm, prompts[4:]), hf_ref[4:])
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.stats().num_preemptions > 0
     assert _all_blocks_free(llm)
 
 
 def _all_blocks_free(llm: LLM) -> bool:
-    kv = llm.engine.kv  # full, window and (block_size < HCA ratio) coarse pools
-    return (all(p.num_free_blocks == p.num_blocks for p in kv.pools) and not kv.req_blocks and not kv.win_blocks
-            and not kv.coarse_blocks)
+    return kv_manager(llm).all_free()  # full, window and (block_size < HCA ratio) coarse pools
 
 
 def test_window_blocks_are_released_during_decode_and_still_serve_prefix_hits(ckpt, prompts):
@@ -148,8 +148,9 @@ def test_window_blocks_are_released_during_decode_and_still_serve_prefix_hits(ck
     hit is shortened to where the window pool still has the blocks. Tokens match HF in every case."""
     llm = LLM(str(ckpt), dtype="float32", max_model_len=128, block_size=8, max_num_batched_tokens=16,
               num_kv_blocks=64)
-    eng, kv = llm.engine, llm.engine.kv
-    lookback = kv.lookback_tokens
+    eng, kv = llm.engine, kv_manager(llm)
+    window = kv.groups[1]
+    lookback = window.lookback_tokens
     assert lookback == 15  # window 16 (reads 15 back), HCA m=16 (15 back), CSA m=4 overlapped (7 back)
     bound = -(-lookback // 8) + 2
     sp = SamplingParams(temperature=0, max_tokens=70, ignore_eos=True)
@@ -158,12 +159,12 @@ def test_window_blocks_are_released_during_decode_and_still_serve_prefix_hits(ck
     while eng.has_unfinished_requests():
         for o in eng.step():
             out = o
-        if "long" in kv.win_blocks:
-            held.append(kv.num_held_window_blocks("long"))
-            computed = eng.scheduler.requests["long"].num_computed_tokens
-            released = kv.win_blocks["long"][:max(0, computed - lookback) // 8]
+        if "long" in window.tables:
+            held.append(window.num_held("long"))
+            computed = eng.core.scheduler.requests["long"].num_computed_tokens
+            released = window.tables["long"][:max(0, computed - lookback) // 8]
             assert released == [None] * len(released)
-    assert max(held) <= bound and len(kv.win_blocks) == 0 and _all_blocks_free(llm)
+    assert max(held) <= bound and len(window.tables) == 0 and _all_blocks_free(llm)
     assert held[-1] <= bound and len(held) >= 60
     history = prompts[3] + out.outputs[0].token_ids
     g = torch.Generator().manual_seed(11)
@@ -180,15 +181,15 @@ def test_window_blocks_are_released_during_decode_and_still_serve_prefix_hits(ck
     assert _run(llm, [short_prompt], 2)[0].num_cached_tokens == 16
     probe = Request("probe", history[:41], SamplingParams(max_tokens=1), 128)
     keys = kv._block_keys(probe, 5)
-    win = [kv.window_pool.get_cached_block(k) for k in keys]
-    free = kv.window_pool.free_block_ids()
+    win = [window.pool.get_cached_block(k) for k in keys]
+    free = window.pool.free_block_ids()
     cut = max(free.index(b.block_id) for b in win[2:]) + 1
     assert all(free.index(b.block_id) >= cut for b in win[:2])
-    stolen = kv.window_pool.allocate(cut)
+    stolen = window.pool.allocate(cut)
     later = history[:41] + torch.randint(6, 256, (4,), generator=g).tolist()
     hits, n = kv.get_computed_blocks(Request("peek", later, SamplingParams(max_tokens=1), 128))
     assert n == 16  # the full group still has 5 blocks, the window group only what h = 2 needs
-    kv.window_pool.release(stolen)
+    window.pool.release(stolen)
     outs = _run(llm, [later], 8)
     assert outs[0].num_cached_tokens == 16
     _assert_matches(outs, hf_greedy(ckpt, [later], 8))
@@ -411,7 +412,7 @@ def test_deepseek_release_names_and_mtp(ckpt, prompts, hf_ref, tmp_path, caplog)
     give the same tokens; the MTP block loads into ``model.mtp``; without it a single log line says so."""
     with caplog.at_level(logging.INFO, logger="openinfer.models.deepseek_v4.loading"):
         hf_llm = LLM(str(ckpt), dtype="float32", max_model_len=128, num_kv_blocks=32)
-    assert hf_llm.engine.runner.model.mtp is None
+    assert engine_model(hf_llm).mtp is None
     assert sum("no MTP weights" in r.message for r in caplog.records) == 1
 
     sd = load_file(str(ckpt / "model.safetensors"))
@@ -441,7 +442,7 @@ def test_deepseek_release_names_and_mtp(ckpt, prompts, hf_ref, tmp_path, caplog)
     # tokenizer from the HF-style dir: transformers' AutoTokenizer parses config.json, and its DeepseekV4Config
     # only maps compress_ratios values 0/4/128 (this tiny model uses 16).
     llm = LLM(str(ds_dir), tokenizer=str(ckpt), dtype="float32", max_model_len=128, num_kv_blocks=32)
-    model = llm.engine.runner.model
+    model = engine_model(llm)
     assert model.mtp is not None
     torch.testing.assert_close(model.mtp[0].self_attn.q_a_proj.dense_weight(), out["mtp.0.attn.wq_a.weight"])
     w3 = out["mtp.0.ffn.experts.3.w3.weight"]
@@ -457,8 +458,8 @@ def test_generator_writes_loadable_checkpoints(ckpt, tmp_path):
     cfg = json.loads((bench / "config.json").read_text())
     assert cfg["architectures"] == ["DeepseekV4ForCausalLM"]
     llm = LLM(str(bench), dtype="bfloat16", num_kv_blocks=16, max_num_batched_tokens=64)
-    n = num_parameters(llm.engine.runner.model)
+    n = num_parameters(engine_model(llm))
     assert 100e6 <= n <= 300e6, n
     out = _run(llm, [list(range(6, 40))], 4)
     assert len(out[0].outputs[0].token_ids) == 4
-    assert llm.engine.runner.kv_bytes_per_token() > 0
+    assert llm.engine.kv_bytes_per_token > 0

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from openinfer import LLM, SamplingParams
-from openinfer.executor.loader import iterate_weights
+from openinfer.worker.loader import iterate_weights
 from openinfer.layers.fp8 import (E8M0_DTYPE, FP8_DTYPE, dequantize_fp8_block, fp8_block_size,
                                   quantize_fp8_block)
 from openinfer.layers.mxfp4 import dequantize_mxfp4, quantize_mxfp4

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from openinfer import LLM, SamplingParams
-from openinfer.executor.loader import iterate_weights
+from openinfer.worker.loader import iterate_weights
 from openinfer.layers.fp8 import FP8_DTYPE, dequantize_fp8_block, fp8_block_size, quantize_fp8_block
 from openinfer.models.deepseek_v3 import DeepseekV3ForCausalLM
 from openinfer.models.weights import WeightLoadError

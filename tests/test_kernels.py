@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from openinfer.executor.forward_context import AttentionMetadata, PrefillSpan, set_forward_context
+from openinfer.config import AttentionBackend
+from openinfer.forward_context import AttentionMetadata, set_forward_context
 from openinfer.layers.attention import Attention
 from openinfer.layers.moe import fused_experts, reference_experts
 
@@ -13,31 +14,12 @@ def build_batch(decode_lens, prefills, bs, hk, d, num_blocks, dtype, gen):
     """Random paged cache plus a mixed batch: decodes (1 query, context len L) then prefill chunks
     (query_len, context_len). Blocks are handed out in a shuffled order so tables are not contiguous."""
     perm = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, slots = [], []
-    for ctx in list(decode_lens) + [c for _, c in prefills]:
-        nb = -(-ctx // bs)
-        tables.append(torch.tensor([perm.pop() for _ in range(nb)]))
+    query_lens = [1] * len(decode_lens) + [q for q, _ in prefills]
+    context_lens = list(decode_lens) + [c for _, c in prefills]
+    tables = [[perm.pop() for _ in range(-(-ctx // bs))] for ctx in context_lens]
     kc = torch.randn(num_blocks, bs, hk, d, generator=gen).to(dtype)
     vc = torch.randn(num_blocks, bs, hk, d, generator=gen).to(dtype)
-    nd = len(decode_lens)
-    spans = []
-    for i, ctx in enumerate(decode_lens):
-        p = ctx - 1
-        slots.append(int(tables[i][p // bs]) * bs + p % bs)
-    off = nd
-    for j, (q, ctx) in enumerate(prefills):
-        t = tables[nd + j]
-        for p in range(ctx - q, ctx):
-            slots.append(int(t[p // bs]) * bs + p % bs)
-        spans.append(PrefillSpan(off, q, ctx, t))
-        off += q
-    dbt = dlens = dmask = None
-    if nd:
-        mb = max(len(t) for t in tables[:nd])
-        dbt = torch.stack([torch.cat([t, t.new_zeros(mb - len(t))]) for t in tables[:nd]])
-        dlens = torch.tensor(decode_lens)
-        dmask = (torch.arange(mb * bs)[None] < dlens[:, None])[:, None, None, :]
-    md = AttentionMetadata(off, bs, torch.tensor(slots), nd, dbt, dlens, dmask, spans)
+    md = AttentionMetadata.build(query_lens, context_lens, {"full": tables}, {"full": bs}, bs, torch.device("cpu"))
     return md, kc, vc
 
 
@@ -72,9 +54,8 @@ def _backend_outputs(md, kc, vc, q, k, v) -> list[torch.Tensor]:
     """The same step through the sdpa and the reference backend, each on its own copy of the cache."""
     (hq, d), hk = q.shape[1:], k.shape[1]
     outs = []
-    for backend in ("sdpa", "reference"):
-        attn = Attention(hq, hk, d, d ** -0.5)
-        attn.backend = backend
+    for backend in (AttentionBackend.SDPA, AttentionBackend.REFERENCE):
+        attn = Attention(hq, hk, d, d ** -0.5, backend)
         attn.k_cache, attn.v_cache = kc.clone(), vc.clone()
         with set_forward_context(md):
             outs.append(attn(q, k, v).float())
@@ -132,13 +113,13 @@ def test_paged_decode_kernel_matches_reference_and_sdpa(kernel_ops, dtype, tol, 
     md, kc, vc = build_batch(DECODE_LENS, [], 16, hk, d, 96, dtype, gen)
     q = torch.randn(md.num_decodes, hq, d, generator=gen).to(dtype)
     scale = d ** -0.5
-    got = cpu_ops.paged_decode_attention(q, kc, vc, md.decode_block_tables, md.decode_seq_lens, scale)
+    got = cpu_ops.paged_decode_attention(q, kc, vc, md.group("full").decode_block_tables, md.decode_seq_lens, scale)
     assert got.dtype == dtype and got.shape == q.shape
-    ref = reference_paged_attention(q, md, kc, vc, scale)
+    ref = reference_paged_attention(q, md, md.group("full"), kc, vc, scale)
     assert (got.float() - ref.float()).abs().max() < tol
     attn = Attention(hq, hk, d, scale)
     attn.k_cache, attn.v_cache = kc, vc
-    sdpa = attn._decode_gather_sdpa(q, md)
+    sdpa = attn._decode_gather_sdpa(q, md, md.group("full"))
     # bf16 SDPA rounds its intermediates to bf16; the kernel and the reference keep fp32 until the output.
     assert (got.float() - sdpa.float()).abs().max() < (tol if dtype == torch.float32 else 3e-2)
 
@@ -149,7 +130,7 @@ def test_paged_decode_kernel_amx_and_vector_paths(kernel_ops, amx, hq, hk, d, bs
     """bf16 caches take AMX tiles where the CPU has them (head_dim % 64, block_size % 16, <= 16 q heads per kv
     head); both paths against the fp32 reference, with NaN planted in the unused slots of partly filled blocks
     (stale cache rows must never reach the output)."""
-    from openinfer.config import cpu_info
+    from openinfer.platform import cpu_info
     from openinfer.layers import cpu_ops
     from openinfer.layers.attention import reference_paged_attention
 
@@ -160,12 +141,12 @@ def test_paged_decode_kernel_amx_and_vector_paths(kernel_ops, amx, hq, hk, d, bs
         gen = torch.Generator().manual_seed(d + hq + bs)
         md, kc, vc = build_batch([1, 15, 16, 17, 33, 50, 300, 3, 64], [], bs, hk, d, 160, torch.bfloat16, gen)
         for b, n in enumerate(md.decode_seq_lens.tolist()):  # NaN in every slot past each sequence's end
-            last = md.decode_block_tables[b, (n - 1) // bs]
+            last = md.group("full").decode_block_tables[b, (n - 1) // bs]
             kc[last, (n - 1) % bs + 1:] = float("nan")
             vc[last, (n - 1) % bs + 1:] = float("nan")
         q = torch.randn(md.num_decodes, hq, d, generator=gen).bfloat16()
-        got = cpu_ops.paged_decode_attention(q, kc, vc, md.decode_block_tables, md.decode_seq_lens, d ** -0.5)
-        ref = reference_paged_attention(q, md, kc, vc, d ** -0.5)
+        got = cpu_ops.paged_decode_attention(q, kc, vc, md.group("full").decode_block_tables, md.decode_seq_lens, d ** -0.5)
+        ref = reference_paged_attention(q, md, md.group("full"), kc, vc, d ** -0.5)
         assert not got.isnan().any() and (got.float() - ref.float()).abs().max() < 1e-2
     finally:
         kernel_ops.decode_attention_use_amx(True)
@@ -180,28 +161,28 @@ def test_paged_decode_kernel_edge_cases(kernel_ops):
     # q with strides (a slice of a wider projection) and a bf16 q over an fp32 cache
     wide = torch.randn(2, 4, 96, generator=gen)
     q = wide[:, :, 16:80]
-    got = cpu_ops.paged_decode_attention(q, kc, vc, md.decode_block_tables, md.decode_seq_lens, 0.1)
-    ref = reference_paged_attention(q.contiguous(), md, kc, vc, 0.1)
+    got = cpu_ops.paged_decode_attention(q, kc, vc, md.group("full").decode_block_tables, md.decode_seq_lens, 0.1)
+    ref = reference_paged_attention(q.contiguous(), md, md.group("full"), kc, vc, 0.1)
     assert (got - ref).abs().max() < 1e-5
-    got16 = cpu_ops.paged_decode_attention(q.bfloat16(), kc, vc, md.decode_block_tables, md.decode_seq_lens,
+    got16 = cpu_ops.paged_decode_attention(q.bfloat16(), kc, vc, md.group("full").decode_block_tables, md.decode_seq_lens,
                                            0.1)
     assert got16.dtype == torch.bfloat16 and (got16.float() - ref).abs().max() < 2e-2
     # a zero-length sequence gives zeros (no 0/0), without touching its table row
     lens0 = torch.tensor([0, 40])
-    out0 = cpu_ops.paged_decode_attention(q, kc, vc, md.decode_block_tables, lens0, 0.1)
+    out0 = cpu_ops.paged_decode_attention(q, kc, vc, md.group("full").decode_block_tables, lens0, 0.1)
     assert torch.equal(out0[0], torch.zeros_like(out0[0])) and torch.allclose(out0[1], ref[1], atol=1e-5)
     # bad inputs are errors, not out-of-bounds reads
-    bad = md.decode_block_tables.clone()
+    bad = md.group("full").decode_block_tables.clone()
     bad[1, 1] = 10_000
     with pytest.raises(RuntimeError, match="outside the cache"):
         cpu_ops.paged_decode_attention(q, kc, vc, bad, md.decode_seq_lens, 0.1)
     with pytest.raises(RuntimeError, match="needs"):
-        cpu_ops.paged_decode_attention(q, kc, vc, md.decode_block_tables, torch.tensor([5, 1000]), 0.1)
+        cpu_ops.paged_decode_attention(q, kc, vc, md.group("full").decode_block_tables, torch.tensor([5, 1000]), 0.1)
     with pytest.raises(RuntimeError, match="contiguous"):
-        cpu_ops.paged_decode_attention(q, kc.transpose(1, 2), vc.transpose(1, 2), md.decode_block_tables,
+        cpu_ops.paged_decode_attention(q, kc.transpose(1, 2), vc.transpose(1, 2), md.group("full").decode_block_tables,
                                        md.decode_seq_lens, 0.1)
     with pytest.raises(RuntimeError, match="multiple"):
-        cpu_ops.paged_decode_attention(torch.randn(2, 3, 64), kc, vc, md.decode_block_tables,
+        cpu_ops.paged_decode_attention(torch.randn(2, 3, 64), kc, vc, md.group("full").decode_block_tables,
                                        md.decode_seq_lens, 0.1)
 
 

@@ -10,7 +10,7 @@ import torch
 
 from helpers import make_dense_checkpoint
 from openinfer import LLM, SamplingParams
-from openinfer.executor.sampler import SamplingRow, filter_logits, sample
+from openinfer.worker.sampler import SamplingRow, filter_logits, sample
 
 PROBS = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
 
@@ -59,7 +59,7 @@ def test_penalties_follow_vllm_definitions():
     logits = torch.tensor([[2.0, -1.0, 0.5, 0.0]])
     rows = [SamplingRow(SamplingParams(temperature=0, repetition_penalty=2.0, frequency_penalty=0.5,
                                        presence_penalty=0.25), [3], [0, 0, 1])]
-    from openinfer.executor.sampler import apply_penalties
+    from openinfer.worker.sampler import apply_penalties
 
     out = apply_penalties(logits.clone(), rows)
     # token 0: 2/2 - 0.5*2 - 0.25; token 1: -1*2 - 0.5 - 0.25; token 2 untouched; token 3 (prompt): 0*2
@@ -185,7 +185,7 @@ def test_chat_uses_template(llm):
 
 
 def test_greedy_argmax_takes_the_first_of_tied_maxima():
-    from openinfer.executor.sampler import _argmax
+    from openinfer.worker.sampler import _argmax
 
     x = torch.tensor([[1.0, 3.0, 3.0, 0.0], [5.0, 5.0, 5.0, 5.0], [0.0, 1.0, 2.0, 2.0]])
     assert _argmax(x).tolist() == [1, 0, 2] == x.argmax(dim=-1).tolist()

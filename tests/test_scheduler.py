@@ -1,18 +1,42 @@
 """Scheduler: continuous batching, chunked prefill, budgets, preemption, abort. No torch."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from openinfer.config import SchedulerConfig
 from openinfer.engine.kv_cache_manager import KVCacheManager
 from openinfer.engine.request import Request, RequestStatus
-from openinfer.engine.scheduler import RunnerOutput, SampledToken, Scheduler
+from openinfer.engine.scheduler import Scheduler
+from openinfer.kv_cache_interface import KVGroupSpec
 from openinfer.sampling_params import SamplingParams
+from openinfer.step_io import ModelRunnerOutput, SampledToken, SchedulerOutput
 
 BS = 4
 
 
 def make(num_blocks=16, max_num_seqs=8, budget=64, max_len=128, caching=True):
-    kv = KVCacheManager(num_blocks, BS, caching)
-    return Scheduler(SchedulerConfig(max_num_seqs, budget, max_len), kv), kv
+    kv = KVCacheManager([KVGroupSpec("full", 64)], {"full": num_blocks}, BS, caching)
+    return Scheduler(SchedulerConfig(max_num_seqs, budget, max_len), kv, max_len), kv
+
+
+@dataclass
+class Seq:
+    """One scheduled request as a worker sees it: its tokens this step and whether it samples."""
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    sample: bool
+
+
+def seqs(s: Scheduler, out: SchedulerOutput) -> list[Seq]:
+    """Read before update_from_output: where each scheduled request starts and what it computes."""
+    starts = {r.req_id: r.num_computed_tokens for r in out.new_requests + out.cached_requests}
+    result = []
+    for rid, n in out.num_scheduled_tokens.items():
+        req, start = s.requests[rid], starts[rid]
+        result.append(Seq(rid, req.all_token_ids[start:start + n], start, start + n == req.num_tokens))
+    return result
 
 
 def add(s: Scheduler, rid: str, n_prompt: int, max_tokens: int = 4, base: int = 0, **sp) -> Request:
@@ -22,10 +46,22 @@ def add(s: Scheduler, rid: str, n_prompt: int, max_tokens: int = 4, base: int = 
     return r
 
 
+class Step:
+    """A SchedulerOutput plus the per-request view ``seqs`` (read before the update)."""
+
+    def __init__(self, s: Scheduler, out: SchedulerOutput) -> None:
+        self.out = out
+        self.seqs = seqs(s, out)
+
+    def __getattr__(self, name):
+        return getattr(self.out, name)
+
+
 def run_step(s: Scheduler, token: int = 7):
     out = s.schedule()
-    result = RunnerOutput({q.request_id: SampledToken(token) for q in out.seqs if q.sample})
-    return out, s.update_from_output(out, result)
+    step = Step(s, out)
+    result = ModelRunnerOutput({q.request_id: SampledToken(token) for q in step.seqs if q.sample})
+    return step, s.update_from_output(out, result)
 
 
 def test_prefill_then_decode_is_one_rule():
@@ -38,7 +74,7 @@ def test_prefill_then_decode_is_one_rule():
     assert [(len(q.token_ids), q.start_pos, q.token_ids) for q in out.seqs] == [(1, 6, [7])]
     out, res = run_step(s)
     assert res[0].finish_reason == "length"
-    assert s.num_unfinished == 0 and kv.num_free_blocks == 16
+    assert s.num_unfinished == 0 and kv.groups[0].pool.num_free_blocks == 16
 
 
 def test_chunked_prefill_under_token_budget_and_fcfs():
@@ -51,7 +87,7 @@ def test_chunked_prefill_under_token_budget_and_fcfs():
     assert [(q.request_id, len(q.token_ids), q.start_pos) for q in out.seqs] == [("a", 5, 5)]
     out, _ = run_step(s)  # a finishes its prompt (2) and samples; b gets the remaining budget 3
     assert [(q.request_id, len(q.token_ids), q.sample) for q in out.seqs] == [("a", 2, True), ("b", 3, True)]
-    assert out.num_batched_tokens == 5
+    assert out.total_num_scheduled_tokens == 5
 
 
 def test_max_num_seqs_caps_running():
@@ -69,17 +105,17 @@ def test_preemption_by_recompute_keeps_order_and_tokens():
     a = add(s, "a", 7, max_tokens=6)
     b = add(s, "b", 7, max_tokens=6, base=50)
     run_step(s)  # prompts: 2 blocks each, pool full
-    assert kv.num_free_blocks == 0
+    assert kv.groups[0].pool.num_free_blocks == 0
     run_step(s)  # position 7 still fits in each second block
     out, _ = run_step(s)  # a needs a block for position 8: b (newest) is preempted
-    assert out.preempted_ids == ["b"] and [q.request_id for q in out.seqs] == ["a"]
+    assert out.preempted_req_ids == ["b"] and [q.request_id for q in out.seqs] == ["a"]
     assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
     assert b.output_token_ids == [7, 7] and s.waiting[0] is b
     while s.num_unfinished:
         run_step(s)
     assert a.num_output_tokens == 6 and b.num_output_tokens == 6
-    assert b.num_preemptions >= 1 and kv.num_free_blocks == 4
-    assert all(blk.ref_cnt == 0 for blk in kv.pool.blocks)
+    assert b.num_preemptions >= 1 and kv.groups[0].pool.num_free_blocks == 4
+    assert all(blk.ref_cnt == 0 for blk in kv.groups[0].pool.blocks)
 
 
 def test_recompute_after_preemption_covers_prompt_and_outputs():
@@ -105,7 +141,7 @@ def test_abort_frees_blocks_in_waiting_and_running():
     assert [r.request_id for r in done] == ["a", "c"]
     assert all(r.status == RequestStatus.FINISHED_ABORTED for r in done)
     s.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)
-    assert s.num_unfinished == 0 and kv.num_free_blocks == 16
+    assert s.num_unfinished == 0 and kv.groups[0].pool.num_free_blocks == 16
 
 
 def test_prefix_hit_skips_computation_and_is_reported():

@@ -12,7 +12,7 @@ import time
 import torch
 
 from openinfer.bench.results import IterationSample
-from openinfer.utils.cpu_malloc import tune_malloc
+from openinfer.platform import tune_malloc
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class HFRunner:
         from transformers import AutoModelForCausalLM, StoppingCriteriaList
 
         self._criteria_list = StoppingCriteriaList
-        # the allocator settings openinfer's engine runs with (utils/cpu_malloc.py), so neither side gains from them
+        # the allocator settings openinfer's engine runs with (platform.py), so neither side gains from them
         self.malloc_tuning = tune_malloc() if device == "cpu" else False
         t0 = time.perf_counter()
         # Only MoE models take the kwarg; None leaves transformers' own default (grouped_mm in 5.22).

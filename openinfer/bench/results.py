@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from openinfer.config import FAST_BF16_CPU_FLAGS
-from openinfer.config import cpu_info as config_cpu_info
+from openinfer.platform import FAST_BF16_CPU_FLAGS
+from openinfer.platform import cpu_info as config_cpu_info
 
 SCHEMA = "openinfer.bench.throughput/v1"
 

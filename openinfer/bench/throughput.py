@@ -100,12 +100,12 @@ class OpenInferRunner:
             "max_model_len": cfg.model.max_model_len,
             "block_size": cfg.cache.block_size,
             "enable_prefix_caching": cfg.cache.enable_prefix_caching,
-            "num_kv_blocks": self.engine.kv.pool.num_blocks,
-            "attention_backend": cfg.attention_backend,
+            "num_kv_blocks": self.engine.stats().num_blocks,
+            "attention_backend": cfg.attention_backend.value,
             "sampling": f"temperature {self.temperature}" if self.temperature else "greedy (temperature 0)",
             "startup_message": self.engine.startup_message,
             "init_time_s": self.init_time_s,
-            "load_time_s": self.engine.runner.load_time_s,
+            "load_time_s": self.engine.load_time_s,
         }
 
     def run(self, prompts: list[list[int]], output_len: int) -> R.IterationSample:

@@ -121,10 +121,10 @@ def child_env(args: argparse.Namespace, model_path: str, max_model_len: int, max
         gib = math.ceil(args.kv_cache_memory_gb) if args.kv_cache_memory_gb else \
             kv_cache_gib(model_path, args.dtype, max_batch * max_model_len)
         env["VLLM_CPU_KVCACHE_SPACE"] = str(gib)
-    from openinfer.utils import cpu_malloc
+    from openinfer import platform
 
-    if cpu_malloc.enabled():  # the allocator settings openinfer runs with, unless the caller chose its own
-        for k, v in cpu_malloc.ENV.items():
+    if platform.malloc_tuning_enabled():  # the allocator settings openinfer runs with, unless the caller chose its own
+        for k, v in platform.MALLOC_ENV.items():
             env.setdefault(k, v)
     return env
 

@@ -1,15 +1,24 @@
-"""Block tables per request on top of the ``BlockPool``, with prefix caching. Pure Python.
+"""Block tables per request for every KV group a model declares, with prefix caching. Pure Python.
 
-Rules (shared with vLLM v1 / nano-vllm): only full blocks are hashed, each chained to its parent; a hit is
-counted block by block from the start and stops at the first miss; the last prompt token is never served
-from cache because its logits are needed to sample; blocks are ref-counted before use.
+The manager owns one ``KVGroup`` per ``KVGroupSpec`` (kv_groups.py: a pool each, and the group's policy) and
+reconciles prefix hits across them in one place. The scheduler and the runner only ever see per-group lists of
+block ids, in the model's group order; they never name a group.
+
+Prefix-cache rules (shared with vLLM v1 / nano-vllm): only full blocks are hashed, each chained to its parent,
+and the chain is shared by every group; a hit is counted block by block from the start; the last prompt token
+is never served from cache because its logits are needed to sample; blocks are ref-counted before use. A hit of
+h ordinary blocks is usable only if every group still caches what the first recomputed query reads: a whole-life
+group its blocks before h, a sliding group its blocks within the lookback before h. The largest such h wins
+(h = 0 always works).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from openinfer.engine.block_pool import ROOT_HASH, BlockPool, KVBlock, chain_key
+from openinfer.engine.block_pool import ROOT_HASH, BlockKey, KVBlock, chain_key
+from openinfer.engine.kv_groups import NULL_BLOCK, KVGroup, make_group
 from openinfer.engine.request import Request
+from openinfer.kv_cache_interface import KVGroupSpec, blocks_for_tokens, check_groups, token_capacity
 
 
 @dataclass
@@ -22,42 +31,62 @@ class PrefixCacheStats:
         self.hits = 0
 
 
+@dataclass
+class KVCacheBlocks:
+    """Blocks per group, in the model's group order: a prefix hit (``num_tokens`` > 0) or newly allocated
+    blocks. Opaque to the scheduler, which only passes it back or reads its ids."""
+
+    blocks: tuple[list[KVBlock | None], ...]
+    num_tokens: int = 0
+
+    def block_ids(self) -> list[list[int]]:
+        return [[NULL_BLOCK if b is None else b.block_id for b in g] for g in self.blocks]
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, specs: list[KVGroupSpec], num_blocks: dict[str, int], block_size: int,
+                 enable_caching: bool = True) -> None:
+        check_groups(specs, block_size)
+        self.specs = list(specs)
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching)
-        self.req_blocks: dict[str, list[KVBlock]] = {}
-        # How many of a request's leading blocks are already registered in the cache.
-        self._num_cached_blocks: dict[str, int] = {}
+        self.groups: list[KVGroup] = [make_group(s, num_blocks[s.name], block_size, enable_caching) for s in specs]
+        self.num_blocks = {g.name: g.pool.num_blocks for g in self.groups}
         self.stats = PrefixCacheStats()
+        # How many leading ordinary blocks of each request are already registered in the cache.
+        self._num_cached_blocks: dict[str, int] = {}
 
-    # -- queries ---------------------------------------------------------------------------------
-    @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_free_blocks
+    # -- queries -----------------------------------------------------------------------------------------
+    def empty_blocks(self) -> KVCacheBlocks:
+        return KVCacheBlocks(tuple([] for _ in self.groups))
 
     @property
     def usage(self) -> float:
-        return self.pool.usage
+        """The fullest pool's share of blocks in use: the resource that runs out first."""
+        return max(g.pool.usage for g in self.groups)
 
-    def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+    @property
+    def pools(self):
+        return [g.pool for g in self.groups]
 
-    def window_block_ids(self, request_id: str) -> list[int] | None:
-        """The window group's block table (hybrid models only; see hybrid_kv_cache_manager)."""
-        return None
+    @property
+    def token_capacity(self) -> int:
+        return token_capacity(self.specs, self.num_blocks, self.block_size)
 
-    def coarse_block_ids(self, request_id: str) -> list[int] | None:
-        """The coarse group's block table (hybrid models that declare one)."""
-        return None
+    def all_free(self) -> bool:
+        """Every block of every pool free and no table left (what a drained engine must look like)."""
+        return all(g.pool.num_free_blocks == g.pool.num_blocks and not g.tables for g in self.groups)
 
-    def release_stale_blocks(self, req: Request) -> None:
-        """Called after each step that advanced ``req``: a single full group has nothing to release."""
+    def blocks_needed(self, num_tokens: int) -> dict[str, int]:
+        """Whole-life blocks one request of ``num_tokens`` tokens holds at its end, per group."""
+        return {g.name: blocks_for_tokens(num_tokens, g.tokens_per_block) for g in self.groups if not g.spec.sliding}
 
-    def _block_keys(self, req: Request, num_full_blocks: int) -> list:
-        """Chain keys of the request's first ``num_full_blocks`` full blocks (hashes memoised on the
-        request so each block is hashed once in its life)."""
+    def block_ids(self, request_id: str) -> list[list[int]]:
+        return [g.block_ids(request_id) for g in self.groups]
+
+    def _block_keys(self, req: Request, num_full_blocks: int) -> list[BlockKey]:
+        """Chain keys of the request's first ``num_full_blocks`` full blocks (hashes memoised on the request so
+        each block is hashed once in its life)."""
         bs = self.block_size
         keys = []
         parent = ROOT_HASH
@@ -71,74 +100,67 @@ class KVCacheManager:
             keys.append(key)
         return keys
 
-    def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
-        """Longest cached prefix of a waiting request, as blocks (not yet referenced) and a token count."""
+    # -- prefix hits -------------------------------------------------------------------------------------
+    def get_computed_blocks(self, req: Request) -> tuple[KVCacheBlocks, int]:
+        """Longest usable cached prefix of a waiting request, as blocks (not yet referenced) and a token count."""
         if not self.enable_caching or req.sampling_params.prompt_logprobs is not None:
             # prompt_logprobs need the logits of every prompt position, so nothing may be skipped.
-            return [], 0
-        hits = self._cached_prefix(req)
-        num_hit_tokens = len(hits) * self.block_size
-        self.stats.queries += req.num_tokens
-        self.stats.hits += num_hit_tokens
-        return hits, num_hit_tokens
-
-    def _cached_prefix(self, req: Request) -> list[KVBlock]:
+            return self.empty_blocks(), 0
         # Never the last token: its logits are needed, so at most (num_tokens - 1) tokens come from cache.
-        max_blocks = (req.num_tokens - 1) // self.block_size
-        hits: list[KVBlock] = []
-        for key in self._block_keys(req, max_blocks):
-            block = self.pool.get_cached_block(key)
-            if block is None:
+        keys = self._block_keys(req, (req.num_tokens - 1) // self.block_size)
+        h = min([len(keys)] + [g.max_hit_blocks(keys) for g in self.groups])
+        while h > 0:
+            hit = [g.hit_blocks(keys, h * self.block_size) for g in self.groups]
+            if all(b is not None for b in hit):
                 break
-            hits.append(block)
-        return hits
+            h -= 1
+        self.stats.queries += req.num_tokens
+        self.stats.hits += h * self.block_size
+        if h == 0:
+            return self.empty_blocks(), 0
+        return KVCacheBlocks(tuple(hit), h * self.block_size), h * self.block_size
 
-    # -- allocation ------------------------------------------------------------------------------
-    def allocate_slots(
-        self, req: Request, num_new_tokens: int, new_computed_blocks: list[KVBlock] | None = None
-    ) -> list[KVBlock] | None:
-        """Make room for ``num_new_tokens`` more tokens after the computed ones (plus cache hits). Returns
-        the newly allocated blocks, or None (nothing changed) when the pool cannot fit them."""
-        new_computed_blocks = new_computed_blocks or []
-        blocks = self.req_blocks.setdefault(req.request_id, [])
-        num_computed = req.num_computed_tokens + len(new_computed_blocks) * self.block_size
-        total = num_computed + num_new_tokens
-        num_required = -(-total // self.block_size)
-        num_new_blocks = max(0, num_required - len(blocks) - len(new_computed_blocks))
-        # Cache hits with no holder sit in the free queue; taking them costs free capacity too.
-        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if num_new_blocks + num_evictable_hits > self.pool.num_free_blocks:
-            if not blocks:
-                self.req_blocks.pop(req.request_id, None)
+    # -- allocation --------------------------------------------------------------------------------------
+    def allocate_slots(self, req: Request, num_new_tokens: int,
+                       hit: KVCacheBlocks | None = None) -> KVCacheBlocks | None:
+        """Make room for ``num_new_tokens`` more tokens after the computed ones (plus the hit). Returns the newly
+        allocated blocks per group, or None (nothing changed) when a pool cannot fit them."""
+        hit = hit or self.empty_blocks()
+        rid = req.request_id
+        total = req.num_computed_tokens + hit.num_tokens + num_new_tokens
+        need = [g.num_new_blocks(rid, total, h) for g, h in zip(self.groups, hit.blocks)]
+        if not all(g.fits(n, h) for g, n, h in zip(self.groups, need, hit.blocks)):
             return None
-        self.pool.touch(new_computed_blocks)
-        blocks.extend(new_computed_blocks)
-        new_blocks = self.pool.allocate(num_new_blocks)
-        blocks.extend(new_blocks)
+        new = KVCacheBlocks(tuple(g.allocate(rid, h, n) for g, h, n in zip(self.groups, hit.blocks, need)))
         self._cache_full_blocks(req, total)
-        return new_blocks
+        return new
 
     def _cache_full_blocks(self, req: Request, num_tokens_after_step: int) -> None:
-        """Register blocks that are full once this step has written them. Only tokens whose ids are known
-        (prompt + sampled outputs) can be hashed, so the bound is ``req.num_tokens`` as well."""
+        """Register blocks that are full once this step has written them. Only tokens whose ids are known (prompt
+        + sampled outputs) can be hashed, so the bound is ``req.num_tokens`` as well."""
         if not self.enable_caching:
             return
         num_full = min(num_tokens_after_step, req.num_tokens) // self.block_size
-        start = self._num_cached_blocks.get(req.request_id, 0)
-        if num_full <= start:
+        if num_full <= self._num_cached_blocks.get(req.request_id, 0):
             return
-        blocks = self.req_blocks[req.request_id]
         keys = self._block_keys(req, num_full)
-        for i in range(start, num_full):
-            self.pool.cache_block(blocks[i], keys[i])
+        for g in self.groups:
+            g.cache_full_blocks(req.request_id, num_full, keys)
         self._num_cached_blocks[req.request_id] = num_full
 
+    def release_stale_blocks(self, req: Request) -> None:
+        """After a step advanced ``req``: sliding groups give back the blocks no future query reads."""
+        for g in self.groups:
+            g.release_stale(req.request_id, req.num_computed_tokens)
+
     def free(self, req: Request) -> None:
-        blocks = self.req_blocks.pop(req.request_id, [])
         self._num_cached_blocks.pop(req.request_id, None)
-        self.pool.release(list(reversed(blocks)))
+        for g in self.groups:
+            g.free(req.request_id)
 
     def reset_prefix_cache(self) -> int:
+        """Forget every cached block (blocks in use keep their data). Returns how many entries were dropped
+        from the first group's pool."""
         for rid in self._num_cached_blocks:
             self._num_cached_blocks[rid] = 0
-        return self.pool.reset_prefix_cache()
+        return [g.reset_prefix_cache() for g in self.groups][0]

@@ -1,24 +1,22 @@
-"""The engine core: ``add_request`` / ``abort_request`` / ``step``. Offline ``LLM`` and the server both drive it.
+"""The engine as users drive it: ``add_request`` / ``abort_request`` / ``step``. Offline ``LLM`` and the server
+both use it.
 
-``step()`` is schedule -> execute -> update; everything else (validation, detokenization, n > 1 fan-out) sits
-around it. Every accepted request ends in exactly one outcome (finished, aborted, error) and gives its KV
-blocks back.
+It turns prompts into validated ``EngineCoreRequest``\\ s (tokenize, check ids and limits, fan out ``n > 1``),
+runs the engine core, and turns the core's deltas into ``RequestOutput``\\ s (detokenize, stop strings, fan in).
+Bad input raises ``ValueError`` and changes nothing.
 """
 from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass
+import time
 from typing import Any
 
 from openinfer.config import EngineConfig
-from openinfer.engine.hybrid_kv_cache_manager import HybridKVCacheManager
-from openinfer.engine.kv_cache_manager import KVCacheManager
-from openinfer.engine.kv_groups import COARSE, FULL, WINDOW, KVGroupSpec, group, kv_startup_message
+from openinfer.engine.core import EngineCore, EngineStats
 from openinfer.engine.output_processor import OutputProcessor
-from openinfer.engine.request import Request, RequestStatus
-from openinfer.engine.scheduler import Scheduler
-from openinfer.executor.model_runner import ModelRunner
+from openinfer.engine.parallel_sampling import ParentRequest
+from openinfer.engine.request import RequestStatus
 from openinfer.logging_utils import init_logging
 from openinfer.outputs import RequestOutput
 from openinfer.sampling_params import SamplingParams
@@ -29,28 +27,6 @@ logger = logging.getLogger(__name__)
 PromptType = str | list[int] | dict[str, Any]
 
 
-def build_kv_manager(groups: list[KVGroupSpec], blocks: dict[str, int], block_size: int,
-                     enable_caching: bool) -> KVCacheManager:
-    window = group(groups, WINDOW)
-    if window is None:
-        return KVCacheManager(blocks[FULL], block_size, enable_caching)
-    coarse = group(groups, COARSE)
-    return HybridKVCacheManager(blocks[FULL], blocks[WINDOW], block_size, window.lookback_tokens, enable_caching,
-                                blocks.get(COARSE, 0), coarse.block_tokens if coarse is not None else None)
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_free_blocks: int
-    num_blocks: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig, chat_template: str | None = None) -> None:
         init_logging()
@@ -58,20 +34,34 @@ class LLMEngine:
         mc = config.model
         self.tokenizer = load_tokenizer(mc.tokenizer_path, chat_template)
         self.eos_token_ids = eos_token_ids(self.tokenizer, mc.path)
-        self.runner = ModelRunner(config)
-        blocks = self.runner.init_kv_cache()
-        bs = config.cache.block_size
-        groups = self.runner.kv_groups()
-        self.kv = build_kv_manager(groups, blocks, bs, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.core = EngineCore(config)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self._pending_children: dict[str, list[Request]] = {}  # parent id -> children waiting for a shared prefix
+        self._held: dict[str, ParentRequest] = {}  # first child id -> its parent, while siblings are held back
         self._ids = itertools.count()
-        self.kv_bytes_per_token = self.runner.kv_bytes_per_token()
-        self.startup_message = kv_startup_message(groups, blocks, bs, mc.max_model_len)
         logger.info(self.startup_message)
 
-    # -- intake ----------------------------------------------------------------------------------
+    # -- what the engine was built with --------------------------------------------------------------------
+    @property
+    def startup_message(self) -> str:
+        return self.core.startup_message
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.core.kv_bytes_per_token
+
+    @property
+    def num_kv_blocks(self) -> dict[str, int]:
+        return dict(self.core.num_kv_blocks)
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.core.kv.token_capacity
+
+    @property
+    def load_time_s(self) -> float:
+        return self.core.executor.load_time_s
+
+    # -- intake ------------------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if not prompt:
@@ -99,10 +89,9 @@ class LLMEngine:
                              f"least one generated token must fit")
 
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
-                    arrival_s: float | None = None, final_only: bool = False) -> str:
-        """Validate and enqueue; raises ValueError (and changes nothing) for bad input. With ``final_only``
-        ``step()`` returns this request's output once, when it finishes (cumulative outputs every step cost
-        a copy of all tokens so far per request per step)."""
+                    arrival_s: float | None = None) -> str:
+        """Validate and enqueue; raises ValueError (and changes nothing) for bad input. What ``step()`` returns
+        for this request follows ``params.output_kind``."""
         params = params or SamplingParams()
         params.validate()
         text, ids = self.tokenize_prompt(prompt)
@@ -110,98 +99,71 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        params = params.clone(eos_token_ids=self.eos_token_ids)
-        max_len = self.config.model.max_model_len
-        children = []
-        for i in range(params.n):
-            child_params = params
-            if params.n > 1 and params.seed is not None:
-                child_params = params.clone(seed=params.seed + i)  # distinct yet reproducible samples
-            cid = request_id if params.n == 1 else f"{request_id}#{i}"
-            children.append(Request(cid, ids, child_params, max_len, arrival_s))
-        self._check_fits(children[0])
-        self.output_processor.add(request_id, text, children, params, final_only)
-        self.scheduler.add_request(children[0])
-        if len(children) > 1:
-            # The siblings join once the first has computed the prompt, so they hit its cached blocks
-            # instead of computing the same prefix n times.
-            if self.config.cache.enable_prefix_caching:
-                self._pending_children[children[0].request_id] = children[1:]
-            else:
-                for c in children[1:]:
-                    self.scheduler.add_request(c)
+        arrival_s = time.monotonic() if arrival_s is None else arrival_s
+        parent = ParentRequest(request_id, ids, params.clone(eos_token_ids=self.eos_token_ids), arrival_s,
+                               share_prefix=self.config.cache.enable_prefix_caching)
+        initial = parent.initial()
+        self.core.add_request(initial[0])  # raises if it can never fit; nothing is registered yet
+        self.output_processor.add(parent, text, arrival_s)
+        for child in initial[1:]:
+            self.core.add_request(child)
+        if parent.held_back:
+            self._held[parent.first.request_id] = parent
         return request_id
 
-    def _check_fits(self, req: Request) -> None:
-        bs = self.config.cache.block_size
-        need = -(-(req.num_prompt_tokens + req.max_tokens) // bs)
-        if need > self.kv.pool.num_blocks:
-            raise ValueError(
-                f"request needs up to {need} KV blocks ({req.num_prompt_tokens} prompt + {req.max_tokens} new "
-                f"tokens) but the whole KV cache has {self.kv.pool.num_blocks} blocks; lower max_tokens or grow "
-                f"the cache"
-            )
-
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
+        """Abort requests (unknown or finished ids are ignored); returns their final outputs."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         outs = []
         for rid in request_ids:
-            for cid in self.output_processor.child_ids(rid):
-                pending = self._pending_children.pop(cid, [])
-                self.scheduler.finish_requests([cid], RequestStatus.FINISHED_ABORTED)
-                for c in pending:
-                    self.output_processor.finish_externally(c.request_id, "abort")
+            child_ids = self.output_processor.child_ids(rid)
+            if not child_ids:
+                continue
+            self._held.pop(child_ids[0], None)
+            self.core.abort_requests(child_ids)
+            for cid in child_ids:
                 out = self.output_processor.finish_externally(cid, "abort")
-                if out is not None and out.finished:
+                if out is not None:
                     outs.append(out)
         return outs
 
-    # -- the step --------------------------------------------------------------------------------
+    # -- the step ----------------------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0 or bool(self._pending_children)
+        return self.core.has_unfinished_requests() or bool(self._held)
 
     def step(self) -> list[RequestOutput]:
-        sched = self.scheduler.schedule()
-        if sched.empty:
-            return []
-        try:
-            result = self.runner.execute(sched)
-        except Exception:
-            # A failed forward must not strand requests: each scheduled one ends with an error and its
-            # blocks return to the pool; the engine keeps serving the rest.
-            logger.exception("model step failed; finishing %d requests with an error", len(sched.seqs))
-            ids = [s.request_id for s in sched.seqs]
-            self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
-            ids += [c.request_id for i in ids for c in self._pending_children.pop(i, [])]
-            outs = [self.output_processor.finish_externally(i, "error") for i in ids]
-            return [o for o in outs if o is not None and o.finished]
-        core_outputs = self.scheduler.update_from_output(sched, result)
+        core_outputs = self.core.step()
         outputs, to_stop = self.output_processor.process(core_outputs)
         if to_stop:
-            self.scheduler.finish_requests(to_stop, RequestStatus.FINISHED_STOPPED)
+            self.core.finish_requests(to_stop, RequestStatus.FINISHED_STOPPED)
         for o in core_outputs:
-            if o.new_token_ids and o.request_id in self._pending_children:
-                for c in self._pending_children.pop(o.request_id):
-                    self.scheduler.add_request(c)
+            parent = self._held.get(o.request_id)
+            if parent is None:
+                continue
+            if o.new_token_ids:  # the first child's prompt blocks are cached: the siblings can share them
+                del self._held[o.request_id]
+                for child in parent.release():
+                    self.core.add_request(child)
+            elif o.finish_reason is not None:  # it ended before its first token: so do the siblings
+                del self._held[o.request_id]
+                for child in parent.release():
+                    out = self.output_processor.finish_externally(child.request_id, o.finish_reason)
+                    if out is not None:
+                        outputs.append(out)
         return outputs
 
-    # -- introspection ---------------------------------------------------------------------------
+    # -- introspection -----------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
-        kv = self.kv
-        return EngineStats(
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting) + sum(len(v) for v in self._pending_children.values()),
-            kv_cache_usage=kv.usage,
-            num_free_blocks=kv.num_free_blocks,
-            num_blocks=kv.pool.num_blocks,
-            prefix_cache_queries=kv.stats.queries,
-            prefix_cache_hits=kv.stats.hits,
-            num_preemptions=self.scheduler.num_preemptions,
-        )
+        s = self.core.stats()
+        s.num_waiting += sum(len(p.held_back) for p in self._held.values())
+        return s
 
     def reset_prefix_cache(self) -> int:
-        return self.kv.reset_prefix_cache()
+        return self.core.reset_prefix_cache()
 
     def default_sampling_params(self) -> SamplingParams:
         return default_sampling_params(self.config.model.path)
+
+    def shutdown(self) -> None:
+        self.core.shutdown()

@@ -9,7 +9,7 @@ from openinfer.assets_path import default_model_path
 from openinfer.config import EngineConfig
 from openinfer.engine.llm_engine import LLMEngine, PromptType
 from openinfer.outputs import RequestOutput
-from openinfer.sampling_params import SamplingParams
+from openinfer.sampling_params import RequestOutputKind, SamplingParams
 from openinfer.tokenizer import apply_chat_template
 
 
@@ -69,7 +69,9 @@ class LLM:
         ids = []
         try:
             for prompt, params in zip(prompts, params_list):
-                ids.append(self.engine.add_request(f"offline-{self._counter}", prompt, params, final_only=True))
+                # One output per request, when it finishes: no per-step copies of whole token lists.
+                params = params.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+                ids.append(self.engine.add_request(f"offline-{self._counter}", prompt, params))
                 self._counter += 1
         except Exception:
             self.engine.abort_request(ids)  # all or nothing: a bad prompt leaves no stray requests

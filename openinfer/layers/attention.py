@@ -14,13 +14,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from openinfer.config import cpu_has_fast_bf16
-from openinfer.executor.forward_context import AttentionMetadata, get_forward_context
+from openinfer.config import AttentionBackend
+from openinfer.forward_context import AttentionMetadata, KVGroupTables, get_forward_context
+from openinfer.kv_cache_interface import KVGroupSpec
 from openinfer.layers import cpu_ops
+from openinfer.platform import cpu_has_fast_bf16
+
+# The one KV group of a model whose layers all attend over the whole sequence.
+FULL_ATTENTION_GROUP = "full"
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 backend: AttentionBackend = AttentionBackend.SDPA, kv_group: str = FULL_ATTENTION_GROUP) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads="
@@ -29,8 +35,9 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
-        self.backend = "sdpa"
-        # Bound by the model runner once the cache is allocated.
+        self.backend = backend
+        self.kv_group = kv_group  # the KV group (kv_cache_spec) whose blocks hold this layer's K/V
+        # Bound by the model's bind_kv_cache.
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
@@ -38,28 +45,41 @@ class Attention(nn.Module):
         """q: [T, Hq, D]; k, v: [T, Hk, D]. Returns [T, Hq*D]. ``kv_cached``: the caller already wrote k and v
         into this layer's cache at the step's slots (a fused rotary + cache-write kernel)."""
         md = get_forward_context()
+        tables = md.group(self.kv_group)
         if self.k_cache is None:
             raise RuntimeError("attention layer has no KV cache bound")
         if not kv_cached:
             kc = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
             vc = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
-            kc.index_copy_(0, md.slot_mapping, k.to(kc.dtype))
-            vc.index_copy_(0, md.slot_mapping, v.to(vc.dtype))
-        if self.backend == "reference":
-            out = reference_paged_attention(q, md, self.k_cache, self.v_cache, self.scale)
+            kc.index_copy_(0, tables.slot_mapping, k.to(kc.dtype))
+            vc.index_copy_(0, tables.slot_mapping, v.to(vc.dtype))
+        if self.backend == AttentionBackend.REFERENCE:
+            out = reference_paged_attention(q, md, tables, self.k_cache, self.v_cache, self.scale)
         else:
-            out = self._sdpa(q, k, v, md)
+            out = self._sdpa(q, k, v, md, tables)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
-    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+    def bind_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+
+    def free_cache(self) -> None:
+        self.k_cache = self.v_cache = None
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        return 2 * self.num_kv_heads * self.head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata,
+              tables: KVGroupTables) -> torch.Tensor:
         out = torch.empty_like(q)
         gqa = self.num_heads != self.num_kv_heads
         nd = md.num_decodes
         # On CPU the C++ kernel reads K/V straight from the paged cache into out[:nd]; it returns None where
         # it is unavailable (GPU tensors, OPENINFER_CPU_KERNELS=0, no compiler): then gather + SDPA runs.
-        if nd and cpu_ops.paged_decode_attention(q[:nd], self.k_cache, self.v_cache, md.decode_block_tables,
+        if nd and cpu_ops.paged_decode_attention(q[:nd], self.k_cache, self.v_cache, tables.decode_block_tables,
                                                  md.decode_seq_lens, self.scale, out=out[:nd]) is None:
-            out[:nd] = self._decode_gather_sdpa(q[:nd], md)
+            out[:nd] = self._decode_gather_sdpa(q[:nd], md, tables)
         for s, g, n in _fresh_prefill_runs(md.prefills):
             # g back-to-back chunks of n tokens with nothing cached before them: one causal SDPA over
             # [g, H, n, D] views of the fresh q/k/v (a call per chunk cost ~0.25 ms each at n=128: 512 calls
@@ -73,7 +93,7 @@ class Attention(nn.Module):
             if span.context_len == n:
                 continue
             qs = q[s:s + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-            ks, vs = _gather(self.k_cache, self.v_cache, span.block_table, span.context_len)
+            ks, vs = _gather(self.k_cache, self.v_cache, tables.table(span), span.context_len)
             ks = ks.transpose(0, 1).unsqueeze(0).to(q.dtype)
             vs = vs.transpose(0, 1).unsqueeze(0).to(q.dtype)
             # Query i sits at absolute position context_len - n + i and sees keys 0..that position.
@@ -84,14 +104,14 @@ class Attention(nn.Module):
             out[s:s + n] = o.squeeze(0).transpose(0, 1)
         return out
 
-    def _decode_gather_sdpa(self, qd: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+    def _decode_gather_sdpa(self, qd: torch.Tensor, md: AttentionMetadata, tables: KVGroupTables) -> torch.Tensor:
         """Decodes as one padded batched SDPA: each sequence's blocks gathered into [B, Hk, L, D], the padding
         masked. The GPU path, and the CPU one when the C++ kernel is unavailable."""
         nd = qd.shape[0]
         shape = (nd, -1, self.num_kv_heads, self.head_dim)
         dt = _decode_dtype(qd)
-        kd = _gather_blocks(self.k_cache, md.decode_block_tables).view(shape).transpose(1, 2).to(dt)
-        vd = _gather_blocks(self.v_cache, md.decode_block_tables).view(shape).transpose(1, 2).to(dt)
+        kd = _gather_blocks(self.k_cache, tables.decode_block_tables).view(shape).transpose(1, 2).to(dt)
+        vd = _gather_blocks(self.v_cache, tables.decode_block_tables).view(shape).transpose(1, 2).to(dt)
         od = F.scaled_dot_product_attention(qd.unsqueeze(2).to(dt), kd, vd, attn_mask=md.decode_bias(dt),
                                             scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
         return od.squeeze(2).to(qd.dtype)
@@ -136,7 +156,7 @@ def _gather(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Ten
     return ks, vs
 
 
-def reference_paged_attention(q: torch.Tensor, md: AttentionMetadata, k_cache: torch.Tensor,
+def reference_paged_attention(q: torch.Tensor, md: AttentionMetadata, tables: KVGroupTables, k_cache: torch.Tensor,
                               v_cache: torch.Tensor, scale: float) -> torch.Tensor:
     """Plain fp32 attention, one sequence and one query at a time, reading keys slot by slot."""
     bs = md.block_size
@@ -146,9 +166,9 @@ def reference_paged_attention(q: torch.Tensor, md: AttentionMetadata, k_cache: t
     out = torch.empty_like(q)
     seqs: list[tuple[int, int, int, torch.Tensor]] = []
     for i in range(md.num_decodes):
-        seqs.append((i, 1, int(md.decode_seq_lens[i]), md.decode_block_tables[i]))
+        seqs.append((i, 1, int(md.decode_seq_lens[i]), tables.block_tables[i]))
     for span in md.prefills:
-        seqs.append((span.query_start, span.query_len, span.context_len, span.block_table))
+        seqs.append((span.query_start, span.query_len, span.context_len, tables.table(span)))
     for start, n, ctx, table in seqs:
         slots = [int(table[p // bs]) * bs + p % bs for p in range(ctx)]
         keys = k_cache.view(-1, hk, k_cache.shape[-1])[slots].float()  # [ctx, Hk, D]
@@ -162,3 +182,8 @@ def reference_paged_attention(q: torch.Tensor, md: AttentionMetadata, k_cache: t
             probs = torch.softmax(scores, dim=-1)
             out[start + i] = torch.einsum("hl,lhd->hd", probs, vv).to(q.dtype)
     return out
+
+
+def paged_attention_spec(layers: list[Attention], block_size: int, dtype: torch.dtype) -> list[KVGroupSpec]:
+    """The one whole-life group of models whose layers all attend over the full sequence: K and V per layer."""
+    return [KVGroupSpec(FULL_ATTENTION_GROUP, block_size * sum(a.kv_bytes_per_token(dtype) for a in layers))]

@@ -66,7 +66,7 @@ def _build():
     # The name carries a hash of sources, flags, torch and the CPU: an edited kernel, another torch, or a
     # cache directory shared with a different CPU (-march=native) builds afresh instead of loading a stale
     # or illegal-instruction library.
-    from openinfer.config import cpu_info
+    from openinfer.platform import cpu_info
 
     h = hashlib.sha256()
     for src in sorted(_KERNEL_DIR.glob("*.[ch]*")):  # the headers too: an edited vec.h must rebuild

@@ -45,7 +45,7 @@ def cpu_prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
     if dtype == torch.float32:
         return True
     if dtype == torch.bfloat16:
-        from openinfer.config import cpu_has_fast_bf16
+        from openinfer.platform import cpu_has_fast_bf16
 
         return cpu_has_fast_bf16()
     return False

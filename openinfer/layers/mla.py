@@ -20,7 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from openinfer.executor.forward_context import AttentionMetadata, get_forward_context
+from openinfer.config import AttentionBackend
+from openinfer.forward_context import AttentionMetadata, KVGroupTables, get_forward_context
+from openinfer.layers.attention import FULL_ATTENTION_GROUP
 
 
 # -- rotary ------------------------------------------------------------------------------------------
@@ -107,7 +109,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
 # -- attention ---------------------------------------------------------------------------------------
 class MLAAttention(nn.Module):
     def __init__(self, num_heads: int, kv_lora_rank: int, qk_nope_head_dim: int, qk_rope_head_dim: int,
-                 v_head_dim: int, scale: float) -> None:
+                 v_head_dim: int, scale: float, backend: AttentionBackend = AttentionBackend.SDPA,
+                 kv_group: str = FULL_ATTENTION_GROUP) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.kv_lora_rank = kv_lora_rank
@@ -115,8 +118,9 @@ class MLAAttention(nn.Module):
         self.qk_rope_head_dim = qk_rope_head_dim
         self.v_head_dim = v_head_dim
         self.scale = scale
-        self.backend = "sdpa"
-        # [num_blocks, block_size, kv_lora_rank + rope]; bound by the model's allocate_kv_cache.
+        self.backend = backend
+        self.kv_group = kv_group
+        # [num_blocks, block_size, kv_lora_rank + rope]; bound by the model's bind_kv_cache.
         self.kv_cache: torch.Tensor | None = None
 
     @property
@@ -128,22 +132,30 @@ class MLAAttention(nn.Module):
         """q_nope [T, H, Dn], q_pe [T, H, R] (rotated), c_kv [T, L] (normed), k_pe [T, R] (rotated),
         kv_b_weight [H*(Dn+Dv), L] -> [T, H*Dv]. Writes this step's latents into the cache first."""
         md = get_forward_context()
+        tables = md.group(self.kv_group)
         if self.kv_cache is None:
             raise RuntimeError("MLA layer has no latent KV cache bound")
         latent = torch.cat((c_kv, k_pe), dim=-1)
         flat = self.kv_cache.view(-1, self.latent_dim)
-        flat.index_copy_(0, md.slot_mapping, latent.to(flat.dtype))
-        if self.backend == "reference":
-            out = reference_mla(q_nope, q_pe, md, self.kv_cache, kv_b_weight, self.kv_lora_rank, self.scale)
+        flat.index_copy_(0, tables.slot_mapping, latent.to(flat.dtype))
+        if self.backend == AttentionBackend.REFERENCE:
+            out = reference_mla(q_nope, q_pe, md, tables, self.kv_cache, kv_b_weight, self.kv_lora_rank,
+                                self.scale)
         else:
-            out = self._fast(q_nope, q_pe, latent, kv_b_weight, md)
+            out = self._fast(q_nope, q_pe, latent, kv_b_weight, md, tables)
         return out.reshape(q_nope.shape[0], self.num_heads * self.v_head_dim)
 
     def _split_kv_b(self, kv_b_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         w = kv_b_weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
         return w[:, :self.qk_nope_head_dim], w[:, self.qk_nope_head_dim:]  # W_UK [H,Dn,L], W_UV [H,Dv,L]
 
-    def _fast(self, q_nope, q_pe, latent, kv_b_weight, md: AttentionMetadata) -> torch.Tensor:
+    def bind_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.kv_cache = torch.zeros(num_blocks, block_size, self.latent_dim, dtype=dtype, device=device)
+
+    def free_cache(self) -> None:
+        self.kv_cache = None
+
+    def _fast(self, q_nope, q_pe, latent, kv_b_weight, md: AttentionMetadata, tables: KVGroupTables) -> torch.Tensor:
         h, lr, dv = self.num_heads, self.kv_lora_rank, self.v_head_dim
         w_uk, w_uv = self._split_kv_b(kv_b_weight)
         out = q_nope.new_empty(q_nope.shape[0], h, dv)
@@ -151,7 +163,7 @@ class MLAAttention(nn.Module):
         if nd:
             q_lat = torch.einsum("bhd,hdl->bhl", q_nope[:nd], w_uk)
             q = torch.cat((q_lat, q_pe[:nd]), dim=-1).unsqueeze(2)  # [B, H, 1, L+R]
-            kv = self.kv_cache[md.decode_block_tables].view(nd, 1, -1, self.latent_dim).to(q.dtype)
+            kv = self.kv_cache[tables.decode_block_tables].view(nd, 1, -1, self.latent_dim).to(q.dtype)
             o = F.scaled_dot_product_attention(q, kv, kv[..., :lr], attn_mask=md.decode_mask,
                                                scale=self.scale, enable_gqa=True)  # [B, H, 1, L]
             out[:nd] = torch.einsum("bhl,hvl->bhv", o.squeeze(2), w_uv)
@@ -160,7 +172,7 @@ class MLAAttention(nn.Module):
             if ctx == n:  # nothing cached before this chunk: use the fresh latents, skip the gather
                 lat = latent[s:s + n]
             else:
-                lat = self.kv_cache[span.block_table].view(-1, self.latent_dim)[:ctx].to(q_nope.dtype)
+                lat = self.kv_cache[tables.table(span)].view(-1, self.latent_dim)[:ctx].to(q_nope.dtype)
             k, v = decompress(lat, kv_b_weight, h, self.qk_nope_head_dim, lr)
             q = torch.cat((q_nope[s:s + n], q_pe[s:s + n]), dim=-1).transpose(0, 1).unsqueeze(0)
             k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
@@ -186,8 +198,8 @@ def decompress(latent: torch.Tensor, kv_b_weight: torch.Tensor, num_heads: int, 
     return k, v
 
 
-def reference_mla(q_nope: torch.Tensor, q_pe: torch.Tensor, md: AttentionMetadata, kv_cache: torch.Tensor,
-                  kv_b_weight: torch.Tensor, kv_lora_rank: int, scale: float) -> torch.Tensor:
+def reference_mla(q_nope: torch.Tensor, q_pe: torch.Tensor, md: AttentionMetadata, tables: KVGroupTables,
+                  kv_cache: torch.Tensor, kv_b_weight: torch.Tensor, kv_lora_rank: int, scale: float) -> torch.Tensor:
     """Plain fp32 MHA, one sequence and one query at a time, on K/V decompressed from latents read slot
     by slot."""
     bs = md.block_size
@@ -195,9 +207,9 @@ def reference_mla(q_nope: torch.Tensor, q_pe: torch.Tensor, md: AttentionMetadat
     out = q_nope.new_empty(q_nope.shape[0], h, kv_b_weight.shape[0] // h - dn)
     seqs: list[tuple[int, int, int, torch.Tensor]] = []
     for i in range(md.num_decodes):
-        seqs.append((i, 1, int(md.decode_seq_lens[i]), md.decode_block_tables[i]))
+        seqs.append((i, 1, int(md.decode_seq_lens[i]), tables.block_tables[i]))
     for span in md.prefills:
-        seqs.append((span.query_start, span.query_len, span.context_len, span.block_table))
+        seqs.append((span.query_start, span.query_len, span.context_len, tables.table(span)))
     flat = kv_cache.view(-1, kv_cache.shape[-1])
     for start, n, ctx, table in seqs:
         slots = [int(table[p // bs]) * bs + p % bs for p in range(ctx)]

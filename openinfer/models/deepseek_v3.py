@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+
+from openinfer.config import AttentionBackend
+from openinfer.kv_cache_interface import KVGroupSpec
+from openinfer.layers.attention import FULL_ATTENTION_GROUP
 
 from openinfer.layers.deepseek_moe import DeepseekExperts, DeepseekMLP, DeepseekMoE, RouterConfig
 from openinfer.layers.fp8 import FP8_DTYPE, dequantize_fp8_block, fp8_block_size
@@ -118,7 +122,7 @@ class DeepseekV3Args:
 
 
 class DeepseekV3Attention(nn.Module):
-    def __init__(self, a: DeepseekV3Args) -> None:
+    def __init__(self, a: DeepseekV3Args, backend: AttentionBackend) -> None:
         super().__init__()
         self.num_heads = a.num_attention_heads
         self.q_lora_rank = a.q_lora_rank
@@ -139,7 +143,7 @@ class DeepseekV3Attention(nn.Module):
                                    bias=False)
         self.o_proj = nn.Linear(self.num_heads * a.v_head_dim, a.hidden_size, bias=a.attention_bias)
         self.mla = MLAAttention(self.num_heads, a.kv_lora_rank, a.qk_nope_head_dim, a.qk_rope_head_dim,
-                                a.v_head_dim, softmax_scale(qk_head_dim, a.rope))
+                                a.v_head_dim, softmax_scale(qk_head_dim, a.rope), backend)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
@@ -156,9 +160,9 @@ class DeepseekV3Attention(nn.Module):
 
 
 class DeepseekV3DecoderLayer(nn.Module):
-    def __init__(self, a: DeepseekV3Args, layer_idx: int) -> None:
+    def __init__(self, a: DeepseekV3Args, layer_idx: int, backend: AttentionBackend) -> None:
         super().__init__()
-        self.self_attn = DeepseekV3Attention(a)
+        self.self_attn = DeepseekV3Attention(a, backend)
         if a.is_moe_layer(layer_idx):
             self.mlp: nn.Module = DeepseekMoE(a.hidden_size, a.moe_intermediate_size, a.n_shared_experts,
                                               a.router)
@@ -179,10 +183,10 @@ class DeepseekV3DecoderLayer(nn.Module):
 
 
 class DeepseekV3Model(nn.Module):
-    def __init__(self, a: DeepseekV3Args) -> None:
+    def __init__(self, a: DeepseekV3Args, backend: AttentionBackend) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
-        self.layers = nn.ModuleList(DeepseekV3DecoderLayer(a, i) for i in range(a.num_hidden_layers))
+        self.layers = nn.ModuleList(DeepseekV3DecoderLayer(a, i, backend) for i in range(a.num_hidden_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         # One table for all layers (V3: 163840 positions), like HF's model-level rotary_emb.
         self.rotary_emb = DeepseekRotaryEmbedding(a.qk_rope_head_dim, a.max_position_embeddings, a.rope,
@@ -199,11 +203,11 @@ class DeepseekV3Model(nn.Module):
 
 
 class DeepseekV3ForCausalLM(nn.Module):
-    def __init__(self, cfg: dict[str, Any]) -> None:
+    def __init__(self, cfg: dict[str, Any], *, attention_backend: AttentionBackend = AttentionBackend.SDPA) -> None:
         super().__init__()
         self.config = cfg
         self.args = DeepseekV3Args.from_hf(cfg)
-        self.model = DeepseekV3Model(self.args)
+        self.model = DeepseekV3Model(self.args, attention_backend)
         self.lm_head = nn.Linear(self.args.hidden_size, self.args.vocab_size, bias=False)
         if self.args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -218,18 +222,20 @@ class DeepseekV3ForCausalLM(nn.Module):
     def attention_layers(self) -> list[MLAAttention]:
         return [layer.self_attn.mla for layer in self.model.layers]
 
-    def kv_bytes_per_token(self) -> int:
-        elem = self.model.embed_tokens.weight.element_size()
-        return sum(a.latent_dim for a in self.attention_layers()) * elem
+    def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> list[KVGroupSpec]:
+        """One whole-life group: each layer's [c_kv | k_pe] latent per token."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        return [KVGroupSpec(FULL_ATTENTION_GROUP,
+                            block_size * elem * sum(a.latent_dim for a in self.attention_layers()))]
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype,
-                          device: torch.device) -> None:
+    def bind_kv_cache(self, num_blocks: Mapping[str, int], block_size: int, dtype: torch.dtype,
+                      device: torch.device) -> None:
         for a in self.attention_layers():
-            a.kv_cache = torch.zeros(num_blocks, block_size, a.latent_dim, dtype=dtype, device=device)
+            a.bind_cache(num_blocks[a.kv_group], block_size, dtype, device)
 
     def free_kv_cache(self) -> None:
         for a in self.attention_layers():
-            a.kv_cache = None
+            a.free_cache()
 
     # -- weights ---------------------------------------------------------------------------------
     def checkpoint_tensor_names(self) -> set[str]:

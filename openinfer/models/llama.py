@@ -6,16 +6,18 @@ fused shards.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from openinfer.executor.forward_context import get_forward_context
+from openinfer.config import AttentionBackend
+from openinfer.forward_context import get_forward_context
+from openinfer.kv_cache_interface import KVGroupSpec
 from openinfer.layers import cpu_ops
 from openinfer.layers.activation import SiluAndMul
-from openinfer.layers.attention import Attention
+from openinfer.layers.attention import Attention, paged_attention_spec
 from openinfer.layers.linear import Linear
 from openinfer.layers.norm import RMSNorm
 from openinfer.layers.rotary import RotaryEmbedding, rope_parameters
@@ -24,7 +26,7 @@ from openinfer.models.weights import WeightLoadError, load_stacked
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: dict[str, Any], qk_norm: bool, bias: bool, o_bias: bool,
-                 rotary_emb: RotaryEmbedding) -> None:
+                 rotary_emb: RotaryEmbedding, backend: AttentionBackend) -> None:
         super().__init__()
         hidden = cfg["hidden_size"]
         self.num_heads = cfg["num_attention_heads"]
@@ -40,7 +42,7 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, eps)
             self.k_norm = RMSNorm(self.head_dim, eps)
         self.rotary_emb = rotary_emb
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5, backend)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
@@ -67,9 +69,9 @@ class LlamaAttention(nn.Module):
         a, rot = self.attn, self.rotary_emb
         if a.k_cache is None:
             return False
-        return cpu_ops.rotary_cache_write_(qkv, positions, rot.cos, rot.sin, a.k_cache, a.v_cache,
-                                           get_forward_context().slot_mapping, self.num_heads, self.num_kv_heads,
-                                           self.head_dim, rot.rot_dim)
+        slots = get_forward_context().group(a.kv_group).slot_mapping
+        return cpu_ops.rotary_cache_write_(qkv, positions, rot.cos, rot.sin, a.k_cache, a.v_cache, slots,
+                                           self.num_heads, self.num_kv_heads, self.head_dim, rot.rot_dim)
 
 
 class LlamaMLP(nn.Module):
@@ -85,10 +87,10 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: dict[str, Any], qk_norm: bool, qkv_bias: bool, o_bias: bool,
-                 rotary_emb: RotaryEmbedding) -> None:
+                 rotary_emb: RotaryEmbedding, backend: AttentionBackend) -> None:
         super().__init__()
         eps = cfg.get("rms_norm_eps", 1e-6)
-        self.self_attn = LlamaAttention(cfg, qk_norm, qkv_bias, o_bias, rotary_emb)
+        self.self_attn = LlamaAttention(cfg, qk_norm, qkv_bias, o_bias, rotary_emb, backend)
         self.mlp = LlamaMLP(cfg["hidden_size"], cfg["intermediate_size"], bool(cfg.get("mlp_bias", False)))
         self.input_layernorm = RMSNorm(cfg["hidden_size"], eps)
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
@@ -105,13 +107,15 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: dict[str, Any], qk_norm: bool, qkv_bias: bool, o_bias: bool) -> None:
+    def __init__(self, cfg: dict[str, Any], qk_norm: bool, qkv_bias: bool, o_bias: bool,
+                 backend: AttentionBackend) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
         rotary = RotaryEmbedding(head_dim, cfg.get("max_position_embeddings", 2048), rope_parameters(cfg))
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, qk_norm, qkv_bias, o_bias, rotary) for _ in range(cfg["num_hidden_layers"])
+            LlamaDecoderLayer(cfg, qk_norm, qkv_bias, o_bias, rotary, backend)
+            for _ in range(cfg["num_hidden_layers"])
         )
         self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
 
@@ -136,13 +140,13 @@ class LlamaForCausalLM(nn.Module):
         ("up_proj", "gate_up_proj", 1),
     ]
 
-    def __init__(self, cfg: dict[str, Any]) -> None:
+    def __init__(self, cfg: dict[str, Any], *, attention_backend: AttentionBackend = AttentionBackend.SDPA) -> None:
         super().__init__()
         self.config = cfg
         attention_bias = bool(cfg.get("attention_bias", False))
         # Qwen2 always has q/k/v biases and never an o_proj bias; Llama/Qwen3 follow attention_bias for all four.
         self.model = LlamaModel(cfg, self.qk_norm, self.qkv_bias or attention_bias,
-                                attention_bias and not self.qkv_bias)
+                                attention_bias and not self.qkv_bias, attention_backend)
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
         self.lm_head = Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
         if self.tie_word_embeddings:
@@ -156,6 +160,18 @@ class LlamaForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
+
+    def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> list[KVGroupSpec]:
+        return paged_attention_spec(self.attention_layers(), block_size, dtype)
+
+    def bind_kv_cache(self, num_blocks: Mapping[str, int], block_size: int, dtype: torch.dtype,
+                      device: torch.device) -> None:
+        for a in self.attention_layers():
+            a.bind_cache(num_blocks[a.kv_group], block_size, dtype, device)
+
+    def free_kv_cache(self) -> None:
+        for a in self.attention_layers():
+            a.free_cache()
 
     def _shard_offsets(self, fused: str) -> dict:
         a = self.model.layers[0].self_attn

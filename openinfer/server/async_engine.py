@@ -20,6 +20,7 @@ from collections.abc import Iterable
 import msgspec
 
 from openinfer.engine.llm_engine import LLMEngine
+from openinfer.sampling_params import RequestOutputKind
 from openinfer.server.messages import (
     AbortRequests,
     AddRequest,
@@ -279,8 +280,10 @@ class AsyncEngine:
     def _add(self, cmd: AddRequest, events: list[EngineEvent]) -> None:
         prompt = {"prompt": cmd.prompt, "prompt_token_ids": cmd.prompt_token_ids}
         arrival_s = time.monotonic() if cmd.arrival_s is None else cmd.arrival_s
+        # Streams want what is new each step: the engine sends deltas, nobody re-derives them.
+        params = cmd.params.clone(output_kind=RequestOutputKind.DELTA)
         try:
-            self.engine.add_request(cmd.request_id, prompt, cmd.params, arrival_s=arrival_s)
+            self.engine.add_request(cmd.request_id, prompt, params, arrival_s=arrival_s)
         except ValueError as e:
             events.append(RequestUpdate(cmd.request_id, finished=True, error=str(e), error_kind="invalid"))
             return

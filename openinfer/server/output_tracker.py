@@ -1,39 +1,27 @@
-"""Core-thread side of the bridge: the engine's cumulative ``RequestOutput``\\ s become diffs, and the
-Prometheus counters and histograms are fed as tokens appear."""
+"""Core-thread side of the bridge: the engine's DELTA ``RequestOutput``\\ s become ``RequestUpdate`` messages,
+and the Prometheus counters and histograms are fed as tokens appear. The engine already sends only what is new,
+so nothing here keeps or diffs whole token lists."""
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from openinfer.outputs import RequestOutput
 from openinfer.server.messages import CompletionDelta, RequestUpdate
 from openinfer.server.metrics import ServerMetrics
-
-logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _ChildState:
-    sent_text_len: int = 0
-    sent_tokens: int = 0
-    finished: bool = False
 
 
 @dataclass
 class _TrackedRequest:
     arrival_s: float
     num_prompt_tokens: int
-    children: dict[int, _ChildState] = field(default_factory=dict)
+    num_output_tokens: int = 0
     first_token_seen: bool = False
     last_output_s: float = 0.0
-    prompt_logprobs_sent: bool = False
+    finish_reasons: dict[int, str] | None = None
 
 
 class OutputTracker:
-    """Turns the engine's cumulative ``RequestOutput``\\ s into diffs and feeds the metrics (core thread
-    only)."""
-
     def __init__(self, metrics: ServerMetrics | None) -> None:
         self.metrics = metrics
         self.active: dict[str, _TrackedRequest] = {}
@@ -45,45 +33,18 @@ class OutputTracker:
         st = self.active.get(out.request_id)
         if st is None:
             return None
-        deltas = []
-        num_new = 0
-        for c in out.outputs:
-            cs = st.children.setdefault(c.index, _ChildState())
-            if cs.finished:
-                continue
-            new_ids = c.token_ids[cs.sent_tokens :]
-            text = c.text
-            if len(text) < cs.sent_text_len:
-                # Visible text only grows (stop strings are held back before they show); never retract.
-                logger.warning(
-                    "request %s: visible text shrank from %d to %d chars",
-                    out.request_id,
-                    cs.sent_text_len,
-                    len(text),
-                )
-            new_text = text[cs.sent_text_len :]
-            done = c.finish_reason is not None
-            if not new_ids and not new_text and not done:
-                continue
-            lps = (
-                c.logprobs[cs.sent_tokens : cs.sent_tokens + len(new_ids)] if c.logprobs is not None else None
-            )
-            deltas.append(
-                CompletionDelta(c.index, new_text, list(new_ids), lps, c.finish_reason, c.stop_reason)
-            )
-            cs.sent_text_len = max(cs.sent_text_len, len(text))
-            cs.sent_tokens += len(new_ids)
-            cs.finished = done
-            num_new += len(new_ids)
-        prompt_lps = None
-        if out.prompt_logprobs is not None and not st.prompt_logprobs_sent and (num_new or out.finished):
-            prompt_lps = out.prompt_logprobs
-            st.prompt_logprobs_sent = True
+        deltas = [CompletionDelta(c.index, c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason)
+                  for c in out.outputs]
+        num_new = sum(len(c.token_ids) for c in out.outputs)
+        st.num_output_tokens += num_new
+        if st.finish_reasons is None:
+            st.finish_reasons = {}
+        st.finish_reasons.update({c.index: c.finish_reason for c in out.outputs if c.finish_reason})
         if self.metrics is not None:
             self._observe(st, out, num_new, now)
         if out.finished:
             del self.active[out.request_id]
-        if not deltas and not out.finished and prompt_lps is None:
+        if not deltas and not out.finished and out.prompt_logprobs is None:
             return None
         return RequestUpdate(
             out.request_id,
@@ -91,7 +52,7 @@ class OutputTracker:
             finished=out.finished,
             num_prompt_tokens=st.num_prompt_tokens,
             num_cached_tokens=out.num_cached_tokens,
-            prompt_logprobs=prompt_lps,
+            prompt_logprobs=out.prompt_logprobs,
         )
 
     def _observe(self, st: _TrackedRequest, out: RequestOutput, num_new: int, now: float) -> None:
@@ -107,11 +68,6 @@ class OutputTracker:
                 m.on_tokens(num_new, now - st.last_output_s)
             st.last_output_s = now
         if out.finished:
-            reasons = [c.finish_reason for c in out.outputs]
+            reasons = list(st.finish_reasons.values())
             reason = next((r for r in ("error", "abort") if r in reasons), reasons[0] if reasons else "abort")
-            m.on_finished(
-                reason or "abort",
-                now - st.arrival_s,
-                st.num_prompt_tokens,
-                sum(len(c.token_ids) for c in out.outputs),
-            )
+            m.on_finished(reason, now - st.arrival_s, st.num_prompt_tokens, st.num_output_tokens)

@@ -58,7 +58,7 @@ class ServingContext:
         self.model_path = engine.config.model.path
         self.max_model_len = engine.config.model.max_model_len
         self.vocab_size = engine.config.model.vocab_size
-        self.kv_capacity_tokens = engine.kv.pool.num_blocks * engine.config.cache.block_size
+        self.kv_capacity_tokens = engine.kv_capacity_tokens
         self.defaults = engine.default_sampling_params()
         self.created = int(time.time())
 

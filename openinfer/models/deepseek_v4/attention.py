@@ -8,16 +8,17 @@
 SWA-only layers use the main RoPE (θ=10000, no YaRN); CSA/HCA layers the compress RoPE (θ=160000, YaRN) for q,
 kv, entries and the indexer.
 
-``backend == "sdpa"`` (the fast path) gathers each token's keys from the paged stores with one index per store,
-in query chunks sized to bound memory; ``"reference"`` (see reference.py) loops token by token, slot by slot.
+``AttentionBackend.SDPA`` (the fast path) gathers each token's keys from the paged stores with one index per store,
+in query chunks sized to bound memory; ``"reference"`` (``REFERENCE``, see reference.py) loops token by token, slot by slot.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from openinfer.executor.forward_context import get_forward_context
-from openinfer.models.deepseek_v4.cache import StepIndex, V4LayerCache
+from openinfer.config import AttentionBackend
+from openinfer.forward_context import get_forward_context
+from openinfer.models.deepseek_v4.cache import WINDOW, StepIndex, V4LayerCache
 from openinfer.models.deepseek_v4.common import Linear, V4RMSNorm, fp32_param, unweighted_rms_norm
 from openinfer.models.deepseek_v4.compressor import Compressor
 from openinfer.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
@@ -44,7 +45,8 @@ def sink_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sin
 
 
 class DeepseekV4Attention(nn.Module):
-    def __init__(self, cfg: DeepseekV4Config, layer_idx: int) -> None:
+    def __init__(self, cfg: DeepseekV4Config, layer_idx: int,
+                 backend: AttentionBackend = AttentionBackend.SDPA) -> None:
         super().__init__()
         hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.layer_idx = layer_idx
@@ -77,15 +79,14 @@ class DeepseekV4Attention(nn.Module):
         if self.layer_type == CSA:
             self.indexer = Indexer(hidden, cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim, self.ratio,
                                    cfg.index_topk, eps)
-        self.backend = "sdpa"
-        self.cache: V4LayerCache | None = None  # bound by DeepseekV4ForCausalLM.allocate_kv_cache
+        self.backend = backend
+        self.cache: V4LayerCache | None = None  # bound by DeepseekV4ForCausalLM.bind_kv_cache
 
     def forward(self, x: torch.Tensor, step: StepIndex, rope: dict[str, tuple[torch.Tensor, torch.Tensor]]):
         if self.cache is None:
-            raise RuntimeError(f"layer {self.layer_idx}: no KV cache bound (allocate_kv_cache not called)")
-        md = get_forward_context()
+            raise RuntimeError(f"layer {self.layer_idx}: no KV cache bound (bind_kv_cache not called)")
         # Every store written per token is token-level: it lives in the window group's blocks.
-        slot_mapping = md.slot_mapping if md.window_slot_mapping is None else md.window_slot_mapping
+        slot_mapping = get_forward_context().group(WINDOW).slot_mapping
         cos, sin = rope[self.rope_type]
         t = x.shape[0]
         q_residual = self.q_a_norm(self.q_a_proj(x))
@@ -100,7 +101,7 @@ class DeepseekV4Attention(nn.Module):
         if self.indexer is not None:
             self.indexer.compressor.store_rows(x, slot_mapping, cache.flat("index_comp"))
 
-        if self.backend == "reference":
+        if self.backend == AttentionBackend.REFERENCE:
             from openinfer.models.deepseek_v4.reference import reference_attention
 
             out = reference_attention(self, q, q_residual, x, step, cos, sin)

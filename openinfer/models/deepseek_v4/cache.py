@@ -3,7 +3,8 @@
 Invariant (engine-wide): every piece of per-sequence state lives in paged storage indexed by the sequence's block
 tables and keyed by token position, so chunked prefill, prefix-cache hits and preemption-by-recompute need nothing
 else. Per layer (d = head_dim, di = index_head_dim, m = compress ratio, bs = block_size), in KV groups
-(engine/kv_groups.py) whose tables share the chain of prefix hashes:
+(kv_cache_interface.py: ``full`` whole-life, ``window`` sliding, ``coarse`` whole-life with big blocks) whose tables
+share the chain of prefix hashes:
 
 window group, token-level stores ``[num_window_blocks, bs, width]`` (row = the token's own contribution):
   ``kv``          d       the token's normed, roped latent (K == V) - read for the sliding window
@@ -50,9 +51,14 @@ from dataclasses import dataclass
 
 import torch
 
-from openinfer.engine.kv_groups import COARSE, FULL, WINDOW
-from openinfer.executor.forward_context import AttentionMetadata
+from openinfer.forward_context import AttentionMetadata
 from openinfer.models.deepseek_v4.config import CSA, SLIDING, DeepseekV4Config
+
+
+# The model's KV group names (kv_cache_spec).
+FULL = "full"  # entry-level stores, read for the whole sequence life
+WINDOW = "window"  # token-level stores, read within lookback_tokens of the query
+COARSE = "coarse"  # the entries of the ratio that spans whole blocks, one block per entry
 
 
 def entries_per_block(block_size: int, ratio: int) -> int:
@@ -141,18 +147,9 @@ class StepIndex:
 
     @classmethod
     def build(cls, md: AttentionMetadata, positions: torch.Tensor, coarse_tokens: int | None = None) -> StepIndex:
-        dev = positions.device
-        nd = md.num_decodes
-        counts = torch.ones(nd + len(md.prefills), dtype=torch.long, device=dev)
-        for i, span in enumerate(md.prefills):
-            counts[nd + i] = span.query_len
-        token_seq = torch.repeat_interleave(torch.arange(counts.shape[0], device=dev), counts)
-        tables = _stack_tables(md.decode_block_tables if nd else None, [s.block_table for s in md.prefills], dev)
-        win = None
-        if md.window_slot_mapping is not None:
-            win = _stack_tables(md.window_decode_block_tables if nd else None,
-                                [s.window_block_table for s in md.prefills], dev)
-        return cls(tables, token_seq, positions, md.block_size, win, md.coarse_block_tables, coarse_tokens)
+        coarse = md.groups.get(COARSE)
+        return cls(md.group(FULL).block_tables, md.token_rows, positions, md.block_size,
+                   md.group(WINDOW).block_tables, coarse.block_tables if coarse is not None else None, coarse_tokens)
 
     def slice(self, start: int, end: int) -> StepIndex:
         """The tokens [start, end) of this step (same tables)."""
@@ -177,15 +174,3 @@ class StepIndex:
         end = (window.clamp(min=0) + 1) * ratio - 1
         bs = self.block_size
         return self.tables[seq, end // bs] * cap + (end % bs) // ratio
-
-
-def _stack_tables(decode: torch.Tensor | None, prefills: list[torch.Tensor], dev: torch.device) -> torch.Tensor:
-    """Decode tables then one row per prefill span, padded with block 0."""
-    widths = [int(t.numel()) for t in prefills] + ([int(decode.shape[1])] if decode is not None else [])
-    nd = 0 if decode is None else decode.shape[0]
-    tables = torch.zeros(nd + len(prefills), max(widths), dtype=torch.long, device=dev)
-    if nd:
-        tables[:nd, :decode.shape[1]] = decode
-    for i, t in enumerate(prefills):  # a handful of prompt chunks per step
-        tables[nd + i, :t.numel()] = t
-    return tables

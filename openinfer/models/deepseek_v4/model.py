@@ -5,20 +5,23 @@
              x = hc_pre_ffn(X);  X = hc_post(moe(post_attention_layernorm(x), ids), X)
   hidden = norm(hc_head(X)); logits = lm_head(hidden)
 Each hc_post is fused with the following hc_pre (``fused_post_pre``), so the streams are read once per boundary.
+``forward`` returns the streams X (what the MTP proposer reads, models/interface.py); ``compute_logits`` applies
+hc_head, the norm and lm_head to the rows that need logits only.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from openinfer.executor.forward_context import get_forward_context
+from openinfer.config import AttentionBackend
+from openinfer.forward_context import get_forward_context
+from openinfer.kv_cache_interface import KVGroupSpec
 from openinfer.models.deepseek_v4.attention import DeepseekV4Attention
-from openinfer.engine.kv_groups import COARSE, FULL, WINDOW, KVGroupSpec
-from openinfer.models.deepseek_v4.cache import (StepIndex, V4LayerCache, coarse_ratio, layer_bytes_per_block,
-                                                lookback_tokens)
+from openinfer.models.deepseek_v4.cache import (COARSE, FULL, WINDOW, StepIndex, V4LayerCache, coarse_ratio,
+                                                layer_bytes_per_block, lookback_tokens)
 from openinfer.models.deepseek_v4.common import Linear, V4RMSNorm
 from openinfer.models.deepseek_v4.config import DeepseekV4Config
 from openinfer.models.deepseek_v4.hc import HyperConnection, HyperHead, fused_post_pre, hc_post
@@ -28,10 +31,11 @@ from openinfer.models.deepseek_v4.rope import V4Rotary
 
 
 class DeepseekV4DecoderLayer(nn.Module):
-    def __init__(self, cfg: DeepseekV4Config, layer_idx: int) -> None:
+    def __init__(self, cfg: DeepseekV4Config, layer_idx: int,
+                 backend: AttentionBackend = AttentionBackend.SDPA) -> None:
         super().__init__()
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.self_attn = DeepseekV4Attention(cfg, layer_idx)
+        self.self_attn = DeepseekV4Attention(cfg, layer_idx, backend)
         self.mlp = DeepseekV4MoE(cfg, layer_idx)
         self.input_layernorm = V4RMSNorm(h, eps)
         self.post_attention_layernorm = V4RMSNorm(h, eps)
@@ -54,19 +58,20 @@ class DeepseekV4MTPLayer(DeepseekV4DecoderLayer):
 
 
 class DeepseekV4Model(nn.Module):
-    def __init__(self, cfg: DeepseekV4Config) -> None:
+    def __init__(self, cfg: DeepseekV4Config, backend: AttentionBackend = AttentionBackend.SDPA) -> None:
         super().__init__()
         self.cfg = cfg
         # _weight skips nn.Embedding's normal_ init (seconds for a 129k x 4096 table); the checkpoint fills it.
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(DeepseekV4DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DeepseekV4DecoderLayer(cfg, i, backend) for i in range(cfg.num_hidden_layers))
         self.norm = V4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hc_head = HyperHead(cfg.hc_mult, cfg.hidden_size, cfg.hc_eps, cfg.rms_norm_eps)
         self.rotary = nn.ModuleDict({"main": V4Rotary(cfg.main_rope), "compress": V4Rotary(cfg.compress_rope)})
         self.coarse_tokens: int | None = None  # set with the KV cache (cache.coarse_ratio)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """-> the mHC streams X [T, hc_mult, D] after the last layer (``head`` turns them into hidden states)."""
         step = StepIndex.build(get_forward_context(), positions, self.coarse_tokens)
         rope = {name: rot.cos_sin(positions) for name, rot in self.rotary.items()}
         x = self.embed_tokens(input_ids)
@@ -81,14 +86,19 @@ class DeepseekV4Model(nn.Module):
                 X, x_in, post, comb = fused_post_pre(y, X, post, comb, layers[i + 1].attn_hc)
             else:
                 X = hc_post(y, X, post, comb)
+        return X
+
+    def head(self, X: torch.Tensor) -> torch.Tensor:
+        """Streams [T, hc_mult, D] -> the final hidden states [T, D]."""
         return self.norm(self.hc_head(X))
 
 
 class DeepseekV4ForCausalLM(nn.Module):
-    def __init__(self, hf_config: dict[str, Any]) -> None:
+    def __init__(self, hf_config: dict[str, Any], *,
+                 attention_backend: AttentionBackend = AttentionBackend.SDPA) -> None:
         super().__init__()
         self.config = DeepseekV4Config.from_hf(hf_config)
-        self.model = DeepseekV4Model(self.config)
+        self.model = DeepseekV4Model(self.config, attention_backend)
         self.lm_head = Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -99,8 +109,8 @@ class DeepseekV4ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+    def compute_logits(self, streams: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.head(streams))
 
     def attention_layers(self) -> list[DeepseekV4Attention]:
         return [layer.self_attn for layer in self.model.layers]
@@ -124,23 +134,24 @@ class DeepseekV4ForCausalLM(nn.Module):
         return load_v4_weights(self, weights)
 
     # -- KV cache hooks (see cache.py for the layout) --------------------------------------------------
-    def kv_cache_spec(self, block_size: int) -> list[KVGroupSpec]:
+    def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> list[KVGroupSpec]:
         """Entry-level stores (read for the whole sequence) in the full group, token-level stores (read only
         within ``lookback_tokens`` of the query) in the window group, and the entries of a ratio spanning whole
         blocks (V4-Flash's HCA, m = 128) in a coarse group of one block per entry. Exact bytes per block; entry
         stores hold ceil(block_size / ratio) entries per block, so the full group is not linear in block_size."""
-        elem = self.lm_head.weight.element_size()
+        elem = torch.empty((), dtype=dtype).element_size()
         per_layer = [layer_bytes_per_block(self.config, i, block_size, elem)
                      for i in range(self.config.num_hidden_layers)]
         groups = [KVGroupSpec(FULL, sum(f for _, f, _ in per_layer)),
-                  KVGroupSpec(WINDOW, sum(w for w, _, _ in per_layer), lookback_tokens(self.config))]
+                  KVGroupSpec(WINDOW, sum(w for w, _, _ in per_layer),
+                              lookback_tokens=lookback_tokens(self.config))]
         coarse = coarse_ratio(self.config, block_size)
         if coarse is not None:
             groups.append(KVGroupSpec(COARSE, sum(c for _, _, c in per_layer), block_tokens=coarse))
         return groups
 
-    def allocate_kv_cache(self, num_blocks: dict[str, int], block_size: int, dtype: torch.dtype,
-                          device: torch.device) -> None:
+    def bind_kv_cache(self, num_blocks: Mapping[str, int], block_size: int, dtype: torch.dtype,
+                      device: torch.device) -> None:
         self.model.coarse_tokens = coarse_ratio(self.config, block_size)
         for i, attn in enumerate(self.attention_layers()):
             attn.cache = V4LayerCache(self.config, i, num_blocks, block_size, dtype, device)

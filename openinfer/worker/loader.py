@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from openinfer.config import ModelConfig
+from openinfer.config import AttentionBackend, ModelConfig
 from openinfer.models.registry import resolve_model_class
 from openinfer.models.weights import WeightLoadError
 
@@ -54,19 +54,18 @@ def iterate_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, tensor
 
 
-def load_model(mc: ModelConfig) -> nn.Module:
+def load_model(mc: ModelConfig, attention_backend: AttentionBackend = AttentionBackend.SDPA) -> nn.Module:
+    """Build the registered class for the checkpoint's architecture (in its dtype, on its device) and fill it
+    from the safetensors files. The model follows ``models/interface.py``."""
     cls = resolve_model_class(mc.architecture)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(mc.dtype)
     try:
         with torch.device(mc.device):
-            model = cls(mc.hf_config)
+            model = cls(mc.hf_config, attention_backend=attention_backend)
     finally:
         torch.set_default_dtype(prev)
     model.load_weights(iterate_weights(mc.path))
-    post = getattr(model, "post_load", None)
-    if post is not None:
-        post()
     model.eval()
     n = sum(p.numel() for p in model.parameters())
     logger.info("loaded %s (%.1fM params, %s) from %s", mc.architecture, n / 1e6, mc.dtype, mc.path)

@@ -1,0 +1,61 @@
+"""What crosses the engine <-> executor seam each step: the scheduler's decisions in, sampled tokens out.
+
+Pure data (``msgspec.Struct``), so the same objects go to an in-process worker by reference or to worker
+processes encoded as msgpack (never pickle). The scheduler sends each request's full state once
+(``NewRequestData``: when it is first scheduled, and again after a preemption) and afterwards only what changed
+(``CachedRequestData``: blocks appended to its tables, where its computation stands). Workers keep the rest
+themselves, appending the tokens they sample, so a step's message stays small however long the sequences get.
+Block ids are per KV group, in the order the model declared its groups (kv_cache_interface.py).
+"""
+from __future__ import annotations
+
+import msgspec
+
+from openinfer.sampling_params import SamplingParams
+
+
+class NewRequestData(msgspec.Struct):
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[list[int]]  # per KV group
+    num_computed_tokens: int  # tokens already in the cache (prefix hit); this step computes from here
+    output_token_ids: list[int] = []  # generated before a preemption: recomputed together with the prompt
+
+
+class CachedRequestData(msgspec.Struct):
+    req_id: str
+    new_block_ids: list[list[int]]  # appended to each KV group's table
+    num_computed_tokens: int
+
+
+class SchedulerOutput(msgspec.Struct):
+    new_requests: list[NewRequestData] = []
+    cached_requests: list[CachedRequestData] = []
+    # request id -> tokens computed this step, in scheduling order; every scheduled request is in here
+    num_scheduled_tokens: dict[str, int] = {}
+    # Finished, aborted or preempted since the previous step: workers drop their state (before adding new ones).
+    finished_req_ids: list[str] = []
+    preempted_req_ids: list[str] = []
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def empty(self) -> bool:
+        return not self.num_scheduled_tokens
+
+
+class SampledToken(msgspec.Struct):
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: dict[int, float] | None = None  # token id -> logprob (includes the sampled token)
+
+
+class ModelRunnerOutput(msgspec.Struct):
+    """One sampled token per request that reached the end of its known tokens this step, plus prompt logprobs
+    for the prompt positions computed this step (requests that asked for them)."""
+
+    sampled: dict[str, SampledToken] = {}
+    prompt_logprobs: dict[str, list[dict[int, float]]] = {}

@@ -1,0 +1,90 @@
+"""The worker's own copy of each running request, kept up to date from the scheduler's deltas, and the step's
+inputs built from it (token ids, positions, per-group block tables in the forward context)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from openinfer.forward_context import AttentionMetadata
+from openinfer.sampling_params import SamplingParams
+from openinfer.step_io import SchedulerOutput
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[list[int]]  # per KV group
+    num_computed_tokens: int
+    token_ids: list[int]  # prompt + every token generated so far (the worker appends what it samples)
+    output_token_ids: list[int]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+@dataclass
+class ScheduledRow:
+    """One sequence of the step, in step order (single-token sequences first)."""
+
+    state: CachedRequestState
+    start: int  # num_computed_tokens before this step
+    num_tokens: int  # computed this step
+    sample: bool  # this step reaches the end of the known tokens: sample the next one
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    metadata: AttentionMetadata
+    rows: list[ScheduledRow]
+
+
+class InputBatch:
+    def __init__(self, group_names: list[str], tokens_per_block: dict[str, int], block_size: int,
+                 device: torch.device) -> None:
+        self.group_names = group_names
+        self.tokens_per_block = tokens_per_block
+        self.block_size = block_size
+        self.device = device
+        self.requests: dict[str, CachedRequestState] = {}
+
+    def update(self, sched: SchedulerOutput) -> None:
+        """Apply one step's deltas: drop what ended (first: a preempted request comes back as a new one), add the
+        new requests, append the running ones' new blocks."""
+        for rid in sched.finished_req_ids:
+            self.requests.pop(rid, None)
+        for r in sched.new_requests:
+            self.requests[r.req_id] = CachedRequestState(
+                r.req_id, r.prompt_token_ids, r.sampling_params, [list(b) for b in r.block_ids],
+                r.num_computed_tokens, list(r.prompt_token_ids) + list(r.output_token_ids),
+                list(r.output_token_ids))
+        for r in sched.cached_requests:
+            st = self.requests[r.req_id]
+            for table, new in zip(st.block_ids, r.new_block_ids):
+                table.extend(new)
+            st.num_computed_tokens = r.num_computed_tokens
+
+    def prepare(self, sched: SchedulerOutput) -> StepInputs:
+        rows = []
+        for rid, n in sched.num_scheduled_tokens.items():
+            st = self.requests[rid]
+            start = st.num_computed_tokens
+            rows.append(ScheduledRow(st, start, n, start + n == len(st.token_ids)))
+        rows.sort(key=lambda r: r.num_tokens != 1)  # decodes first: attention batches that contiguous slice
+        ids: list[int] = []
+        for r in rows:
+            ids.extend(r.state.token_ids[r.start:r.start + r.num_tokens])
+        md = AttentionMetadata.build(
+            [r.num_tokens for r in rows], [r.start + r.num_tokens for r in rows],
+            {name: [r.state.block_ids[g] for r in rows] for g, name in enumerate(self.group_names)},
+            self.tokens_per_block, self.block_size, self.device)
+        return StepInputs(torch.tensor(ids, dtype=torch.long, device=self.device), md.positions, md, rows)
+
+    def append_sampled(self, row: ScheduledRow, token_id: int) -> None:
+        row.state.token_ids.append(token_id)
+        row.state.output_token_ids.append(token_id)

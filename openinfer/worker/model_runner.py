@@ -1,0 +1,135 @@
+"""Turns a ``SchedulerOutput`` into tensors, runs the model and samples. Owns the model and its KV cache.
+
+Every model goes through one path: the typed contract in ``models/interface.py`` (forward, compute_logits,
+kv_cache_spec, bind_kv_cache), no per-model probing.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from openinfer.config import AttentionBackend, EngineConfig
+from openinfer.forward_context import set_forward_context
+from openinfer.layers import cpu_ops
+from openinfer.layers.attention import Attention
+from openinfer.layers.linear import prepack_linears
+from openinfer.kv_cache_interface import KVGroupSpec, blocks_for_tokens, check_groups
+from openinfer.sampling_params import SamplingParams
+from openinfer.step_io import ModelRunnerOutput, NewRequestData, SampledToken, SchedulerOutput
+from openinfer.worker.input_batch import InputBatch, ScheduledRow
+from openinfer.worker.loader import load_model
+from openinfer.worker.sampler import SamplingRow, sample, top_logprobs
+
+logger = logging.getLogger(__name__)
+
+_PROFILE_ID = "__profile__"
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+        self.config = config
+        self.device = device
+        self.dtype = config.model.dtype
+        self.block_size = config.cache.block_size
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(config.seed)
+        self.model = None
+        self.load_time_s = 0.0
+        self.input_batch: InputBatch | None = None
+
+    def load_model(self) -> None:
+        t0 = time.perf_counter()
+        self.model = load_model(self.config.model, self.config.attention_backend)
+        prepack_linears(self.model)
+        if (self.device.type == "cpu" and self.config.attention_backend == AttentionBackend.SDPA
+                and any(isinstance(m, Attention) for m in self.model.modules())):
+            # Build (first run on a machine: ~7 s) or load the C++ decode kernel now, at start-up, rather than
+            # inside the first decode step where it would land in the first request's latency. Only models whose
+            # layers use it (paged Attention; not MLA or DeepSeek-V4's own attention) pay for it.
+            cpu_ops.get_ops()
+        self.load_time_s = time.perf_counter() - t0
+
+    # -- KV cache ----------------------------------------------------------------------------------------
+    def kv_cache_spec(self) -> list[KVGroupSpec]:
+        specs = list(self.model.kv_cache_spec(self.block_size, self.dtype))
+        check_groups(specs, self.block_size)
+        return specs
+
+    def initialize_kv_cache(self, num_blocks: dict[str, int]) -> None:
+        """Allocate every group's stores and start a fresh input batch over them."""
+        specs = self.kv_cache_spec()
+        self.model.bind_kv_cache(num_blocks, self.block_size, self.dtype, self.device)
+        self.input_batch = InputBatch([s.name for s in specs],
+                                      {s.name: s.tokens_per_block(self.block_size) for s in specs},
+                                      self.block_size, self.device)
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """One forward at max_num_batched_tokens against a throwaway cache, so the activation peak is paid (and,
+        on CUDA, reserved) before free memory is measured."""
+        sc = self.config.scheduler
+        n = min(sc.max_num_batched_tokens, self.config.model.max_model_len)
+        specs = self.kv_cache_spec()
+        blocks = {s.name: blocks_for_tokens(n, s.tokens_per_block(self.block_size)) for s in specs}
+        self.initialize_kv_cache(blocks)
+        req = NewRequestData(_PROFILE_ID, [0] * n, SamplingParams(temperature=0.0, max_tokens=1),
+                             [list(range(blocks[s.name])) for s in specs], 0)
+        self.execute_model(SchedulerOutput(new_requests=[req], num_scheduled_tokens={_PROFILE_ID: n}))
+        self.model.free_kv_cache()  # the throwaway stores
+        self.input_batch = None
+
+    # -- one step ----------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        batch = self.input_batch
+        batch.update(sched)
+        if sched.empty:
+            return ModelRunnerOutput()
+        inputs = batch.prepare(sched)
+        with set_forward_context(inputs.metadata):
+            hidden = self.model(inputs.input_ids, inputs.positions)
+
+        # Rows of hidden needed for logits: the last token of each sampling sequence, and every position of
+        # prompts that asked for prompt logprobs.
+        sample_rows: list[int] = []
+        sampled: list[ScheduledRow] = []
+        plp: list[tuple[ScheduledRow, int]] = []  # (row, its first hidden row)
+        off = 0
+        for r in inputs.rows:
+            if r.state.sampling_params.prompt_logprobs is not None and r.start < r.state.num_prompt_tokens:
+                plp.append((r, off))
+            if r.sample:
+                sample_rows.append(off + r.num_tokens - 1)
+                sampled.append(r)
+            off += r.num_tokens
+        out = ModelRunnerOutput()
+        if sample_rows:
+            logits = self.model.compute_logits(hidden[sample_rows])  # sample() casts to fp32 where it needs
+            rows = [SamplingRow(r.state.sampling_params, r.state.prompt_token_ids, r.state.output_token_ids)
+                    for r in sampled]
+            tokens, raw_lp = sample(logits, rows, self.generator)
+            for i, (r, tok) in enumerate(zip(sampled, tokens.tolist())):
+                k = r.state.sampling_params.logprobs
+                if k is None:
+                    out.sampled[r.state.req_id] = SampledToken(tok)
+                else:
+                    tl = top_logprobs(raw_lp, i, tok, k)
+                    out.sampled[r.state.req_id] = SampledToken(tok, tl[tok], tl)
+                batch.append_sampled(r, tok)
+        for r, first in plp:
+            out.prompt_logprobs[r.state.req_id] = self._prompt_logprobs(hidden, r, first)
+        return out
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, r: ScheduledRow, first: int) -> list[dict[int, float]]:
+        """Logprob of prompt token p+1 given tokens <= p, for each prompt position p in this chunk."""
+        st = r.state
+        k = st.sampling_params.prompt_logprobs
+        count = min(r.num_tokens, st.num_prompt_tokens - r.start)
+        positions = [p for p in range(r.start, r.start + count) if p + 1 < st.num_prompt_tokens]
+        if not positions:
+            return []
+        rows = [first + (p - r.start) for p in positions]
+        lp = torch.log_softmax(self.model.compute_logits(hidden[rows]).float(), dim=-1)
+        return [top_logprobs(lp, i, st.prompt_token_ids[p + 1], k) for i, p in enumerate(positions)]

