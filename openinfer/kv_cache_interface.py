@@ -123,15 +123,14 @@ def token_capacity(groups: list[KVGroupSpec], num_blocks: dict[str, int], block_
 def kv_startup_message(groups: list[KVGroupSpec], num_blocks: dict[str, int], block_size: int,
                        max_model_len: int) -> str:
     tokens = token_capacity(groups, num_blocks, block_size)
-    parts = []
-    for i, g in enumerate(groups):
+    # The first whole-life group of ordinary blocks is "the" cache; the others are named.
+    main = next((g for g in groups if not g.sliding and g.tokens_per_block(block_size) == block_size), groups[0])
+    parts = [f"{num_blocks[main.name]} blocks of {main.tokens_per_block(block_size)}"]
+    for g in groups:
+        if g is main:
+            continue
         r = g.tokens_per_block(block_size)
-        if i == 0:
-            parts.append(f"{num_blocks[g.name]} blocks of {r}")
-        elif r != block_size:
-            parts.append(f"{num_blocks[g.name]} {g.name} blocks of {r}")
-        else:
-            parts.append(f"{num_blocks[g.name]} {g.name} blocks")
+        parts.append(f"{num_blocks[g.name]} {g.name} blocks" + (f" of {r}" if r != block_size else ""))
     return (f"KV cache: {tokens} tokens ({' + '.join(parts)}, {kv_bytes_summary(groups, block_size)}); "
             f"max concurrency {tokens / max_model_len:.2f}x at {max_model_len} tokens per request")
 
