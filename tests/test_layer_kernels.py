@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from openinfer.layers import cpu_ops
 from openinfer.layers.activation import SiluAndMul
 from openinfer.layers.norm import RMSNorm
-from openinfer.layers.rotary import RotaryEmbedding
+from openinfer.layers.rotary import RotaryEmbedding, apply_neox
 
 # fp32 agrees to rounding; bf16 to about one last-bit step where fp32 rounding lands on a bf16 tie (relative
 # 2^-8 of the value) — compared relative to each tensor's scale.
@@ -69,14 +69,14 @@ def test_layer_kernel_silu_and_mul(kernel_ops, dtype, shape):
 def test_layer_kernel_rotary_cache_write(kernel_ops, dtype, hq, hk, d, rot):
     gen = torch.Generator().manual_seed(3)
     t, num_blocks, bs = 37, 12, 16
-    rope = RotaryEmbedding(d, 4096, {"rope_theta": 10000.0, "rope_type": "default"}, rot_dim=rot)
+    rope = RotaryEmbedding(rot, {"rope_theta": 10000.0, "rope_type": "default"}, 4096)
     qkv = torch.randn(t, (hq + 2 * hk) * d, generator=gen).to(dtype)
     positions = torch.randint(0, 4096, (t,), generator=gen)
     slots = torch.randperm(num_blocks * bs, generator=gen)[:t]
     kc = torch.randn(num_blocks, bs, hk, d, generator=gen).to(dtype)
     vc = torch.randn(num_blocks, bs, hk, d, generator=gen).to(dtype)
     # the torch path: rotate q|k as one tensor (llama.py), then index_copy_ into the caches (attention.py)
-    qk = rope.rotate(positions, qkv[:, :(hq + hk) * d].view(t, hq + hk, d))
+    qk = apply_neox(qkv[:, :(hq + hk) * d].view(t, hq + hk, d), *rope.cos_sin(positions))
     want_k, want_v = kc.clone().view(-1, hk, d), vc.clone().view(-1, hk, d)
     want_k.index_copy_(0, slots, qk[:, hq:])
     want_v.index_copy_(0, slots, qkv[:, (hq + hk) * d:].view(t, hk, d))
@@ -93,7 +93,7 @@ def test_layer_kernel_rotary_cache_write(kernel_ops, dtype, hq, hk, d, rot):
 
 
 def test_layer_kernel_rotary_rejects_out_of_range_indices(kernel_ops):
-    rope = RotaryEmbedding(64, 128, {"rope_theta": 10000.0, "rope_type": "default"})
+    rope = RotaryEmbedding(64, {"rope_theta": 10000.0, "rope_type": "default"}, 128)
     qkv = torch.randn(2, 3 * 64)
     kc, vc = torch.zeros(4, 16, 1, 64), torch.zeros(4, 16, 1, 64)
     with pytest.raises(RuntimeError, match="position 128 outside"):

@@ -82,3 +82,22 @@ def test_reference_backend_agrees(case):
     llm = LLM(str(path), dtype="float32", attention_backend="reference", max_num_batched_tokens=16,
               kv_cache_memory_gb=0.05)
     check(run(llm, prompts[:4]), ref[:4])
+
+
+# The one rotary module (layers/rotary.py) serves every scaling a Llama-family checkpoint may carry.
+ROPE_SCALINGS = {
+    "linear": {"rope_type": "linear", "factor": 2.0},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
+}
+
+
+@pytest.mark.parametrize("kind", list(ROPE_SCALINGS))
+def test_rope_scaling_matches_hf(tmp_path, kind):
+    arch = "qwen2" if kind == "yarn" else "llama"
+    params = {"rope_theta": 10000.0, **ROPE_SCALINGS[kind]}
+    path = make_dense_checkpoint(tmp_path / kind, arch, rope_parameters=params)
+    prompts = prompts_for(7)[:4]
+    ref = hf_greedy(path, prompts, NEW_TOKENS)
+    check(run(LLM(str(path), dtype="float32", kv_cache_memory_gb=0.05), prompts), ref)

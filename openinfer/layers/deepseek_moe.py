@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from openinfer.layers.linear import Linear, cpu_prepack_supported
+from openinfer.layers.linear import CheckpointLinear, cpu_prepack_supported
 from openinfer.layers.moe import fused_experts, pack_experts, swiglu
 
 # New score functions are added here; RouterConfig validates against this table.
@@ -194,15 +194,6 @@ class DeepseekExperts(nn.Module):
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         return fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.swiglu_limit,
                              packed=self._packed)
-
-
-class CheckpointLinear(Linear):
-    """openinfer's Linear (CPU prepacking included) without the kaiming init: every weight comes from the
-    checkpoint (the loaders reject missing tensors), and initialising a V4-Flash-sized model at construction
-    would cost minutes."""
-
-    def reset_parameters(self) -> None:
-        pass
 
 
 class DeepseekMLP(nn.Module):

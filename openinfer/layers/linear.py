@@ -83,6 +83,15 @@ class Linear(nn.Linear):
         return torch.cat([F.linear(x, w, b) for w, b in zip(ws, bs)], dim=-1)
 
 
+class CheckpointLinear(Linear):
+    """``Linear`` (CPU prepacking included) without the kaiming init, for models whose every weight comes from the
+    checkpoint (their loaders reject missing tensors): initialising a V4-Flash-sized model at construction would
+    cost minutes."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
 def prepack_linears(model: nn.Module) -> int:
     """Prepack every ``Linear`` of a loaded model; a weight shared with another module (tied embeddings)
     is kept in plain form for its other user. Returns how many were packed."""

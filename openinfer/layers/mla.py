@@ -1,4 +1,4 @@
-"""Multi-head latent attention (DeepSeek-V2/V3) over a paged *latent* cache, and DeepSeek's rotary embedding.
+"""Multi-head latent attention (DeepSeek-V2/V3) over a paged *latent* cache.
 
 The cache holds, per token and per layer, one ``[c_kv (kv_lora_rank) | k_pe (qk_rope_head_dim)]`` vector
 shared by all heads: layout ``[num_blocks, block_size, kv_lora_rank + rope]`` (576 values/token for V3 instead
@@ -13,9 +13,6 @@ Backends:
 """
 from __future__ import annotations
 
-import math
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,88 +22,6 @@ from openinfer.forward_context import AttentionMetadata, KVGroupTables, get_forw
 from openinfer.layers.attention import FULL_ATTENTION_GROUP
 
 
-# -- rotary ------------------------------------------------------------------------------------------
-def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-
-def _yarn_inv_freq(dim: int, params: dict[str, Any], max_position: int) -> tuple[torch.Tensor, float]:
-    """HF ``_compute_yarn_parameters``: NTK-by-parts frequencies and the cos/sin attention factor."""
-    base = float(params["rope_theta"])
-    orig = params.get("original_max_position_embeddings")
-    if not orig:
-        raise ValueError("rope_scaling yarn needs original_max_position_embeddings")
-    factor = params.get("factor") or max_position / orig
-    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
-    attention_factor = params.get("attention_factor")
-    if attention_factor is None:
-        attention_factor = (yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, mscale_all_dim)
-                            if mscale and mscale_all_dim else yarn_get_mscale(factor))
-    beta_fast, beta_slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
-
-    def correction_dim(rotations: float) -> float:
-        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if params.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
-    extrapolation = 1 - ramp
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
-    return inv_freq, float(attention_factor)
-
-
-def softmax_scale(qk_head_dim: int, params: dict[str, Any]) -> float:
-    """qk_head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 under YaRN (HF ``yarn_apply_mscale``)."""
-    scale = qk_head_dim ** -0.5
-    if params["rope_type"] != "default" and params.get("mscale_all_dim"):
-        m = yarn_get_mscale(float(params["factor"]), float(params["mscale_all_dim"]))
-        scale *= m * m
-    return scale
-
-
-class DeepseekRotaryEmbedding(nn.Module):
-    """RoPE on the decoupled rope dims only. ``interleave`` (DeepSeek's layout, HF ``rope_interleave``): pairs
-    are (x0, x1), (x2, x3), ...; the output is written de-interleaved ([evens' | odds']) exactly as HF
-    does: q and k get the same permutation, so q.k is unchanged and the cache stores k_pe in that layout."""
-
-    def __init__(self, rope_dim: int, max_position: int, params: dict[str, Any], interleave: bool) -> None:
-        super().__init__()
-        kind = params["rope_type"]
-        if kind == "default":
-            inv_freq = 1.0 / (float(params["rope_theta"]) **
-                              (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim))
-            attention_factor = 1.0
-        elif kind == "yarn":
-            inv_freq, attention_factor = _yarn_inv_freq(rope_dim, params, max_position)
-        else:
-            raise ValueError(f"rope_scaling type {kind!r} is not supported for DeepSeek "
-                             "(supported: default, yarn)")
-        self.interleave = interleave
-        # fp32 tables computed the way HF does (fp32 position x fp32 inv_freq), so angles match bit for bit.
-        freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        self.register_buffer("cos", freqs.cos() * attention_factor, persistent=False)
-        self.register_buffer("sin", freqs.sin() * attention_factor, persistent=False)
-
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (cos, sin), each [T, rope_dim // 2] fp32; computed once per step and shared by all layers."""
-        return self.cos[positions], self.sin[positions]
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
-    """x [T, ..., R]; cos/sin [T, R/2] broadcast over the middle dims."""
-    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
-    cos, sin = cos.view(shape), sin.view(shape)
-    xf = x.float()
-    x1, x2 = (xf[..., 0::2], xf[..., 1::2]) if interleave else xf.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
-
-
-# -- attention ---------------------------------------------------------------------------------------
 class MLAAttention(nn.Module):
     def __init__(self, num_heads: int, kv_lora_rank: int, qk_nope_head_dim: int, qk_rope_head_dim: int,
                  v_head_dim: int, scale: float, backend: AttentionBackend = AttentionBackend.SDPA,

@@ -20,7 +20,7 @@ from openinfer.layers.activation import SiluAndMul
 from openinfer.layers.attention import Attention, paged_attention_spec
 from openinfer.layers.linear import Linear
 from openinfer.layers.norm import RMSNorm
-from openinfer.layers.rotary import RotaryEmbedding, rope_parameters
+from openinfer.layers.rotary import RotaryEmbedding, apply_neox, rope_parameters
 from openinfer.models.weights import WeightLoadError, load_stacked
 
 
@@ -52,14 +52,16 @@ class LlamaAttention(nn.Module):
             q, k = qkv[:, :self.q_size + self.kv_size].split([self.q_size, self.kv_size], dim=-1)
             q = self.q_norm(q.view(t, self.num_heads, self.head_dim))
             k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim))
-            q, k = self.rotary_emb(positions, q, k)
+            cos, sin = self.rotary_emb.cos_sin(positions)
+            q, k = apply_neox(q, cos, sin), apply_neox(k, cos, sin)
         elif self._fused_rotary_cache_write(positions, qkv):
             q = qkv[:, :self.q_size].view(t, self.num_heads, self.head_dim)
             k = qkv[:, self.q_size:self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
             return self.o_proj(self.attn(q, k, v, kv_cached=True))
         else:
             # q and k sit side by side in the fused projection: rotate them as one [T, Hq + Hk, D] tensor.
-            qk = self.rotary_emb.rotate(positions, qkv[:, :self.q_size + self.kv_size].view(t, -1, self.head_dim))
+            cos, sin = self.rotary_emb.cos_sin(positions)
+            qk = apply_neox(qkv[:, :self.q_size + self.kv_size].view(t, -1, self.head_dim), cos, sin)
             q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         return self.o_proj(self.attn(q, k, v))
 
@@ -112,7 +114,8 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-        rotary = RotaryEmbedding(head_dim, cfg.get("max_position_embeddings", 2048), rope_parameters(cfg))
+        rot_dim = int(head_dim * float(cfg.get("partial_rotary_factor") or 1.0))
+        rotary = RotaryEmbedding(rot_dim, rope_parameters(cfg), cfg.get("max_position_embeddings", 2048))
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, qk_norm, qkv_bias, o_bias, rotary, backend)
             for _ in range(cfg["num_hidden_layers"])

@@ -19,11 +19,13 @@ from torch import nn
 from openinfer.config import AttentionBackend
 from openinfer.forward_context import get_forward_context
 from openinfer.models.deepseek_v4.cache import WINDOW, StepIndex, V4LayerCache
-from openinfer.models.deepseek_v4.common import Linear, V4RMSNorm, fp32_param, unweighted_rms_norm
+from openinfer.layers.linear import CheckpointLinear
+from openinfer.layers.norm import RMSNorm, unweighted_rms_norm
+from openinfer.models.deepseek_v4.common import fp32_param
 from openinfer.models.deepseek_v4.compressor import Compressor
 from openinfer.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
 from openinfer.models.deepseek_v4.indexer import Indexer
-from openinfer.models.deepseek_v4.rope import V4Rotary, apply_rope
+from openinfer.layers.rotary import RotaryEmbedding, apply_interleaved
 
 # Bytes of gathered keys per query chunk in the fast path.
 GATHER_BUDGET_BYTES = 256 << 20
@@ -60,17 +62,18 @@ class DeepseekV4Attention(nn.Module):
         self.eps = eps
         self.scale = cfg.head_dim ** -0.5
         self.rope_type = "main" if self.layer_type == SLIDING else "compress"
-        self.rotary = V4Rotary(cfg.main_rope if self.layer_type == SLIDING else cfg.compress_rope)
+        rope = cfg.main_rope if self.layer_type == SLIDING else cfg.compress_rope
+        self.rotary = RotaryEmbedding(rope.rope_dim, rope.params())
 
-        self.q_a_proj = Linear(hidden, cfg.q_lora_rank, bias=False)
-        self.q_a_norm = V4RMSNorm(cfg.q_lora_rank, eps)
-        self.q_b_proj = Linear(cfg.q_lora_rank, self.num_heads * self.head_dim, bias=False)
-        self.kv_proj = Linear(hidden, self.head_dim, bias=False)
-        self.kv_norm = V4RMSNorm(self.head_dim, eps)
-        self.o_a_proj = Linear(self.num_heads * self.head_dim // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank,
-                               bias=False)
+        self.q_a_proj = CheckpointLinear(hidden, cfg.q_lora_rank, bias=False)
+        self.q_a_norm = RMSNorm(cfg.q_lora_rank, eps, torch.float32)
+        self.q_b_proj = CheckpointLinear(cfg.q_lora_rank, self.num_heads * self.head_dim, bias=False)
+        self.kv_proj = CheckpointLinear(hidden, self.head_dim, bias=False)
+        self.kv_norm = RMSNorm(self.head_dim, eps, torch.float32)
+        self.o_a_proj = CheckpointLinear(self.num_heads * self.head_dim // cfg.o_groups,
+                                         cfg.o_groups * cfg.o_lora_rank, bias=False)
         self.o_a_proj.prepack = False  # _project_out reads its weight as a grouped matrix
-        self.o_b_proj = Linear(cfg.o_groups * cfg.o_lora_rank, hidden, bias=False)
+        self.o_b_proj = CheckpointLinear(cfg.o_groups * cfg.o_lora_rank, hidden, bias=False)
         self.sinks = fp32_param(self.num_heads)
         self.compressor = None
         self.indexer = None
@@ -91,8 +94,8 @@ class DeepseekV4Attention(nn.Module):
         t = x.shape[0]
         q_residual = self.q_a_norm(self.q_a_proj(x))
         q = self.q_b_proj(q_residual).view(t, self.num_heads, self.head_dim)
-        q = apply_rope(unweighted_rms_norm(q, self.eps), cos, sin)
-        kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)
+        q = apply_interleaved(unweighted_rms_norm(q, self.eps), cos, sin)
+        kv = apply_interleaved(self.kv_norm(self.kv_proj(x)), cos, sin)
 
         cache = self.cache
         cache.flat("kv").index_copy_(0, slot_mapping, kv.to(cache.kv.dtype))
@@ -112,7 +115,7 @@ class DeepseekV4Attention(nn.Module):
             for s in range(0, t, chunk):
                 e = min(t, s + chunk)
                 out[s:e] = self._attend(q[s:e], q_residual[s:e], x[s:e], step.slice(s, e), cos[s:e], sin[s:e])
-        out = apply_rope(out, cos, sin, inverse=True)
+        out = apply_interleaved(out, cos, sin, inverse=True)
         return self._project_out(out)
 
     def _emit_entries(self, step: StepIndex, dtype: torch.dtype) -> None:

@@ -15,8 +15,10 @@ import torch
 from torch import nn
 
 from openinfer.models.deepseek_v4.cache import StepIndex
-from openinfer.models.deepseek_v4.common import Linear, V4RMSNorm, fp32_param
-from openinfer.models.deepseek_v4.rope import V4Rotary, apply_rope
+from openinfer.layers.linear import CheckpointLinear
+from openinfer.layers.norm import RMSNorm
+from openinfer.models.deepseek_v4.common import fp32_param
+from openinfer.layers.rotary import RotaryEmbedding, apply_interleaved
 
 
 class Compressor(nn.Module):
@@ -26,10 +28,10 @@ class Compressor(nn.Module):
         self.ratio = ratio
         self.overlap = overlap
         width = (2 if overlap else 1) * dim
-        self.kv_proj = Linear(hidden_size, width, bias=False)
-        self.gate_proj = Linear(hidden_size, width, bias=False)
+        self.kv_proj = CheckpointLinear(hidden_size, width, bias=False)
+        self.gate_proj = CheckpointLinear(hidden_size, width, bias=False)
         self.position_bias = fp32_param(ratio, width)
-        self.kv_norm = V4RMSNorm(dim, eps)
+        self.kv_norm = RMSNorm(dim, eps, torch.float32)
 
     @property
     def row_width(self) -> int:
@@ -41,7 +43,7 @@ class Compressor(nn.Module):
         store.index_copy_(0, slot_mapping, rows.to(store.dtype))
 
     def pool(self, cur: torch.Tensor, prev: torch.Tensor | None, has_prev: torch.Tensor | None,
-             start: torch.Tensor, rotary: V4Rotary, dtype: torch.dtype) -> torch.Tensor:
+             start: torch.Tensor, rotary: RotaryEmbedding, dtype: torch.dtype) -> torch.Tensor:
         """cur/prev [W, m, row_width] rows of each closing window and of the window before it; has_prev [W]
         bool; start [W] first position of each window. Returns the entries [W, dim]."""
         width = self.kv_proj.out_features
@@ -58,9 +60,9 @@ class Compressor(nn.Module):
         weights = gate.softmax(dim=1).to(kv.dtype)
         entries = self.kv_norm((kv * weights).sum(dim=1))
         cos, sin = rotary.cos_sin(start)
-        return apply_rope(entries, cos, sin)
+        return apply_interleaved(entries, cos, sin)
 
-    def emit(self, step: StepIndex, store: torch.Tensor, entries: torch.Tensor, cap: int, rotary: V4Rotary,
+    def emit(self, step: StepIndex, store: torch.Tensor, entries: torch.Tensor, cap: int, rotary: RotaryEmbedding,
              dtype: torch.dtype) -> None:
         """Pool and write every entry whose window closes in this step (vectorised over windows)."""
         m = self.ratio

@@ -31,6 +31,14 @@ class RopeConfig:
     # V4 does not scale cos/sin by YaRN's mscale (HF pins attention_factor=1.0).
     attention_factor: float = 1.0
 
+    def params(self) -> dict:
+        """In the HF ``rope_parameters`` form ``layers/rotary.py`` reads."""
+        if self.factor is None:
+            return {"rope_type": "default", "rope_theta": self.theta}
+        return {"rope_type": "yarn", "rope_theta": self.theta, "factor": self.factor,
+                "original_max_position_embeddings": self.original_max_position, "beta_fast": self.beta_fast,
+                "beta_slow": self.beta_slow, "attention_factor": self.attention_factor}
+
 
 @dataclass(frozen=True)
 class DeepseekV4Config:

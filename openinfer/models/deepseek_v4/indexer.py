@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from openinfer.models.deepseek_v4.cache import StepIndex
-from openinfer.models.deepseek_v4.common import Linear
+from openinfer.layers.linear import CheckpointLinear
 from openinfer.models.deepseek_v4.compressor import Compressor
-from openinfer.models.deepseek_v4.rope import apply_rope
+from openinfer.layers.rotary import apply_interleaved
 
 
 class Indexer(nn.Module):
@@ -28,13 +28,13 @@ class Indexer(nn.Module):
         self.ratio = ratio
         self.topk = topk
         self.compressor = Compressor(hidden_size, head_dim, ratio, overlap=True, eps=eps)
-        self.q_b_proj = Linear(q_lora_rank, n_heads * head_dim, bias=False)
-        self.weights_proj = Linear(hidden_size, n_heads, bias=False)
+        self.q_b_proj = CheckpointLinear(q_lora_rank, n_heads * head_dim, bias=False)
+        self.weights_proj = CheckpointLinear(hidden_size, n_heads, bias=False)
 
     def query(self, q_residual: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """-> (q [T, n_h, d_I] roped, head weights [T, n_h] fp32, already scaled by n_h^-0.5)."""
         q = self.q_b_proj(q_residual).view(-1, self.n_heads, self.head_dim)
-        q = apply_rope(q, cos, sin)
+        q = apply_interleaved(q, cos, sin)
         return q, self.weights_proj(x).float() * self.n_heads ** -0.5
 
     def score(self, q: torch.Tensor, head_w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:

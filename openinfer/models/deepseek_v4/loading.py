@@ -4,7 +4,8 @@
   ``model.embed_tokens.weight``, ``model.hc_head.hc_fn``, ``head.weight``), no MTP tensors.
 - DeepSeek's release: unprefixed (``embed.weight``, ``layers.N...``, ``hc_head_fn``, ``head.weight``, ``mtp.K...``).
 Per-expert ``w1``/``w3``/``w2`` go into the stacked ``w13_weight`` / ``w2_weight``; the shared expert's
-``w1``/``w3`` into its fused ``gate_up_proj``. FP8 / MXFP4 weights are dequantised on the way (quant.py).
+``w1``/``w3`` into its fused ``gate_up_proj``. FP8 / MXFP4 weights are dequantised on the way
+(models/quantized_weights.py).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from collections.abc import Iterable
 
 import torch
 
-from openinfer.models.deepseek_v4.quant import Dequantizer
+from openinfer.models.quantized_weights import Dequantizer
 from openinfer.models.weights import WeightLoadError, copy_into
 
 logger = logging.getLogger(__name__)
@@ -98,7 +99,8 @@ def load_v4_weights(model, weights: Iterable[tuple[str, torch.Tensor]]) -> set[s
     targets = _targets(model)
     loaded: set[str] = set()
     # targets is rebound when the MTP block is built; the lambda reads the current binding.
-    dequantizer = Dequantizer(model.config, lambda n: canonical_name(n)[0] in targets)
+    dequantizer = Dequantizer(model.config.fp8_block, model.config.expert_dtype,
+                              lambda n: canonical_name(n)[0] in targets)
     for raw_name, raw_tensor in weights:
         for name, tensor in dequantizer.feed(raw_name, raw_tensor):
             pname, shard = canonical_name(name)

@@ -22,11 +22,12 @@ from openinfer.kv_cache_interface import KVGroupSpec
 from openinfer.models.deepseek_v4.attention import DeepseekV4Attention
 from openinfer.models.deepseek_v4.cache import (COARSE, FULL, WINDOW, StepIndex, V4LayerCache, coarse_ratio,
                                                 layer_bytes_per_block, lookback_tokens)
-from openinfer.models.deepseek_v4.common import Linear, V4RMSNorm
+from openinfer.layers.linear import CheckpointLinear
+from openinfer.layers.norm import RMSNorm
 from openinfer.models.deepseek_v4.config import DeepseekV4Config
 from openinfer.models.deepseek_v4.hc import HyperConnection, HyperHead, fused_post_pre, hc_post
 from openinfer.models.deepseek_v4.moe import DeepseekV4MoE
-from openinfer.models.deepseek_v4.rope import V4Rotary
+from openinfer.layers.rotary import RotaryEmbedding
 
 
 
@@ -37,8 +38,8 @@ class DeepseekV4DecoderLayer(nn.Module):
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.self_attn = DeepseekV4Attention(cfg, layer_idx, backend)
         self.mlp = DeepseekV4MoE(cfg, layer_idx)
-        self.input_layernorm = V4RMSNorm(h, eps)
-        self.post_attention_layernorm = V4RMSNorm(h, eps)
+        self.input_layernorm = RMSNorm(h, eps, torch.float32)
+        self.post_attention_layernorm = RMSNorm(h, eps, torch.float32)
         self.attn_hc = HyperConnection(cfg.hc_mult, h, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
         self.ffn_hc = HyperConnection(cfg.hc_mult, h, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
 
@@ -49,11 +50,11 @@ class DeepseekV4MTPLayer(DeepseekV4DecoderLayer):
     def __init__(self, cfg: DeepseekV4Config, layer_idx: int) -> None:
         super().__init__(cfg, layer_idx)
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.e_proj = Linear(h, h, bias=False)
-        self.h_proj = Linear(h, h, bias=False)
-        self.enorm = V4RMSNorm(h, eps)
-        self.hnorm = V4RMSNorm(h, eps)
-        self.norm = V4RMSNorm(h, eps)
+        self.e_proj = CheckpointLinear(h, h, bias=False)
+        self.h_proj = CheckpointLinear(h, h, bias=False)
+        self.enorm = RMSNorm(h, eps, torch.float32)
+        self.hnorm = RMSNorm(h, eps, torch.float32)
+        self.norm = RMSNorm(h, eps, torch.float32)
         self.hc_head = HyperHead(cfg.hc_mult, h, cfg.hc_eps, eps)
 
 
@@ -65,9 +66,10 @@ class DeepseekV4Model(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DeepseekV4DecoderLayer(cfg, i, backend) for i in range(cfg.num_hidden_layers))
-        self.norm = V4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, torch.float32)
         self.hc_head = HyperHead(cfg.hc_mult, cfg.hidden_size, cfg.hc_eps, cfg.rms_norm_eps)
-        self.rotary = nn.ModuleDict({"main": V4Rotary(cfg.main_rope), "compress": V4Rotary(cfg.compress_rope)})
+        self.rotary = nn.ModuleDict({name: RotaryEmbedding(r.rope_dim, r.params())
+                                     for name, r in (("main", cfg.main_rope), ("compress", cfg.compress_rope))})
         self.coarse_tokens: int | None = None  # set with the KV cache (cache.coarse_ratio)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -99,7 +101,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         super().__init__()
         self.config = DeepseekV4Config.from_hf(hf_config)
         self.model = DeepseekV4Model(self.config, attention_backend)
-        self.lm_head = Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
+        self.lm_head = CheckpointLinear(self.config.hidden_size, self.config.vocab_size, bias=False)
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         # Built by load_weights only when the checkpoint carries mtp.* tensors (a V4-Flash MTP block is ~3% of

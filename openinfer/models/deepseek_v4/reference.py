@@ -10,7 +10,7 @@ import torch
 from openinfer.models.deepseek_v4.cache import StepIndex
 from openinfer.models.deepseek_v4.compressor import Compressor
 from openinfer.models.deepseek_v4.config import CSA, HCA
-from openinfer.models.deepseek_v4.rope import V4Rotary, apply_rope
+from openinfer.layers.rotary import RotaryEmbedding, apply_interleaved
 
 
 def _row_reader(store: torch.Tensor, table: list[int], block_size: int):
@@ -25,7 +25,7 @@ def _entry_slot(step: StepIndex, row: int, w: int, ratio: int, cap: int) -> int:
 
 
 def reference_emit(comp: Compressor, step: StepIndex, store: torch.Tensor, entries: torch.Tensor, cap: int,
-                   rotary: V4Rotary, dtype: torch.dtype) -> None:
+                   rotary: RotaryEmbedding, dtype: torch.dtype) -> None:
     m, d, bs = comp.ratio, comp.dim, step.block_size
     width = comp.kv_proj.out_features
     for t in range(step.positions.shape[0]):
@@ -51,7 +51,7 @@ def reference_emit(comp: Compressor, step: StepIndex, store: torch.Tensor, entri
         pooled = (torch.stack(kvs) * (e / e.sum(dim=0))).sum(dim=0)
         entry = comp.kv_norm(pooled.to(dtype)[None])
         cos, sin = rotary.cos_sin(torch.tensor([start], device=store.device))
-        entries[_entry_slot(step, seq, start // m, m, cap)] = apply_rope(entry, cos, sin)[0].to(entries.dtype)
+        entries[_entry_slot(step, seq, start // m, m, cap)] = apply_interleaved(entry, cos, sin)[0].to(entries.dtype)
 
 
 def reference_attention(attn, q: torch.Tensor, q_residual: torch.Tensor, x: torch.Tensor, step: StepIndex,

@@ -1,10 +1,11 @@
-"""Quantised V4 checkpoints, dequantised at load on CPU (spec §2, §3, §4.8).
+"""Quantised checkpoint weights paired with their scales and dequantised at load (DeepSeek-V3 and V4 alike).
 
 - FP8 e4m3 linears with one multiplier per ``weight_block_size`` block (``layers/fp8.py``), under either name:
   ``X.weight_scale_inv`` (HF-converted) or ``X.scale`` (DeepSeek's release); fp32 or UE8M0 scales.
-- MXFP4 routed experts (``expert_dtype: fp4``): int8-packed E2M1 + UE8M0 per 32 (``layers/mxfp4.py``), scale
-  named like the FP8 ones.
-A weight and its scale may sit in different shards, in any order: each is held until its partner arrives.
+- MXFP4 routed experts (V4-Flash ``expert_dtype: fp4``): int8-packed E2M1 + UE8M0 per 32 (``layers/mxfp4.py``),
+  scale named like the FP8 ones.
+A weight and its scale may sit in different shards, in any order: each is held until its partner arrives. The
+result is fp32; copying it into a parameter casts it once to the model dtype (the math is fp32 either way).
 """
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ import torch
 
 from openinfer.layers.fp8 import FP8_DTYPE, dequantize_fp8_block
 from openinfer.layers.mxfp4 import PACKED_DTYPES, dequantize_mxfp4
-from openinfer.models.deepseek_v4.config import DeepseekV4Config
 from openinfer.models.weights import WeightLoadError
 
 SCALE_SUFFIXES = (".weight_scale_inv", ".scale")
@@ -33,8 +33,10 @@ class Dequantizer:
     comes out dequantised (fp32, under its weight name) once both it and its scale have been fed. ``finish``
     raises for anything left unpaired."""
 
-    def __init__(self, cfg: DeepseekV4Config, is_param: Callable[[str], bool]) -> None:
-        self.cfg = cfg
+    def __init__(self, fp8_block: tuple[int, int] | None, expert_dtype: str | None,
+                 is_param: Callable[[str], bool]) -> None:
+        self.fp8_block = fp8_block  # from config.json's quantization_config (None: not FP8-quantised)
+        self.expert_dtype = expert_dtype  # "fp4": MXFP4 routed experts
         self.is_param = is_param  # a ".scale" that names a model parameter is not a quantisation scale
         self.weights: dict[str, torch.Tensor] = {}
         self.scales: dict[str, tuple[str, torch.Tensor]] = {}
@@ -62,16 +64,16 @@ class Dequantizer:
                 f"{sorted(n for n, _ in self.scales.values())[:5]}")
 
     def _check_declared(self, name: str, tensor: torch.Tensor) -> None:
-        if tensor.dtype == FP8_DTYPE and self.cfg.fp8_block is None:
+        if tensor.dtype == FP8_DTYPE and self.fp8_block is None:
             raise WeightLoadError(f"tensor {name!r} is float8 but config.json has no fp8 quantization_config")
-        if tensor.dtype in PACKED_DTYPES and self.cfg.expert_dtype != "fp4":
+        if tensor.dtype in PACKED_DTYPES and self.expert_dtype != "fp4":
             raise WeightLoadError(f"tensor {name!r} is {tensor.dtype} (packed MXFP4) but config.json "
-                                  f"declares expert_dtype={self.cfg.expert_dtype!r}, not 'fp4'")
+                                  f"declares expert_dtype={self.expert_dtype!r}, not 'fp4'")
 
     def _dequantize(self, name: str, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         try:
             if weight.dtype == FP8_DTYPE:
-                return dequantize_fp8_block(weight, scale, self.cfg.fp8_block, torch.float32)
+                return dequantize_fp8_block(weight, scale, self.fp8_block, torch.float32)
             return dequantize_mxfp4(weight, scale, torch.float32)
         except ValueError as e:
             raise WeightLoadError(f"tensor {name!r}: {e}") from None

@@ -1,0 +1,60 @@
+"""DeepSeek-V3 multi-head latent attention: the projections around ``layers/mla.py``'s latent-cache attention."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from openinfer.config import AttentionBackend
+from openinfer.layers.linear import CheckpointLinear
+from openinfer.layers.mla import MLAAttention
+from openinfer.layers.norm import RMSNorm
+from openinfer.layers.rotary import apply_interleaved, apply_neox, softmax_scale
+from openinfer.models.deepseek_v3.config import DeepseekV3Args
+
+# The small norms inside MLA use DeepSeek's default eps, not rms_norm_eps (HF and DeepSeek's code agree).
+_LORA_NORM_EPS = 1e-6
+
+
+class DeepseekV3Attention(nn.Module):
+    def __init__(self, a: DeepseekV3Args, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads = a.num_attention_heads
+        self.q_lora_rank = a.q_lora_rank
+        self.kv_lora_rank = a.kv_lora_rank
+        self.qk_nope_head_dim, self.qk_rope_head_dim = a.qk_nope_head_dim, a.qk_rope_head_dim
+        self.rope_interleave = a.rope_interleave
+        qk_head_dim = a.qk_nope_head_dim + a.qk_rope_head_dim
+        if a.q_lora_rank is None:
+            self.q_proj = CheckpointLinear(a.hidden_size, self.num_heads * qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = CheckpointLinear(a.hidden_size, a.q_lora_rank, bias=a.attention_bias)
+            self.q_a_layernorm = RMSNorm(a.q_lora_rank, _LORA_NORM_EPS)
+            self.q_b_proj = CheckpointLinear(a.q_lora_rank, self.num_heads * qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = CheckpointLinear(a.hidden_size, a.kv_lora_rank + a.qk_rope_head_dim,
+                                                   bias=a.attention_bias)
+        self.kv_a_layernorm = RMSNorm(a.kv_lora_rank, _LORA_NORM_EPS)
+        self.kv_b_proj = CheckpointLinear(a.kv_lora_rank, self.num_heads * (a.qk_nope_head_dim + a.v_head_dim),
+                                          bias=False)
+        self.kv_b_proj.prepack = False  # MLA reads W_UK / W_UV out of this weight (absorbed decode, decompression)
+        self.o_proj = CheckpointLinear(self.num_heads * a.v_head_dim, a.hidden_size, bias=a.attention_bias)
+        self.mla = MLAAttention(self.num_heads, a.kv_lora_rank, a.qk_nope_head_dim, a.qk_rope_head_dim,
+                                a.v_head_dim, softmax_scale(qk_head_dim, a.rope), backend)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_pe = q.view(t, self.num_heads, -1).split([self.qk_nope_head_dim, self.qk_rope_head_dim], -1)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        c_kv = self.kv_a_layernorm(c_kv)
+        q_pe, k_pe = self._rope(q_pe, cos, sin), self._rope(k_pe, cos, sin)
+        return self.o_proj(self.mla(q_nope, q_pe, c_kv, k_pe, self.kv_b_proj.weight))
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # DeepSeek rotates adjacent pairs; HF's port writes them de-interleaved (q and k alike, so q.k holds) and
+        # the cache stores k_pe that way. Without rope_interleave the checkpoint uses rotate-half.
+        if self.rope_interleave:
+            return apply_interleaved(x, cos, sin, deinterleave=True)
+        return apply_neox(x, cos, sin)

@@ -1,0 +1,106 @@
+"""DeepSeek-V3 (and R1, which shares the architecture), HF-shaped, over a flat token batch ``[T]``.
+
+MLA attention over a paged latent cache (attention.py, ``layers/mla.py``), DeepSeekMoE after
+``first_k_dense_replace`` dense layers (``layers/deepseek_moe.py``); config.py validates the fields, loading.py maps
+checkpoint names (HF and DeepSeek's release, FP8 included) onto the parameters.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from openinfer.config import AttentionBackend
+from openinfer.kv_cache_interface import KVGroupSpec
+from openinfer.layers.attention import FULL_ATTENTION_GROUP
+from openinfer.layers.deepseek_moe import DeepseekMLP, DeepseekMoE
+from openinfer.layers.linear import CheckpointLinear
+from openinfer.layers.mla import MLAAttention
+from openinfer.layers.norm import RMSNorm
+from openinfer.layers.rotary import RotaryEmbedding
+from openinfer.models.deepseek_v3.attention import DeepseekV3Attention
+from openinfer.models.deepseek_v3.config import DeepseekV3Args
+from openinfer.models.deepseek_v3.loading import load_v3_weights
+
+
+class DeepseekV3DecoderLayer(nn.Module):
+    def __init__(self, a: DeepseekV3Args, layer_idx: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.self_attn = DeepseekV3Attention(a, backend)
+        if a.is_moe_layer(layer_idx):
+            self.mlp: nn.Module = DeepseekMoE(a.hidden_size, a.moe_intermediate_size, a.n_shared_experts,
+                                              a.router)
+        else:
+            self.mlp = DeepseekMLP(a.hidden_size, a.intermediate_size)
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+
+    def forward(self, x, residual, cos, sin):
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos, sin)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class DeepseekV3Model(nn.Module):
+    def __init__(self, a: DeepseekV3Args, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
+        self.layers = nn.ModuleList(DeepseekV3DecoderLayer(a, i, backend) for i in range(a.num_hidden_layers))
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        # One table for all layers (V3: 163840 positions), like HF's model-level rotary_emb.
+        self.rotary_emb = RotaryEmbedding(a.qk_rope_head_dim, a.rope, a.max_position_embeddings)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb.cos_sin(positions)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, cos, sin)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    def __init__(self, cfg: dict[str, Any], *, attention_backend: AttentionBackend = AttentionBackend.SDPA) -> None:
+        super().__init__()
+        self.config = cfg
+        self.args = DeepseekV3Args.from_hf(cfg)
+        self.model = DeepseekV3Model(self.args, attention_backend)
+        self.lm_head = CheckpointLinear(self.args.hidden_size, self.args.vocab_size, bias=False)
+        if self.args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    # -- latent KV cache -------------------------------------------------------------------------
+    def attention_layers(self) -> list[MLAAttention]:
+        return [layer.self_attn.mla for layer in self.model.layers]
+
+    def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> list[KVGroupSpec]:
+        """One whole-life group: each layer's [c_kv | k_pe] latent per token."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        return [KVGroupSpec(FULL_ATTENTION_GROUP,
+                            block_size * elem * sum(a.latent_dim for a in self.attention_layers()))]
+
+    def bind_kv_cache(self, num_blocks: Mapping[str, int], block_size: int, dtype: torch.dtype,
+                      device: torch.device) -> None:
+        for a in self.attention_layers():
+            a.bind_cache(num_blocks[a.kv_group], block_size, dtype, device)
+
+    def free_kv_cache(self) -> None:
+        for a in self.attention_layers():
+            a.free_cache()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return load_v3_weights(self, weights)
