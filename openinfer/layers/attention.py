@@ -187,3 +187,14 @@ def reference_paged_attention(q: torch.Tensor, md: AttentionMetadata, tables: KV
 def paged_attention_spec(layers: list[Attention], block_size: int, dtype: torch.dtype) -> list[KVGroupSpec]:
     """The one whole-life group of models whose layers all attend over the full sequence: K and V per layer."""
     return [KVGroupSpec(FULL_ATTENTION_GROUP, block_size * sum(a.kv_bytes_per_token(dtype) for a in layers))]
+
+
+def bind_layer_caches(layers, num_blocks, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Each layer allocates its own stores in the blocks of the group it reads (``layer.kv_group``)."""
+    for layer in layers:
+        layer.bind_cache(num_blocks[layer.kv_group], block_size, dtype, device)
+
+
+def free_layer_caches(layers) -> None:
+    for layer in layers:
+        layer.free_cache()

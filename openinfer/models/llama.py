@@ -17,7 +17,7 @@ from openinfer.forward_context import get_forward_context
 from openinfer.kv_cache_interface import KVGroupSpec
 from openinfer.layers import cpu_ops
 from openinfer.layers.activation import SiluAndMul
-from openinfer.layers.attention import Attention, paged_attention_spec
+from openinfer.layers.attention import Attention, bind_layer_caches, free_layer_caches, paged_attention_spec
 from openinfer.layers.linear import Linear
 from openinfer.layers.norm import RMSNorm
 from openinfer.layers.rotary import RotaryEmbedding, apply_neox, rope_parameters
@@ -169,12 +169,10 @@ class LlamaForCausalLM(nn.Module):
 
     def bind_kv_cache(self, num_blocks: Mapping[str, int], block_size: int, dtype: torch.dtype,
                       device: torch.device) -> None:
-        for a in self.attention_layers():
-            a.bind_cache(num_blocks[a.kv_group], block_size, dtype, device)
+        bind_layer_caches(self.attention_layers(), num_blocks, block_size, dtype, device)
 
     def free_kv_cache(self) -> None:
-        for a in self.attention_layers():
-            a.free_cache()
+        free_layer_caches(self.attention_layers())
 
     def _shard_offsets(self, fused: str) -> dict:
         a = self.model.layers[0].self_attn

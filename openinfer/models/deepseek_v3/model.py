@@ -14,7 +14,7 @@ from torch import nn
 
 from openinfer.config import AttentionBackend
 from openinfer.kv_cache_interface import KVGroupSpec
-from openinfer.layers.attention import FULL_ATTENTION_GROUP
+from openinfer.layers.attention import bind_layer_caches, free_layer_caches, FULL_ATTENTION_GROUP
 from openinfer.layers.deepseek_moe import DeepseekMLP, DeepseekMoE
 from openinfer.layers.linear import CheckpointLinear
 from openinfer.layers.mla import MLAAttention
@@ -95,12 +95,10 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     def bind_kv_cache(self, num_blocks: Mapping[str, int], block_size: int, dtype: torch.dtype,
                       device: torch.device) -> None:
-        for a in self.attention_layers():
-            a.bind_cache(num_blocks[a.kv_group], block_size, dtype, device)
+        bind_layer_caches(self.attention_layers(), num_blocks, block_size, dtype, device)
 
     def free_kv_cache(self) -> None:
-        for a in self.attention_layers():
-            a.free_cache()
+        free_layer_caches(self.attention_layers())
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return load_v3_weights(self, weights)
