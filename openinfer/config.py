@@ -162,9 +162,11 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
+    """The step's shape. ``max_model_len`` is not here: its one home is ``ModelConfig`` (each ``Request``
+    receives it once and caps its ``max_tokens`` with it)."""
+
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:
@@ -187,8 +189,6 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend={self.attention_backend!r}; choose one of auto, sdpa, reference"
             )
-        if self.scheduler.max_model_len != self.model.max_model_len:
-            raise ValueError("scheduler.max_model_len must equal model.max_model_len")
 
     @classmethod
     def create(
@@ -225,7 +225,6 @@ class EngineConfig:
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
-                max_model_len=mc.max_model_len,
             ),
             seed=seed,
             attention_backend=attention_backend,

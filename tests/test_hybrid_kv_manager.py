@@ -91,7 +91,7 @@ def test_scheduler_preempts_on_window_shortage_and_window_use_stays_bounded():
     """Decode-heavy run on a window pool too small for three sequences at once (a decode here holds up to 3
     window blocks): the scheduler preempts, every sequence finishes, each holds at most ceil(lookback/bs) + 2
     window blocks while it decodes, and every block of both pools comes back."""
-    cfg = SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=8, max_model_len=128)
+    cfg = SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=8)
     per_seq = window_blocks_per_seq(LOOKBACK, BS, 1)
     assert per_seq == 4 and min_window_blocks(LOOKBACK, BS, 3, 8) == 14
     kv = HybridKVCacheManager(num_blocks=64, num_window_blocks=6, block_size=BS,

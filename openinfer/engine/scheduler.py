@@ -234,6 +234,6 @@ class Scheduler:
             if token_id in sp.stop_token_ids:
                 req.stop_reason = token_id
                 return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+        if req.num_output_tokens >= req.max_tokens:  # max_tokens is capped by max_model_len (Request)
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -58,7 +58,7 @@ def num_blocks_for(cache: CacheConfig, device: torch.device, bytes_per_block: in
     return int(n)
 
 
-def plan_kv_blocks(cache: CacheConfig, sched: SchedulerConfig, device: torch.device,
+def plan_kv_blocks(cache: CacheConfig, sched: SchedulerConfig, max_model_len: int, device: torch.device,
                    groups: list[KVGroupSpec]) -> dict[str, int]:
     """Blocks per KV group. One full group: as many as the budget holds (``num_blocks_for``). With a window
     group (kv_groups.py) the window pool gets ``min_window_blocks`` (a full running batch makes progress)
@@ -68,7 +68,7 @@ def plan_kv_blocks(cache: CacheConfig, sched: SchedulerConfig, device: torch.dev
     (``coarse_blocks_for``). ``num_kv_blocks`` sets the full group only."""
     bs = cache.block_size
     full = group(groups, FULL)
-    useful_full = sched.max_num_seqs * -(-sched.max_model_len // bs)
+    useful_full = sched.max_num_seqs * -(-max_model_len // bs)
     win = group(groups, WINDOW)
     if win is None:
         return {FULL: num_blocks_for(cache, device, full.bytes_per_block, useful_full)}
@@ -85,7 +85,7 @@ def plan_kv_blocks(cache: CacheConfig, sched: SchedulerConfig, device: torch.dev
             n -= 1
         return n
 
-    one_seq = window_blocks_per_seq(win.lookback_tokens, bs, min(sched.max_num_batched_tokens, sched.max_model_len))
+    one_seq = window_blocks_per_seq(win.lookback_tokens, bs, min(sched.max_num_batched_tokens, max_model_len))
     wanted = -(-min_window_blocks(win.lookback_tokens, bs, sched.max_num_seqs, sched.max_num_batched_tokens)
                * (100 + WINDOW_HEADROOM_PCT) // 100)
     if cache.num_kv_blocks is not None:
@@ -99,10 +99,10 @@ def plan_kv_blocks(cache: CacheConfig, sched: SchedulerConfig, device: torch.dev
         n_full = fit(budget - n_win * win.bytes_per_block, full.bytes_per_block)
         if n_full < n_win:  # the window pool would outgrow the full one: split the budget evenly by count
             n_full = n_win = fit(budget, full.bytes_per_block + win.bytes_per_block)
-        need_full = -(-sched.max_model_len // bs)
+        need_full = -(-max_model_len // bs)
         if n_full < need_full or n_win < one_seq:
             raise ValueError(
-                f"KV cache budget of {budget / 2**20:.1f} MiB cannot hold one {sched.max_model_len}-token "
+                f"KV cache budget of {budget / 2**20:.1f} MiB cannot hold one {max_model_len}-token "
                 f"request: it needs {need_full} full-group blocks of {full.bytes_per_block} B and {one_seq} "
                 f"window blocks of {win.bytes_per_block} B (got {n_full} and {n_win}); raise kv_cache_memory_gb "
                 f"or lower max_model_len / max_num_batched_tokens")

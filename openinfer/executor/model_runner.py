@@ -62,7 +62,9 @@ class ModelRunner:
         """Warm up at the largest step, then size and allocate the cache from what is left. Returns the
         number of blocks per KV group."""
         self.profile_run()
-        self.num_blocks = plan_kv_blocks(self.config.cache, self.config.scheduler, self.device, self.kv_groups())
+        c = self.config
+        self.num_blocks = plan_kv_blocks(c.cache, c.scheduler, c.model.max_model_len, self.device,
+                                         self.kv_groups())
         self._allocate(self.num_blocks)
         return self.num_blocks
 
@@ -84,7 +86,7 @@ class ModelRunner:
         """One forward at max_num_batched_tokens against a throwaway cache, so the activation peak is
         paid (and, on CUDA, reserved) before free memory is measured."""
         sc = self.config.scheduler
-        n = min(sc.max_num_batched_tokens, sc.max_model_len)
+        n = min(sc.max_num_batched_tokens, self.config.model.max_model_len)
         blocks = -(-n // self.block_size)
         groups = self.kv_groups()
         coarse = group(groups, COARSE)
