@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
+    from openinfer.engine_args import EngineArgs
     from openinfer.entrypoints.llm import LLM
     from openinfer.outputs import CompletionOutput, RequestOutput
     from openinfer.sampling_params import SamplingParams
@@ -20,6 +21,10 @@ def __getattr__(name: str):
         from openinfer.entrypoints.llm import LLM
 
         return LLM
+    if name == "EngineArgs":
+        from openinfer.engine_args import EngineArgs
+
+        return EngineArgs
     if name == "SamplingParams":
         from openinfer.sampling_params import SamplingParams
 

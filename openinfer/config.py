@@ -1,7 +1,8 @@
 """One typed configuration, built once by the entrypoint and passed down.
 
-Every knob a user can set lives here and is validated in ``__post_init__`` so that a bad value fails at
-construction with a message naming the field, never deep inside a step.
+Users set engine settings through ``EngineArgs`` (engine_args.py, the one list); its ``create_engine_config``
+builds these frozen dataclasses, which validate in ``__post_init__`` so that a bad value fails at construction
+with a message naming the field, never deep inside a step.
 """
 from __future__ import annotations
 
@@ -146,9 +147,11 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
+    """The step's shape. ``max_model_len`` is not here: its one home is ``ModelConfig`` (each ``Request``
+    receives it once and caps its ``max_tokens`` with it)."""
+
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:
@@ -159,6 +162,8 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
+    """Built from ``EngineArgs.create_engine_config`` (engine_args.py), the one list of user settings."""
+
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -169,46 +174,3 @@ class EngineConfig:
         if not isinstance(self.attention_backend, AttentionBackend):
             raise ValueError(f"attention_backend must be an AttentionBackend, got {self.attention_backend!r} "
                              f"(AttentionBackend.parse reads 'auto', 'sdpa', 'reference')")
-        if self.scheduler.max_model_len != self.model.max_model_len:
-            raise ValueError("scheduler.max_model_len must equal model.max_model_len")
-
-    @classmethod
-    def create(
-        cls,
-        model: str,
-        *,
-        tokenizer: str | None = None,
-        dtype: str | torch.dtype = "auto",
-        device: str | None = None,
-        max_model_len: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int | None = None,
-        block_size: int = 16,
-        enable_prefix_caching: bool = True,
-        kv_cache_memory_gb: float | None = None,
-        memory_utilization: float = 0.9,
-        num_kv_blocks: int | None = None,
-        seed: int = 0,
-        attention_backend: str = "auto",
-    ) -> EngineConfig:
-        mc = ModelConfig.from_path(model, dtype=dtype, device=device, max_model_len=max_model_len,
-                                   tokenizer=tokenizer)
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = max(2048, min(mc.max_model_len, 8192))
-        return cls(
-            model=mc,
-            cache=CacheConfig(
-                block_size=block_size,
-                enable_prefix_caching=enable_prefix_caching,
-                kv_cache_memory_gb=kv_cache_memory_gb,
-                memory_utilization=memory_utilization,
-                num_kv_blocks=num_kv_blocks,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_model_len=mc.max_model_len,
-            ),
-            seed=seed,
-            attention_backend=AttentionBackend.parse(attention_backend),
-        )

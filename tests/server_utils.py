@@ -160,13 +160,13 @@ class InProcessServer(_Endpoint):
     ) -> None:
         import uvicorn
 
-        from openinfer.config import EngineConfig
-        from openinfer.engine.llm_engine import LLMEngine
+        from openinfer.engine_args import EngineArgs
+        from openinfer.entrypoints.llm import build_engine
         from openinfer.server.api import build_app
         from openinfer.server.serving import ServerSettings
 
         self.api_key = api_key
-        self.engine = LLMEngine(EngineConfig.create(str(model), **engine_kw))
+        self.engine = build_engine(EngineArgs.from_kwargs("InProcessServer()", model=str(model), **engine_kw))
         settings = ServerSettings(list(served_model_names), api_key, max_queue, max_body_bytes)
         self.app = build_app(self.engine, settings)
         self.port = free_port()

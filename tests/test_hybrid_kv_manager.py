@@ -108,11 +108,11 @@ def test_scheduler_preempts_on_window_shortage_and_window_use_stays_bounded():
     """Decode-heavy run on a window pool too small for three sequences at once (a decode here holds up to 3
     window blocks): the scheduler preempts, every sequence finishes, each holds at most ceil(lookback/bs) + 2
     window blocks while it decodes, and every block of both pools comes back."""
-    cfg = SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=8, max_model_len=128)
+    cfg = SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=8)
     per_seq = sliding_blocks_per_seq(LOOKBACK, BS, 1)
     assert per_seq == 4 and min_sliding_blocks(LOOKBACK, BS, 3, 8) == 14
     kv = hybrid(64, 6)
-    s = Scheduler(cfg, kv, 128)
+    s = Scheduler(cfg, kv)
     reqs = [req(r, [100 * i + j for j in range(6)], max_tokens=40) for i, r in enumerate("abc")]
     for r in reqs:
         s.add_request(r)

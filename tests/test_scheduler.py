@@ -14,9 +14,9 @@ from openinfer.step_io import ModelRunnerOutput, SampledToken, SchedulerOutput
 BS = 4
 
 
-def make(num_blocks=16, max_num_seqs=8, budget=64, max_len=128, caching=True):
+def make(num_blocks=16, max_num_seqs=8, budget=64, caching=True):
     kv = KVCacheManager([KVGroupSpec("full", 64)], {"full": num_blocks}, BS, caching)
-    return Scheduler(SchedulerConfig(max_num_seqs, budget, max_len), kv, max_len), kv
+    return Scheduler(SchedulerConfig(max_num_seqs, budget), kv), kv
 
 
 @dataclass
@@ -101,7 +101,7 @@ def test_max_num_seqs_caps_running():
 
 def test_preemption_by_recompute_keeps_order_and_tokens():
     # 4 blocks of 4 tokens. Two requests of 7 prompt tokens take 2 blocks each; decoding needs a third.
-    s, kv = make(num_blocks=4, max_len=32)
+    s, kv = make(num_blocks=4)
     a = add(s, "a", 7, max_tokens=6)
     b = add(s, "b", 7, max_tokens=6, base=50)
     run_step(s)  # prompts: 2 blocks each, pool full
@@ -119,7 +119,7 @@ def test_preemption_by_recompute_keeps_order_and_tokens():
 
 
 def test_recompute_after_preemption_covers_prompt_and_outputs():
-    s, kv = make(num_blocks=4, max_len=32, caching=False)
+    s, kv = make(num_blocks=4, caching=False)
     add(s, "a", 7, max_tokens=6)
     b = add(s, "b", 7, max_tokens=6, base=50)
     for _ in range(3):
@@ -169,7 +169,7 @@ def test_stop_token_and_eos_and_min_tokens():
 
 
 def test_max_model_len_ends_generation():
-    s, _ = make(max_len=8)
+    s, _ = make()
     r = Request("a", [1] * 6, SamplingParams(max_tokens=None, ignore_eos=True), 8)
     s.add_request(r)
     while s.num_unfinished:

@@ -12,6 +12,7 @@ instead: ``decode_window.py`` (openinfer) and ``HFRunner.run_decode``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import logging
@@ -25,13 +26,15 @@ from typing import Any
 
 from openinfer.bench import results as R
 from openinfer.bench.workload import (DECODE_TAIL_TOKENS, add_workload_args, check_fits, resolve_workload, tokens_needed)
-from openinfer.entrypoints.engine_args import engine_kwargs
+from openinfer.engine_args import EngineArgs
 
 logger = logging.getLogger(__name__)
 
 ENGINES = ("openinfer", "hf")
 # Flags the --fresh-process parent sets itself on each child instead of copying from its own command line.
-_PER_CHILD = {"batch_sizes", "output_json", "fresh_process", "only_engine", "help"}
+_PER_CHILD = {"batch_sizes", "output_json", "fresh_process", "only_engine", "engine_args_json", "help"}
+# Engine settings reach a child as one EngineArgs JSON (--engine-args-json), not as flags.
+_ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineArgs))
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -42,6 +45,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fresh-process", action="store_true",
                    help="run each (engine, batch) point in its own subprocess and merge the JSON")
     g.add_argument("--only-engine", choices=ENGINES, default=None, help=argparse.SUPPRESS)
+    # A child's engine settings: the parent's EngineArgs as JSON, replacing this command line's engine flags.
+    g.add_argument("--engine-args-json", default=None, help=argparse.SUPPRESS)
 
 
 def make_prompts(seed: int, batch: int, iteration: int, input_len: int, vocab_size: int,
@@ -68,13 +73,8 @@ class OpenInferRunner:
     def __init__(self, args: argparse.Namespace, max_batch: int) -> None:
         from openinfer import LLM
 
-        kw = engine_kwargs(args)
-        kw["max_num_seqs"] = args.max_num_seqs or max_batch
-        # Unless set, size the engine for this workload: the KV cache and the start-up profile pass then
-        # touch only the memory the sweep uses (fresh memory is what the VM is slow on).
-        kw["max_model_len"] = args.max_model_len or tokens_needed(args) + _decode_headroom(args, max_batch)
         t0 = time.perf_counter()
-        self.llm = LLM(**kw)
+        self.llm = LLM(**bench_engine_args(args, max_batch).to_dict())
         self.init_time_s = time.perf_counter() - t0
         self.engine = self.llm.engine
         check_fits(args, self.engine.config.model.max_model_len, "max_model_len")
@@ -138,6 +138,26 @@ class OpenInferRunner:
 
     def close(self) -> None:
         del self.engine, self.llm
+
+
+def bench_engine_args(args: argparse.Namespace, max_batch: int) -> EngineArgs:
+    """The engine a sweep whose largest batch is ``max_batch`` builds, from the engine flags: unless set,
+    ``max_num_seqs`` follows that batch and ``max_model_len`` is sized for the workload, so the KV cache and
+    the start-up profile pass touch only the memory the sweep uses (fresh memory is what the VM is slow on)."""
+    engine_args = EngineArgs.from_cli_args(args)
+    if engine_args.max_num_seqs is None:
+        engine_args = dataclasses.replace(engine_args, max_num_seqs=max_batch)
+    if engine_args.max_model_len is None:
+        engine_args = dataclasses.replace(
+            engine_args, max_model_len=tokens_needed(args) + _decode_headroom(args, max_batch))
+    return engine_args
+
+
+def adopt_parent_engine_args(args: argparse.Namespace) -> None:
+    """A child of ``--fresh-process`` or ``bench peers``: the parent's ``EngineArgs`` (``--engine-args-json``)
+    replace this command line's engine flags, so the child builds the very engine the parent described."""
+    for name, value in EngineArgs.from_json(args.engine_args_json).to_dict().items():
+        setattr(args, name, value)
 
 
 def _decode_headroom(args: argparse.Namespace, max_batch: int) -> int:
@@ -224,6 +244,8 @@ def _workload(args: argparse.Namespace, batches: list[int]) -> dict[str, Any]:
 def main(args: argparse.Namespace) -> int:
     import torch
 
+    if args.engine_args_json is not None:
+        adopt_parent_engine_args(args)
     batches = resolve_workload(args)
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
@@ -295,11 +317,14 @@ def _run_here(args: argparse.Namespace, batches: list[int]) -> dict[str, Any]:
 def child_argv(args: argparse.Namespace, batch: int, max_batch: int, engine: str, json_path: str,
                skip: frozenset[str] = frozenset(), extra: tuple[str, ...] = ()) -> list[str]:
     """The same command for one (engine, batch), rebuilt from the parsed flags so it works however the
-    parent was started (console script, ``python -m``, or ``main()`` called directly). ``skip`` names the
-    parent's own flags a throughput child does not take; ``extra`` is appended."""
+    parent was started (console script, ``python -m``, or ``main()`` called directly). The engine settings go
+    as one ``--engine-args-json``: the engine the single-process run would build (``bench_engine_args`` at
+    the sweep's largest batch). ``skip`` names the parent's own flags a throughput child does not take;
+    ``extra`` is appended."""
     argv = [sys.executable, "-m", "openinfer", "bench", "throughput"]
     for action in args._bench_parser._actions:
-        if not action.option_strings or action.dest in _PER_CHILD or action.dest in skip:
+        if (not action.option_strings or action.dest in _PER_CHILD or action.dest in _ENGINE_FIELDS
+                or action.dest in skip):
             continue
         value = getattr(args, action.dest, action.default)
         if value == action.default:
@@ -308,8 +333,7 @@ def child_argv(args: argparse.Namespace, batch: int, max_batch: int, engine: str
             argv.append(action.option_strings[0])
         else:
             argv += [action.option_strings[0], str(value)]
-    if args.max_num_seqs is None:  # every child gets the engine shape the single-process run would build
-        argv += ["--max-num-seqs", str(max_batch)]
+    argv += ["--engine-args-json", bench_engine_args(args, max_batch).to_json()]
     return argv + ["--batch-sizes", str(batch), "--only-engine", engine, "--output-json", json_path, *extra]
 
 

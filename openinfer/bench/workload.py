@@ -18,7 +18,7 @@ import json
 import math
 from typing import Any
 
-from openinfer.entrypoints.engine_args import add_engine_args
+from openinfer.engine_args import EngineArgs
 
 MODES = ("e2e", "decode")
 DEFAULT_PROMPT_LEN = 128
@@ -30,9 +30,12 @@ DECODE_TAIL_TOKENS = 2
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
-    add_engine_args(p)
+    EngineArgs.add_cli_args(p)
     # An explicit dtype so every engine runs the same one; max_num_seqs follows the largest batch unless set.
     p.set_defaults(dtype="bfloat16", max_num_seqs=None, _bench_parser=p)
+    for action in p._actions:
+        if action.dest == "max_num_seqs":
+            action.help = "most requests running at once (default: the largest --batch-sizes)"
     g = p.add_argument_group("workload")
     g.add_argument("--mode", choices=MODES, default="e2e",
                    help="e2e: time whole generate calls, prefill included (default); decode: time "

@@ -49,7 +49,7 @@ class EngineCore:
             budget=budget, num_kv_blocks=cache.num_kv_blocks)
         self.executor.initialize_kv_cache(self.num_kv_blocks)
         self.kv = KVCacheManager(self.kv_specs, self.num_kv_blocks, cache.block_size, cache.enable_prefix_caching)
-        self.scheduler = Scheduler(sched, self.kv, self.max_model_len)
+        self.scheduler = Scheduler(sched, self.kv)
         self.kv_bytes_per_token = bytes_per_token(self.kv_specs, cache.block_size)
         self.startup_message = kv_startup_message(self.kv_specs, self.num_kv_blocks, cache.block_size,
                                                   self.max_model_len)

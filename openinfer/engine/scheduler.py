@@ -21,9 +21,8 @@ if TYPE_CHECKING:  # the scheduler stays importable without torch
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, max_model_len: int) -> None:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
         self.config = config
-        self.max_model_len = max_model_len
         self.kv = kv_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -178,6 +177,6 @@ class Scheduler:
             if token_id in sp.stop_token_ids:
                 req.stop_reason = token_id
                 return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+        if req.num_output_tokens >= req.max_tokens:  # max_tokens is capped by max_model_len (Request)
             return RequestStatus.FINISHED_LENGTH
         return None

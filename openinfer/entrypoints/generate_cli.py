@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from openinfer.entrypoints.engine_args import add_engine_args, engine_kwargs
+from openinfer.engine_args import EngineArgs
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -33,7 +33,7 @@ def add_parser(sub) -> None:
     src.add_argument("--prompts-file", help="a file with one prompt per line")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object per output")
-    add_engine_args(p)
+    EngineArgs.add_cli_args(p)
     add_sampling_args(p)
     p.set_defaults(func=run)
 
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         prompts = args.prompt or ["The list object"]
     # Sampling flags are checked before the model loads, so a typo fails in a second, not after loading.
     params = sampling_params_from_args(args, default_sampling_params(args.model or default_model_path()))
-    llm = LLM(**engine_kwargs(args))  # logs the KV-cache summary line
+    llm = LLM(**EngineArgs.from_cli_args(args).to_dict())  # logs the KV-cache summary line
     if args.chat:
         outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
     else:

@@ -5,41 +5,26 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from openinfer.assets_path import default_model_path
-from openinfer.config import EngineConfig
 from openinfer.engine.llm_engine import LLMEngine, PromptType
+from openinfer.engine_args import EngineArgs
 from openinfer.outputs import RequestOutput
 from openinfer.sampling_params import RequestOutputKind, SamplingParams
 from openinfer.tokenizer import apply_chat_template
 
 
+def build_engine(engine_args: EngineArgs) -> LLMEngine:
+    """The engine ``engine_args`` describe: the validated config, then the model, tokenizer and KV cache."""
+    return LLMEngine(engine_args.create_engine_config(), chat_template=engine_args.chat_template)
+
+
 class LLM:
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        tokenizer: str | None = None,
-        dtype: str = "auto",
-        max_model_len: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int | None = None,
-        enable_prefix_caching: bool = True,
-        block_size: int = 16,
-        kv_cache_memory_gb: float | None = None,
-        num_kv_blocks: int | None = None,
-        seed: int = 0,
-        device: str | None = None,
-        attention_backend: str = "auto",
-        chat_template: str | None = None,
-    ) -> None:
-        config = EngineConfig.create(
-            model or default_model_path(), tokenizer=tokenizer, dtype=dtype, device=device,
-            max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-            enable_prefix_caching=enable_prefix_caching, kv_cache_memory_gb=kv_cache_memory_gb,
-            num_kv_blocks=num_kv_blocks, seed=seed, attention_backend=attention_backend,
-        )
-        self.engine = LLMEngine(config, chat_template=chat_template)
+    """``LLM(model, **engine_args)``: the keywords are exactly ``EngineArgs``'s fields (engine_args.py), e.g.
+    ``LLM("path", dtype="float32", max_model_len=2048, memory_utilization=0.5)``; an unknown keyword is a
+    ``TypeError`` naming it."""
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.engine_args = EngineArgs.from_kwargs("LLM()", model=model, **kwargs)
+        self.engine = build_engine(self.engine_args)
         self._counter = 0
 
     def get_tokenizer(self):

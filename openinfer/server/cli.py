@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 
-from openinfer.entrypoints.engine_args import add_engine_args, engine_config_from_args
+from openinfer.engine_args import EngineArgs
 
 logger = logging.getLogger(__name__)
 
@@ -23,7 +23,7 @@ def add_parser(sub) -> None:
         description="OpenAI-compatible server: /v1/completions, /v1/chat/completions, /v1/models, "
         "/health, /health/ready, /metrics, /tokenize, /detokenize, /reset_prefix_cache.",
     )
-    add_engine_args(p)
+    EngineArgs.add_cli_args(p)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0 for all)")
     g.add_argument("--port", type=int, default=8000)
@@ -59,7 +59,7 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from openinfer.engine.llm_engine import LLMEngine
+    from openinfer.entrypoints.llm import build_engine
     from openinfer.server.api import build_app
     from openinfer.server.runner import DrainingServer
     from openinfer.server.serving import ServerSettings
@@ -68,10 +68,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
     if args.max_body_bytes < 1024:
         raise ValueError(f"--max-body-bytes must be >= 1024, got {args.max_body_bytes}")
-    config, chat_template = engine_config_from_args(args)
-    engine = LLMEngine(config, chat_template=chat_template)
+    engine_args = EngineArgs.from_cli_args(args)
+    engine = build_engine(engine_args)
     print(engine.startup_message, file=sys.stderr, flush=True)
-    names = args.served_model_name or [args.model or os.path.basename(config.model.path)]
+    names = args.served_model_name or [args.model or os.path.basename(engine.config.model.path)]
     settings = ServerSettings(
         served_model_names=names,
         api_key=args.api_key,
@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         drain_timeout_s=args.drain_timeout_s,
     )
-    app = build_app(engine, settings, chat_template)
+    app = build_app(engine, settings, engine_args.chat_template)
     uv_config = uvicorn.Config(
         app,
         host=args.host,

@@ -1,0 +1,141 @@
+"""Every user-settable engine setting, once: ``EngineArgs`` (after vLLM's ``vllm/engine/arg_utils.py``).
+
+``LLM(**kwargs)``, the engine flags of ``openinfer generate / serve / bench throughput / bench peers`` and the
+engine settings a benchmark hands its child processes are all derived from this dataclass's fields, so a new
+setting added here reaches every entrypoint. ``create_engine_config`` turns it into the validated, typed
+``EngineConfig`` (config.py) that the engine is built from.
+
+Pure Python: importable without torch (the CLI parsers and the scheduler's tests build on it); torch is only
+imported inside ``create_engine_config``, through config.py's resolvers.
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from openinfer.config import EngineConfig
+
+
+def _arg(default: Any, help: str) -> Any:
+    """A field with its help text; the flag, its type and its default are derived from the field itself."""
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class EngineArgs:
+    """One engine's settings, as a user gives them (unvalidated; ``create_engine_config`` validates)."""
+
+    model: str | None = _arg(None, "HF-format model folder (default: the embedded demo model)")
+    tokenizer: str | None = _arg(None, "tokenizer folder (default: the model folder)")
+    dtype: str = _arg("auto", "auto | bfloat16 | float16 | float32 (auto: bf16, or fp32 on CPUs without "
+                              "native bf16)")
+    device: str | None = _arg(None, "cpu | cuda | cuda:N (default: cuda when present)")
+    max_model_len: int | None = _arg(None, "most tokens (prompt + output) one request may reach "
+                                           "(default: the model's max_position_embeddings)")
+    max_num_seqs: int = _arg(256, "most requests running at once")
+    max_num_batched_tokens: int | None = _arg(None, "token budget of one engine step "
+                                                    "(default: max(2048, min(max_model_len, 8192)))")
+    block_size: int = _arg(16, "tokens per KV-cache block (a power of two)")
+    enable_prefix_caching: bool = _arg(True, "reuse the KV blocks of a shared prompt prefix")
+    kv_cache_memory_gb: float | None = _arg(None, "KV-cache size in GiB (default: --memory-utilization of "
+                                                  "the memory free after warm-up; on CPU at most 4 GiB)")
+    memory_utilization: float = _arg(0.9, "fraction of free memory the KV cache may take when "
+                                          "--kv-cache-memory-gb is unset, in (0, 1]")
+    num_kv_blocks: int | None = _arg(None, "exact KV block count (overrides the memory-based size)")
+    seed: int = _arg(0, "random seed of the engine (sampling without a per-request seed)")
+    attention_backend: str = _arg("auto", "auto | sdpa | reference (the plain torch attention)")
+    chat_template: str | None = _arg(None, "a jinja2 chat template, as a string or a file "
+                                           "(default: the tokenizer's)")
+
+    # -- Python API -----------------------------------------------------------------------------------------
+    @classmethod
+    def from_kwargs(cls, where: str, **kwargs: Any) -> EngineArgs:
+        """``cls(**kwargs)``, with a ``TypeError`` that names every unknown keyword and the closest field."""
+        names = [f.name for f in fields(cls)]
+        unknown = [k for k in kwargs if k not in names]
+        if unknown:
+            hints = []
+            for k in unknown:
+                close = difflib.get_close_matches(k, names, n=1)
+                hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            raise TypeError(f"{where} got unexpected keyword argument(s) {', '.join(hints)}; "
+                            f"engine arguments are: {', '.join(names)}")
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    # JSON, not pickle: benchmarks hand these settings to child processes (STYLE.md lesson 10).
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> EngineArgs:
+        data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError(f"engine arguments JSON must be an object, got {type(data).__name__}")
+        return cls.from_kwargs("engine arguments JSON", **data)
+
+    # -- command line ---------------------------------------------------------------------------------------
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+        """A flag per field (``max_model_len`` -> ``--max-model-len``); a bool gets ``--x`` and ``--no-x``."""
+        group = parser.add_argument_group("engine", "engine settings (the same names as LLM()'s keywords)")
+        hints = typing.get_type_hints(cls)
+        for f in fields(cls):
+            kind = _scalar_type(hints[f.name])
+            how: dict[str, Any] = {"action": argparse.BooleanOptionalAction} if kind is bool else {"type": kind}
+            action = group.add_argument("--" + f.name.replace("_", "-"), default=f.default,
+                                        help=f.metadata["help"], **how)
+            # %(default)s, not the field's default: a command may change it with parser.set_defaults. (Some
+            # Pythons' BooleanOptionalAction append it already.)
+            if f.default is not None and "%(default)" not in action.help:
+                action.help += " (default: %(default)s)"
+        return group
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """The fields back from a namespace parsed with ``add_cli_args`` (AttributeError if it was not)."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+    # -- the typed config -----------------------------------------------------------------------------------
+    def create_engine_config(self) -> EngineConfig:
+        """The validated ``EngineConfig``; a bad value raises ``ValueError`` naming the field and its limit.
+        ``chat_template`` is not part of it: it goes to ``LLMEngine(config, chat_template=...)``."""
+        from openinfer.assets_path import default_model_path
+        from openinfer.config import AttentionBackend, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+
+        model = ModelConfig.from_path(self.model or default_model_path(), dtype=self.dtype,
+                                      device=self.device, max_model_len=self.max_model_len,
+                                      tokenizer=self.tokenizer)
+        max_num_batched_tokens = self.max_num_batched_tokens
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = max(2048, min(model.max_model_len, 8192))
+        return EngineConfig(
+            model=model,
+            cache=CacheConfig(
+                block_size=self.block_size,
+                enable_prefix_caching=self.enable_prefix_caching,
+                kv_cache_memory_gb=self.kv_cache_memory_gb,
+                memory_utilization=self.memory_utilization,
+                num_kv_blocks=self.num_kv_blocks,
+            ),
+            scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
+                                      max_num_batched_tokens=max_num_batched_tokens),
+            seed=self.seed,
+            attention_backend=AttentionBackend.parse(self.attention_backend),
+        )
+
+
+def _scalar_type(hint: Any) -> type:
+    """``int | None`` -> ``int``: what argparse converts a flag's text with."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        (inner,) = [a for a in typing.get_args(hint) if a is not type(None)]
+        return inner
+    return hint
