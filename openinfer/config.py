@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -160,6 +160,40 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be > 0, got {self.max_num_batched_tokens}")
 
 
+EXECUTOR_BACKENDS = ("auto", "uni", "mp")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How one deployment is spread over processes: ``tensor_parallel_size`` ranks split every layer. The
+    executor backend runs them: ``uni`` in the engine's own process (one rank only), ``mp`` one worker process per
+    rank; ``auto`` picks ``uni`` for one rank, ``mp`` otherwise."""
+
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r}; choose one of "
+                             f"{', '.join(EXECUTOR_BACKENDS)}")
+        if self.distributed_executor_backend == "uni" and self.world_size > 1:
+            raise ValueError(f"distributed_executor_backend='uni' runs one rank in the engine's process, but "
+                             f"tensor_parallel_size={tp} needs {self.world_size}; use 'mp'")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size
+
+    @property
+    def executor_backend(self) -> str:
+        if self.distributed_executor_backend != "auto":
+            return self.distributed_executor_backend
+        return "uni" if self.world_size == 1 else "mp"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Built from ``EngineArgs.create_engine_config`` (engine_args.py), the one list of user settings."""
@@ -167,6 +201,7 @@ class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     seed: int = 0
     attention_backend: AttentionBackend = AttentionBackend.SDPA
 
@@ -174,3 +209,27 @@ class EngineConfig:
         if not isinstance(self.attention_backend, AttentionBackend):
             raise ValueError(f"attention_backend must be an AttentionBackend, got {self.attention_backend!r} "
                              f"(AttentionBackend.parse reads 'auto', 'sdpa', 'reference')")
+
+
+def engine_config_to_json(config: EngineConfig) -> str:
+    """The whole config as JSON (what a worker process is started with: no pickle crosses the boundary)."""
+    m = config.model
+    return json.dumps({
+        "model": {"path": m.path, "hf_config": m.hf_config, "dtype": str(m.dtype).removeprefix("torch."),
+                  "device": str(m.device), "max_model_len": m.max_model_len, "tokenizer_path": m.tokenizer_path},
+        "cache": asdict(config.cache), "scheduler": asdict(config.scheduler), "parallel": asdict(config.parallel),
+        "seed": config.seed, "attention_backend": config.attention_backend.value,
+    })
+
+
+def engine_config_from_json(text: str) -> EngineConfig:
+    import torch
+
+    d = json.loads(text)
+    m = d["model"]
+    model = ModelConfig(path=m["path"], hf_config=m["hf_config"], dtype=getattr(torch, m["dtype"]),
+                        device=torch.device(m["device"]), max_model_len=m["max_model_len"],
+                        tokenizer_path=m["tokenizer_path"])
+    return EngineConfig(model=model, cache=CacheConfig(**d["cache"]), scheduler=SchedulerConfig(**d["scheduler"]),
+                        parallel=ParallelConfig(**d["parallel"]), seed=d["seed"],
+                        attention_backend=AttentionBackend(d["attention_backend"]))

@@ -50,6 +50,9 @@ class EngineArgs:
     num_kv_blocks: int | None = _arg(None, "exact KV block count (overrides the memory-based size)")
     seed: int = _arg(0, "random seed of the engine (sampling without a per-request seed)")
     attention_backend: str = _arg("auto", "auto | sdpa | reference (the plain torch attention)")
+    tensor_parallel_size: int = _arg(1, "ranks that split every layer (heads, MLP, vocabulary), one process each")
+    distributed_executor_backend: str = _arg("auto", "auto | uni (one rank, in process) | mp (a worker "
+                                                     "process per rank)")
     chat_template: str | None = _arg(None, "a jinja2 chat template, as a string or a file "
                                            "(default: the tokenizer's)")
 
@@ -109,7 +112,8 @@ class EngineArgs:
         """The validated ``EngineConfig``; a bad value raises ``ValueError`` naming the field and its limit.
         ``chat_template`` is not part of it: it goes to ``LLMEngine(config, chat_template=...)``."""
         from openinfer.assets_path import default_model_path
-        from openinfer.config import AttentionBackend, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+        from openinfer.config import (AttentionBackend, CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
+                                      SchedulerConfig)
 
         model = ModelConfig.from_path(self.model or default_model_path(), dtype=self.dtype,
                                       device=self.device, max_model_len=self.max_model_len,
@@ -128,6 +132,8 @@ class EngineArgs:
             ),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens),
+            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
+                                    distributed_executor_backend=self.distributed_executor_backend),
             seed=self.seed,
             attention_backend=AttentionBackend.parse(self.attention_backend),
         )

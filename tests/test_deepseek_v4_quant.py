@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from openinfer import LLM, SamplingParams
-from openinfer.worker.loader import iterate_weights
+from openinfer.worker.loader import iterate_weights, read_checkpoint
 from openinfer.layers.fp8 import (E8M0_DTYPE, FP8_DTYPE, dequantize_fp8_block, fp8_block_size,
                                   quantize_fp8_block)
 from openinfer.layers.mxfp4 import dequantize_mxfp4, quantize_mxfp4
@@ -70,7 +70,7 @@ def quant_pair(request, base, tmp_path_factory):
     """(quantised checkpoint, its fp32 twin, the unquantised original's tensors by quantised name)."""
     root = tmp_path_factory.mktemp(request.param)
     quant = _generator().quantize_checkpoint(base, root / "quant", request.param)
-    tensors = dict(iterate_weights(quant))
+    tensors = read_checkpoint(quant)
     suffix = ".scale" if request.param == "release-fp4" else ".weight_scale_inv"
     plain = {}
     for name, t in tensors.items():
@@ -204,7 +204,7 @@ def _load(path: Path, drop: str | None = None, cfg_edit=None, tensor_edit=None) 
     cfg = json.loads((path / "config.json").read_text())
     if cfg_edit:
         cfg_edit(cfg)
-    tensors = [(n, tensor_edit(n, t) if tensor_edit else t) for n, t in iterate_weights(path) if n != drop]
+    tensors = [(n, tensor_edit(n, t) if tensor_edit else t) for n, t in read_checkpoint(path).items() if n != drop]
     DeepseekV4ForCausalLM(cfg).load_weights(tensors)
 
 

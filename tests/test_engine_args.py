@@ -160,7 +160,8 @@ def valid_values(ckpt_copy: Path) -> dict[str, typing.Any]:
     return dict(model=str(ckpt_copy), tokenizer=str(ckpt_copy), dtype="float16", device="meta",
                 max_model_len=64, max_num_seqs=3, max_num_batched_tokens=100, block_size=32,
                 enable_prefix_caching=False, kv_cache_memory_gb=0.5, memory_utilization=0.5, num_kv_blocks=10,
-                seed=1, attention_backend="reference", chat_template="{{ messages }}")
+                seed=1, attention_backend="reference", chat_template="{{ messages }}", tensor_parallel_size=2,
+                distributed_executor_backend="mp")
 
 
 def test_every_field_reaches_the_engine(ckpt, ckpt_copy, monkeypatch):
@@ -198,6 +199,9 @@ def test_max_model_len_has_one_home(ckpt):
     (dict(max_model_len=1000), r"max_model_len=1000 exceeds the model's max_position_embeddings=128"),
     (dict(dtype="int8"), r"dtype='int8' is not supported"),
     (dict(attention_backend="flash"), r"attention_backend='flash'; choose one of"),
+    (dict(tensor_parallel_size=0), r"tensor_parallel_size must be an integer >= 1, got 0"),
+    (dict(distributed_executor_backend="slurm"), r"distributed_executor_backend='slurm'; choose one of"),
+    (dict(tensor_parallel_size=2, distributed_executor_backend="uni"), r"'uni' runs one rank"),
 ])
 def test_bad_value_names_the_field_and_limit(ckpt, bad, message):
     with pytest.raises(ValueError, match=message):

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from openinfer import LLM, SamplingParams
-from openinfer.worker.loader import iterate_weights
+from openinfer.worker.loader import iterate_weights, read_checkpoint
 from openinfer.layers.fp8 import FP8_DTYPE, dequantize_fp8_block, fp8_block_size, quantize_fp8_block
 from openinfer.models.deepseek_v3 import DeepseekV3ForCausalLM
 from openinfer.models.weights import WeightLoadError
@@ -72,7 +72,7 @@ def fp8_pair(tmp_path_factory):
     spec.loader.exec_module(gen)
     fp8 = gen.make_v3(tmp_path_factory.mktemp("fp8"), "small", fp8=True, seed=0, shard_gb=2e-5)
     twin = tmp_path_factory.mktemp("twin")
-    tensors = dict(iterate_weights(fp8))
+    tensors = read_checkpoint(fp8)
     plain = {}
     for name, t in tensors.items():
         if name.endswith("_scale_inv"):

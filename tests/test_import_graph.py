@@ -1,7 +1,7 @@
 """Imports only point down. Read from the source with ``ast`` (nothing is imported or run): every ``import`` in a
 package's files, lazy ones inside functions and ``TYPE_CHECKING`` blocks included, is checked against the layering
 
-    entrypoints, server, bench  >  engine  >  executor  >  worker  >  models  >  layers  >  neutral modules
+    entrypoints, server, bench  >  engine  >  executor  >  worker  >  models  >  layers  >  distributed  >  neutral
 
 where the neutral modules (config, platform, forward_context, kv_cache_interface, step_io, sampling_params,
 outputs, ...) are shared vocabulary that everyone may import and that import none of the packages above."""
@@ -25,6 +25,8 @@ FORBIDDEN = {
     "layers": {"engine", "worker", "executor", "server", "entrypoints", "bench", "models"},
 }
 FORBIDDEN.update({n: set(PACKAGES) for n in NEUTRAL})
+# Process groups and collectives sit just above the neutral modules: layers use them, they use nothing above.
+FORBIDDEN["distributed"] = set(PACKAGES)
 
 
 def imported_modules(path: Path) -> list[tuple[int, str]]:

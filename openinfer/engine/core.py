@@ -17,10 +17,14 @@ from openinfer.engine.kv_cache_manager import KVCacheManager
 from openinfer.engine.kv_plan import plan_kv_blocks
 from openinfer.engine.request import Request, RequestStatus
 from openinfer.engine.scheduler import Scheduler
-from openinfer.executor.abstract import Executor
+from openinfer.executor.abstract import Executor, ExecutorFailed
 from openinfer.kv_cache_interface import bytes_per_token, kv_startup_message
 
 logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine cannot step any more (a worker rank died): every open request has ended with an error."""
 
 
 @dataclass
@@ -39,6 +43,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig, executor_class: type[Executor] | None = None) -> None:
         self.config = config
         self.max_model_len = config.model.max_model_len
+        self.dead_reason: str | None = None
         self.executor = (executor_class or Executor.get_class(config))(config)
         cache, sched = config.cache, config.scheduler
         self.kv_specs = self.executor.get_kv_cache_spec()
@@ -57,6 +62,8 @@ class EngineCore:
     # -- requests ----------------------------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
         """Enqueue; raises ValueError (and changes nothing) when the request can never fit the cache."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
         req = Request(request.request_id, request.prompt_token_ids, request.sampling_params, self.max_model_len,
                       request.arrival_s)
         end = req.num_prompt_tokens + req.max_tokens
@@ -79,17 +86,23 @@ class EngineCore:
 
     # -- the step ----------------------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
         sched = self.scheduler.schedule()
-        if sched.empty:
-            if sched.finished_req_ids:  # workers still drop the state of what ended
-                self.executor.execute_model(sched)
-            return []
         try:
+            if sched.empty:
+                if sched.finished_req_ids:  # workers still drop the state of what ended
+                    self.executor.execute_model(sched)
+                return []
             result = self.executor.execute_model(sched)
+        except ExecutorFailed as e:
+            self._die(str(e))
+            raise EngineDeadError(self.dead_reason) from e
         except Exception:
             # A failed forward must not strand requests: each scheduled one ends with an error and its blocks
             # return to the pool; the engine keeps serving the rest.
-            logger.exception("model step failed; finishing %d requests with an error", len(sched.num_scheduled_tokens))
+            logger.exception("model step failed; finishing %d requests with an error",
+                             len(sched.num_scheduled_tokens))
             done = self.scheduler.finish_requests(list(sched.num_scheduled_tokens), RequestStatus.FINISHED_ERROR)
             now = time.monotonic()
             return [EngineCoreOutput(r.request_id, [], finish_reason="error",
@@ -97,6 +110,13 @@ class EngineCore:
                                      num_preemptions=r.num_preemptions,
                                      first_scheduled_s=r.times.first_scheduled_s, timestamp_s=now) for r in done]
         return self.scheduler.update_from_output(sched, result)
+
+    def _die(self, reason: str) -> None:
+        """Every open request ends with an error and gives its blocks back; no step runs again."""
+        self.dead_reason = f"engine failed: {reason}"
+        ids = list(self.scheduler.requests)
+        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
+        logger.error("%s; %d open requests ended with an error", self.dead_reason, len(ids))
 
     # -- introspection -----------------------------------------------------------------------------------
     def stats(self) -> EngineStats:

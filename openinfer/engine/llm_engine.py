@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from openinfer.config import EngineConfig
-from openinfer.engine.core import EngineCore, EngineStats
+from openinfer.engine.core import EngineCore, EngineDeadError, EngineStats
 from openinfer.engine.output_processor import OutputProcessor
 from openinfer.engine.parallel_sampling import ParentRequest
 from openinfer.engine.request import RequestStatus
@@ -133,7 +133,15 @@ class LLMEngine:
         return self.core.has_unfinished_requests() or bool(self._held)
 
     def step(self) -> list[RequestOutput]:
-        core_outputs = self.core.step()
+        try:
+            core_outputs = self.core.step()
+        except EngineDeadError:
+            # The core already ended its requests; end them here too (held-back siblings included).
+            self._held.clear()
+            for rid in list(self.output_processor.parents):
+                for cid in self.output_processor.child_ids(rid):
+                    self.output_processor.finish_externally(cid, "error")
+            raise
         outputs, to_stop = self.output_processor.process(core_outputs)
         if to_stop:
             self.core.finish_requests(to_stop, RequestStatus.FINISHED_STOPPED)

@@ -3,8 +3,8 @@ talks to its executor and never to a model.
 
 Every executor answers the same calls: what the model's KV cache is made of, how much memory the workers can
 give it, build the cache, run a step. ``collective_rpc`` calls a method on every worker and returns their
-answers in rank order; the other calls are built on it. Only the in-process executor exists today; multiprocess
-and Ray executors plug in here (``get_class``) with the same interface.
+answers in rank order; the other calls are built on it. ``uni`` runs one worker in the engine's own process, ``mp``
+one worker process per rank (multiproc.py); further launchers (Ray) plug in at ``get_class`` with the same calls.
 """
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ if TYPE_CHECKING:
     from openinfer.kv_cache_interface import KVBudget, KVGroupSpec
     from openinfer.step_io import ModelRunnerOutput, SchedulerOutput
 
-EXECUTOR_BACKENDS = ("uni",)
+class ExecutorFailed(RuntimeError):
+    """The deployment cannot run another step (a worker died, or a rank failed a call): fatal, unlike a model
+    error in one step, which only fails that step's requests."""
 
 
 class Executor(ABC):
@@ -27,6 +29,11 @@ class Executor(ABC):
     @staticmethod
     def get_class(config: EngineConfig) -> type[Executor]:
         """The executor class for ``config`` (imported lazily: the engine core loads without torch)."""
+        backend = config.parallel.executor_backend
+        if backend == "mp":
+            from openinfer.executor.multiproc import MultiprocExecutor
+
+            return MultiprocExecutor
         from openinfer.executor.uniproc import UniProcExecutor
 
         return UniProcExecutor

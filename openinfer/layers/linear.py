@@ -72,14 +72,18 @@ class Linear(nn.Linear):
         return self._packed.to_dense() if self._packed is not None else self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x, self.bias)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x W^T (+ bias), on whichever weight form this layer holds."""
         if self._packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+            return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
         n = self.weight.shape[0]
         m = x.numel() // max(x.shape[-1], 1)
         if x.device.type != "cpu" or n <= 2 * CPU_ROW_BLOCK or not _SPLIT_ROWS[0] <= m <= _SPLIT_ROWS[1]:
-            return F.linear(x, self.weight, self.bias)
+            return F.linear(x, self.weight, bias)
         ws = self.weight.split(CPU_ROW_BLOCK)
-        bs = self.bias.split(CPU_ROW_BLOCK) if self.bias is not None else [None] * len(ws)
+        bs = bias.split(CPU_ROW_BLOCK) if bias is not None else [None] * len(ws)
         return torch.cat([F.linear(x, w, b) for w, b in zip(ws, bs)], dim=-1)
 
 

@@ -2,7 +2,8 @@
 
 Differences between the families are config switches: Qwen2 has q/k/v biases, Qwen3 normalises q and k per
 head. q/k/v and gate/up are fused into one matmul each; ``load_weights`` maps HF's separate tensors onto the
-fused shards.
+fused shards. Under tensor parallelism each rank holds a slice of the heads, of the MLP's intermediate and of the
+vocabulary (layers/parallel_linear.py, vocab_parallel_embedding.py) and reads only that slice of each tensor.
 """
 from __future__ import annotations
 
@@ -18,10 +19,11 @@ from openinfer.kv_cache_interface import KVGroupSpec
 from openinfer.layers import cpu_ops
 from openinfer.layers.activation import SiluAndMul
 from openinfer.layers.attention import Attention, bind_layer_caches, free_layer_caches, paged_attention_spec
-from openinfer.layers.linear import Linear
 from openinfer.layers.norm import RMSNorm
+from openinfer.layers.parallel_linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from openinfer.layers.rotary import RotaryEmbedding, apply_neox, rope_parameters
-from openinfer.models.weights import WeightLoadError, load_stacked
+from openinfer.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from openinfer.models.weights import WeightLoadError, copy_into
 
 
 class LlamaAttention(nn.Module):
@@ -29,13 +31,14 @@ class LlamaAttention(nn.Module):
                  rotary_emb: RotaryEmbedding, backend: AttentionBackend) -> None:
         super().__init__()
         hidden = cfg["hidden_size"]
-        self.num_heads = cfg["num_attention_heads"]
-        self.num_kv_heads = cfg.get("num_key_value_heads") or self.num_heads
-        self.head_dim = cfg.get("head_dim") or hidden // self.num_heads
+        total_heads = cfg["num_attention_heads"]
+        self.head_dim = cfg.get("head_dim") or hidden // total_heads
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, total_heads,
+                                          cfg.get("num_key_value_heads") or total_heads, bias=bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = Linear(self.q_size, hidden, bias=o_bias)
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, bias=o_bias)
         self.qk_norm = qk_norm
         if qk_norm:
             eps = cfg.get("rms_norm_eps", 1e-6)
@@ -79,8 +82,8 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
-        self.down_proj = Linear(intermediate, hidden, bias=bias)
+        self.gate_up_proj = ColumnParallelLinear(hidden, [intermediate, intermediate], bias=bias)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -112,7 +115,7 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: dict[str, Any], qk_norm: bool, qkv_bias: bool, o_bias: bool,
                  backend: AttentionBackend) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
+        self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], cfg["hidden_size"])
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
         rot_dim = int(head_dim * float(cfg.get("partial_rotary_factor") or 1.0))
         rotary = RotaryEmbedding(rot_dim, rope_parameters(cfg), cfg.get("max_position_embeddings", 2048))
@@ -134,11 +137,11 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     qk_norm = False
     qkv_bias = False
-    # HF name fragment -> (fused param fragment, shard id)
+    # HF name fragment -> (fused parameter fragment, part)
     stacked_params = [
-        ("q_proj", "qkv_proj", "q"),
-        ("k_proj", "qkv_proj", "k"),
-        ("v_proj", "qkv_proj", "v"),
+        ("q_proj", "qkv_proj", 0),
+        ("k_proj", "qkv_proj", 1),
+        ("v_proj", "qkv_proj", 2),
         ("gate_proj", "gate_up_proj", 0),
         ("up_proj", "gate_up_proj", 1),
     ]
@@ -151,9 +154,9 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(cfg, self.qk_norm, self.qkv_bias or attention_bias,
                                 attention_bias and not self.qkv_bias, attention_backend)
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
-        self.lm_head = Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
+        self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"])
         if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head.tie(self.model.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
@@ -174,25 +177,38 @@ class LlamaForCausalLM(nn.Module):
     def free_kv_cache(self) -> None:
         free_layer_caches(self.attention_layers())
 
-    def _shard_offsets(self, fused: str) -> dict:
-        a = self.model.layers[0].self_attn
-        if fused == "qkv_proj":
-            return {"q": (0, a.q_size), "k": (a.q_size, a.kv_size), "v": (a.q_size + a.kv_size, a.kv_size)}
-        inter = self.model.layers[0].mlp.down_proj.in_features
-        return {0: (0, inter), 1: (inter, inter)}
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Each checkpoint tensor goes to its parameter's ``weight_loader`` (which reads this rank's slice), HF's
+        separate q/k/v and gate/up tensors to their part of the fused parameter."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
+            if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
                 continue
-            if self.tie_word_embeddings and name == "lm_head.weight":
-                continue
-            loaded.add(load_stacked(params, name, tensor, self.stacked_params, self._shard_offsets))
-        expected = set(params)
-        if self.tie_word_embeddings:
-            expected.discard("lm_head.weight")
+            pname, part = name, None
+            for src, fused, p in self.stacked_params:
+                if f".{src}." in name:
+                    pname, part = name.replace(f".{src}.", f".{fused}."), p
+                    break
+            param = params.get(pname)
+            if param is None:
+                raise WeightLoadError(f"checkpoint tensor {name!r} does not belong to this model")
+            loader = getattr(param, "weight_loader", None)
+            if loader is not None:
+                loader(param, tensor, part)
+            else:
+                copy_into(param, tensor, name)
+            loaded.add(pname if part is None else f"{pname}#{part}")
+        parts_of: dict[str, list[int]] = {}
+        for _, fused, p in self.stacked_params:
+            parts_of.setdefault(fused, []).append(p)
+        expected: set[str] = set()
+        for pname in params:
+            fused = next((f for f in parts_of if f".{f}." in pname), None)
+            if fused is None:
+                expected.add(pname)
+            else:
+                expected.update(f"{pname}#{p}" for p in parts_of[fused])
         missing = expected - loaded
         if missing:
             raise WeightLoadError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:5]}")

@@ -15,7 +15,7 @@ import torch
 
 from openinfer.layers.fp8 import FP8_DTYPE, dequantize_fp8_block
 from openinfer.layers.mxfp4 import PACKED_DTYPES, dequantize_mxfp4
-from openinfer.models.weights import WeightLoadError
+from openinfer.models.weights import WeightLoadError, materialize
 
 SCALE_SUFFIXES = (".weight_scale_inv", ".scale")
 
@@ -29,8 +29,8 @@ def _scale_owner(name: str) -> str | None:
 
 
 class Dequantizer:
-    """Feed every checkpoint tensor through ``feed``: plain tensors pass straight through; a quantised weight
-    comes out dequantised (fp32, under its weight name) once both it and its scale have been fed. ``finish``
+    """Feed every checkpoint tensor through ``feed``: plain tensors pass straight through (still lazy); a quantised
+    weight comes out dequantised (fp32, under its weight name) once both it and its scale have been fed. ``finish``
     raises for anything left unpaired."""
 
     def __init__(self, fp8_block: tuple[int, int] | None, expert_dtype: str | None,
@@ -45,11 +45,11 @@ class Dequantizer:
         owner = _scale_owner(name)
         if owner is not None and not self.is_param(name):
             key = owner
-            self.scales[key] = (name, tensor)
+            self.scales[key] = (name, materialize(tensor))
         elif tensor.dtype == FP8_DTYPE or (tensor.dtype in PACKED_DTYPES and name.endswith(".weight")):
             self._check_declared(name, tensor)
             key = name
-            self.weights[key] = tensor
+            self.weights[key] = materialize(tensor)
         else:
             yield name, tensor
             return

@@ -15,7 +15,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import msgspec
 
@@ -101,6 +101,8 @@ class AsyncEngine:
         self.stats = StatsSnapshot(heartbeat_s=time.monotonic())
         self.draining = False
         self.dead_reason: str | None = None
+        # Called on the loop once the core has died and every open request has been ended (the server exits).
+        self.on_dead: Callable[[str], None] | None = None
         self._tracker = OutputTracker(metrics)
 
     # -- lifecycle (loop side) -------------------------------------------------------------------
@@ -190,6 +192,8 @@ class AsyncEngine:
         self.dead_reason = reason
         for rid, stream in list(self._streams.items()):
             stream.queue.put_nowait(RequestUpdate(rid, finished=True, error=reason, error_kind="engine"))
+        if self.on_dead is not None:
+            self.on_dead(reason)
         self._streams.clear()
         self._seqs.clear()
         self.num_in_flight = 0

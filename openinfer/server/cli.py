@@ -92,9 +92,10 @@ def run(args: argparse.Namespace) -> int:
     server = DrainingServer(uv_config, app, args.drain_timeout_s)
     logger.info("serving %s on http://%s:%d", names[0], args.host, args.port)
     server.run()
-    # The server has drained and shut down cleanly; skip the interpreter teardown (seconds of torch module
-    # finalization) so a restart or a rolling deploy is not kept waiting.
+    engine.shutdown()  # worker processes, when there are any
+    # The server has shut down (drained, or after the engine died: exit code 1); skip the interpreter teardown
+    # (seconds of torch module finalization) so a restart or a rolling deploy is not kept waiting.
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(server.exit_code)

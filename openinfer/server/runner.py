@@ -1,4 +1,6 @@
-"""uvicorn's server with a drain on the first SIGTERM/SIGINT instead of an immediate stop."""
+"""uvicorn's server with a drain on the first SIGTERM/SIGINT instead of an immediate stop, and an exit with a
+non-zero code when the engine dies (a supervisor then restarts it; a half-alive server answering 503 forever
+helps nobody)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ from openinfer.server.api import drain
 
 logger = logging.getLogger(__name__)
 
+ENGINE_DEATH_GRACE_S = 0.5  # time for the error responses of the open requests to reach their clients
+
 
 class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, app: FastAPI, drain_timeout_s: float) -> None:
@@ -21,10 +25,18 @@ class DrainingServer(uvicorn.Server):
         self.drain_timeout_s = drain_timeout_s
         self._draining = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.exit_code = 0
 
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
+        self.app.state.async_engine.on_dead = self._engine_died
         await super().serve(sockets)
+
+    def _engine_died(self, reason: str) -> None:
+        """The open requests have their errors; let their responses go out, then stop with exit code 1."""
+        logger.error("engine died (%s): shutting down", reason)
+        self.exit_code = 1
+        self._loop.call_later(ENGINE_DEATH_GRACE_S, setattr, self, "should_exit", True)
 
     def handle_exit(self, sig: int, frame) -> None:
         # Runs in the main thread from the signal handler. The first signal starts a drain on the loop (the

@@ -12,7 +12,7 @@ from torch import nn
 
 from openinfer.config import AttentionBackend, ModelConfig
 from openinfer.models.registry import resolve_model_class
-from openinfer.models.weights import WeightLoadError
+from openinfer.layers.weight_utils import CheckpointTensor, WeightLoadError
 
 logger = logging.getLogger(__name__)
 
@@ -38,30 +38,38 @@ def safetensors_files(path: str | Path) -> list[Path]:
     return files
 
 
-def iterate_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_weights(path: str | Path) -> Iterator[tuple[str, CheckpointTensor]]:
+    """Every tensor of the checkpoint, lazily: nothing is read until the model materializes it or narrows it to
+    its tensor-parallel shard (layers/weight_utils.py)."""
     for f in safetensors_files(path):
         try:
             handle = safe_open(str(f), framework="pt", device="cpu")
+            names = list(handle.keys())
         except Exception as e:  # safetensors raises its own error types for truncated/corrupt headers
             raise WeightLoadError(f"cannot read {f.name}: {e} (file truncated or corrupt?)") from None
-        with handle:
-            for name in handle.keys():
-                try:
-                    tensor = handle.get_tensor(name)
-                except Exception as e:
-                    raise WeightLoadError(f"cannot read tensor {name!r} from {f.name}: {e} "
-                                          "(file truncated or corrupt?)") from None
-                yield name, tensor
+        for name in names:
+            try:
+                tensor = CheckpointTensor(handle, name, f.name)
+            except Exception as e:
+                raise WeightLoadError(f"cannot read tensor {name!r} from {f.name}: {e} "
+                                      "(file truncated or corrupt?)") from None
+            yield name, tensor
 
 
-def load_model(mc: ModelConfig, attention_backend: AttentionBackend = AttentionBackend.SDPA) -> nn.Module:
-    """Build the registered class for the checkpoint's architecture (in its dtype, on its device) and fill it
-    from the safetensors files. The model follows ``models/interface.py``."""
+def read_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint, read (converters and tests; the engine reads lazily)."""
+    return {name: t.load() for name, t in iterate_weights(path)}
+
+
+def load_model(mc: ModelConfig, attention_backend: AttentionBackend = AttentionBackend.SDPA,
+               device: torch.device | None = None) -> nn.Module:
+    """Build the registered class for the checkpoint's architecture (in its dtype, on ``device``, by default the
+    config's) and fill it from the safetensors files. The model follows ``models/interface.py``."""
     cls = resolve_model_class(mc.architecture)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(mc.dtype)
     try:
-        with torch.device(mc.device):
+        with torch.device(device or mc.device):
             model = cls(mc.hf_config, attention_backend=attention_backend)
     finally:
         torch.set_default_dtype(prev)

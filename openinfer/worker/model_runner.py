@@ -41,7 +41,7 @@ class ModelRunner:
 
     def load_model(self) -> None:
         t0 = time.perf_counter()
-        self.model = load_model(self.config.model, self.config.attention_backend)
+        self.model = load_model(self.config.model, self.config.attention_backend, self.device)
         prepack_linears(self.model)
         if (self.device.type == "cpu" and self.config.attention_backend == AttentionBackend.SDPA
                 and any(isinstance(m, Attention) for m in self.model.modules())):

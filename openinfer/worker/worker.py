@@ -16,15 +16,26 @@ CPU_DEFAULT_KV_GB = 4.0
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+    def __init__(self, config: EngineConfig, rank: int = 0, distributed_init_method: str | None = None) -> None:
         self.config = config
         self.rank = rank
+        self.distributed_init_method = distributed_init_method
         self.device = config.model.device
+        if self.device.type == "cuda" and config.parallel.world_size > 1:
+            self.device = torch.device("cuda", rank % max(torch.cuda.device_count(), 1))  # one GPU per local rank
         self.model_runner: ModelRunner | None = None
 
     def init_device(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         if self.device.type == "cpu":
             platform.tune_malloc()  # before the model's first activations (platform.py says why)
+        world = self.config.parallel.world_size
+        if world > 1:
+            from openinfer.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+
+            init_distributed_environment(world, self.rank, self.distributed_init_method, self.device)
+            initialize_model_parallel(self.config.parallel.tensor_parallel_size, self.device)
         torch.manual_seed(self.config.seed)
 
     def load_model(self) -> None:

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 import torch
 
 from openinfer.models.quantized_weights import Dequantizer
-from openinfer.models.weights import WeightLoadError, copy_into
+from openinfer.models.weights import WeightLoadError, copy_into, materialize
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +116,7 @@ def load_v4_weights(model, weights: Iterable[tuple[str, torch.Tensor]]) -> set[s
                 raise WeightLoadError(f"checkpoint tensor {name!r} does not belong to this model "
                                       f"(mapped to {pname!r})")
             if pname.endswith("tid2eid"):
+                tensor = materialize(tensor)
                 _check_hash_table(name, tensor, model.config.n_routed_experts)
             if shard is None:
                 copy_into(targets[pname], tensor, name)

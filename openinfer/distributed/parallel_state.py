@@ -1,0 +1,129 @@
+"""The process groups of one deployment and the collectives layers use.
+
+Ranks are laid out as ``rank = dp_rank * tp_size + tp_rank``: the ``tp_size`` ranks of one data-parallel replica are
+neighbours. Each group has a device group (gloo on CPU, NCCL on CUDA) for tensors and, beside it, a CPU (gloo) group
+for control messages, so control traffic never waits behind device work.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class GroupCoordinator:
+    """One process group as a layer sees it. ``world_size == 1`` makes every collective a no-op."""
+
+    ranks: list[int] = field(default_factory=lambda: [0])
+    rank_in_group: int = 0
+    device_group: dist.ProcessGroup | None = None
+    cpu_group: dist.ProcessGroup | None = None
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def is_first_rank(self) -> bool:
+        return self.rank_in_group == 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over the group, in place (returns x)."""
+        if self.world_size > 1:
+            dist.all_reduce(x, group=self.device_group)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Concatenate every rank's ``x`` along ``dim`` (rank order)."""
+        if self.world_size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(parts, x.contiguous(), group=self.device_group)
+        return torch.cat(parts, dim=dim)
+
+    def all_reduce_cpu(self, x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        """A control-plane reduction over the CPU group (e.g. "does any rank have work")."""
+        if self.world_size > 1:
+            dist.all_reduce(x, op=op, group=self.cpu_group)
+        return x
+
+
+_WORLD = GroupCoordinator()
+_TP = GroupCoordinator()
+
+
+def get_world_group() -> GroupCoordinator:
+    return _WORLD
+
+
+def get_tp_group() -> GroupCoordinator:
+    return _TP
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    return _TP.world_size
+
+
+def get_tensor_model_parallel_rank() -> int:
+    return _TP.rank_in_group
+
+
+def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    return _TP.all_reduce(x)
+
+
+def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    return _TP.all_gather(x, dim)
+
+
+def device_backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_distributed_environment(world_size: int, rank: int, init_method: str, device: torch.device,
+                                 timeout_s: float = 60.0) -> None:
+    """Join the deployment's default group. On loopback, gloo is told to use ``lo`` (it otherwise binds the
+    address the hostname resolves to). ``timeout_s`` bounds every collective: a rank that stops answering fails
+    the others instead of hanging them."""
+    if dist.is_initialized():
+        return
+    if "127.0.0.1" in init_method or "localhost" in init_method:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(device_backend(device), init_method=init_method, world_size=world_size, rank=rank,
+                            timeout=timedelta(seconds=timeout_s))
+    global _WORLD
+    cpu = dist.new_group(list(range(world_size)), backend="gloo") if device.type == "cuda" else dist.group.WORLD
+    _WORLD = GroupCoordinator(list(range(world_size)), rank, dist.group.WORLD, cpu)
+    logger.debug("rank %d of %d joined %s", rank, world_size, init_method)
+
+
+def initialize_model_parallel(tensor_parallel_size: int, device: torch.device) -> None:
+    """Split the world into tensor-parallel groups of consecutive ranks (every rank takes part in creating every
+    group, as torch.distributed requires)."""
+    global _TP
+    world, rank = _WORLD.world_size, _WORLD.rank_in_group
+    if world % tensor_parallel_size:
+        raise ValueError(f"world size {world} is not a multiple of tensor_parallel_size={tensor_parallel_size}")
+    for start in range(0, world, tensor_parallel_size):
+        ranks = list(range(start, start + tensor_parallel_size))
+        if len(ranks) == world:  # the whole world: reuse its groups
+            dev, cpu = _WORLD.device_group, _WORLD.cpu_group
+        else:
+            dev = dist.new_group(ranks, backend=device_backend(device))
+            cpu = dist.new_group(ranks, backend="gloo") if device.type == "cuda" else dev
+        if rank in ranks:
+            _TP = GroupCoordinator(ranks, ranks.index(rank), dev, cpu)
+
+
+def destroy_distributed_environment() -> None:
+    global _WORLD, _TP
+    _WORLD, _TP = GroupCoordinator(), GroupCoordinator()
+    if dist.is_initialized():
+        dist.destroy_process_group()

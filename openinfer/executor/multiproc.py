@@ -1,0 +1,174 @@
+"""The multiprocess executor: one worker process per rank on this machine, driven over ZeroMQ.
+
+Every call goes to every rank (msgpack, worker/rpc.py) and every rank answers; a step's sampled tokens come from
+rank 0. The engine process never joins a collective itself, so it can always notice a dead rank: while it waits
+for answers it checks every worker process, and a rank that exits, or answers with an error, fails the whole
+deployment at once (``ExecutorFailed`` naming the rank) instead of leaving the others blocked in a collective.
+Workers are started with ``python -m openinfer.worker.worker_main`` and the engine config as JSON, never pickle.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+import weakref
+from typing import Any
+
+import msgspec
+import zmq
+
+from openinfer.config import engine_config_to_json
+from openinfer.executor.abstract import Executor, ExecutorFailed
+from openinfer.worker import rpc
+
+logger = logging.getLogger(__name__)
+
+# How long workers may take to join the process groups and load their shards.
+START_TIMEOUT_S = float(os.environ.get("OPENINFER_WORKER_START_TIMEOUT_S", "900"))
+_POLL_MS = 50
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop(procs: list[subprocess.Popen], exit_wait_s: float = 0.0) -> None:
+    """Give the workers ``exit_wait_s`` to exit by themselves, then SIGTERM, then SIGKILL."""
+    deadline = time.monotonic() + exit_wait_s
+    for p in procs:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + 3.0
+    for p in procs:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+class MultiprocExecutor(Executor):
+    def _init_executor(self) -> None:
+        world = self.config.parallel.world_size
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        port = self._sock.bind_to_random_port("tcp://127.0.0.1")
+        self._ids = [f"rank-{r}".encode() for r in range(world)]
+        self._calls = itertools.count()
+        self._failed: str | None = None
+        env = dict(os.environ)
+        # The host's cores are shared by the ranks (one torch thread pool each) unless the user said otherwise.
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
+        cmd = [sys.executable, "-m", "openinfer.worker.worker_main", "--config-json",
+               engine_config_to_json(self.config), "--rpc-address", f"tcp://127.0.0.1:{port}",
+               "--dist-init", f"tcp://127.0.0.1:{_free_port()}"]
+        self.procs = [subprocess.Popen(cmd + ["--rank", str(r)], env=env) for r in range(world)]
+        self._finalizer = weakref.finalize(self, _stop, self.procs)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("started %d worker processes (tensor_parallel_size=%d)", world,
+                    self.config.parallel.tensor_parallel_size)
+
+    def _wait_ready(self) -> None:
+        pending = set(range(len(self.procs)))
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while pending:
+            for rank, payload in self._recv_some():
+                ready = msgspec.msgpack.decode(payload, type=rpc.Ready)
+                if not ready.ok:
+                    raise ExecutorFailed(f"worker rank {rank} failed to start: {ready.error}")
+                pending.discard(rank)
+            if time.monotonic() > deadline:
+                raise ExecutorFailed(f"worker ranks {sorted(pending)} did not start within {START_TIMEOUT_S:.0f} s")
+
+    def _recv_some(self) -> list[tuple[int, bytes]]:
+        """Messages that arrived within one poll interval; raises if a worker process has exited."""
+        got = []
+        if self._sock.poll(_POLL_MS):
+            while True:
+                try:
+                    ident, payload = self._sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                got.append((self._ids.index(ident), payload))
+        if not got:
+            self._check_alive()
+        return got
+
+    def _check_alive(self) -> None:
+        for rank, p in enumerate(self.procs):
+            code = p.poll()
+            if code is not None:
+                self._fail(f"worker rank {rank} (pid {p.pid}) exited with code {code}")
+
+    def _fail_on_error(self, rank: int, method: str, error: str | None) -> None:
+        """A rank's call failed. If another rank has died (its peers see a reset connection in the middle of a
+        collective), that death is the cause to report."""
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            for r, p in enumerate(self.procs):
+                if r != rank and p.poll() is not None:
+                    self._fail(f"worker rank {r} (pid {p.pid}) exited with code {p.returncode} "
+                               f"(rank {rank} then failed {method})")
+            time.sleep(0.05)
+        self._fail(f"worker rank {rank}: {method} failed: {error}")
+
+    def _fail(self, reason: str) -> None:
+        self._failed = reason
+        logger.error("deployment failed: %s", reason)
+        self.shutdown()
+        raise ExecutorFailed(reason)
+
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
+        if self._failed is not None:
+            raise ExecutorFailed(self._failed)
+        call_type = rpc.METHODS[method]
+        call = call_type(*args, **(kwargs or {}))
+        call_id = next(self._calls)
+        payload = msgspec.msgpack.encode(rpc.Request(call_id, call))
+        for ident in self._ids:
+            self._sock.send_multipart([ident, payload])
+        results: dict[int, Any] = {}
+        result_type = rpc.RESULT_TYPES[call_type]
+        while len(results) < len(self._ids):
+            for rank, data in self._recv_some():
+                reply = msgspec.msgpack.decode(data, type=rpc.Reply)
+                if reply.call_id != call_id:
+                    continue  # a late answer to an abandoned call
+                if not reply.ok:
+                    self._fail_on_error(rank, method, reply.error)
+                results[rank] = msgspec.msgpack.decode(reply.value, type=result_type)
+        return [results[r] for r in range(len(self._ids))]
+
+    def shutdown(self) -> None:
+        if getattr(self, "_sock", None) is None:
+            return
+        exit_wait_s = 0.0
+        if self._failed is None:  # a clean stop: ask every rank to leave, give them a moment
+            payload = msgspec.msgpack.encode(rpc.Request(next(self._calls), rpc.Shutdown()))
+            for ident in self._ids:
+                try:
+                    self._sock.send_multipart([ident, payload], zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+            exit_wait_s = 5.0
+        self._finalizer.detach()
+        _stop(self.procs, exit_wait_s)
+        self._sock.close()
+        self._sock = None
+        self._ctx.term()

@@ -1,0 +1,71 @@
+"""Token embedding and LM head split over the vocabulary (tensor parallel).
+
+Rank r holds rows [r * V', (r+1) * V') of the table, V' = ceil(vocab / tp) (the last shard padded with zero rows
+that no token id reaches). The embedding looks up the ids in its shard, zeroes the others and sums over ranks;
+the head computes its shard's logits and gathers them. Tied weights share the shard as they share the table.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from openinfer.distributed.parallel_state import GroupCoordinator, get_tp_group
+from openinfer.layers.linear import CheckpointLinear
+from openinfer.layers.weight_utils import WeightLoadError, narrow
+
+
+def _load_vocab_shard(param: torch.Tensor, loaded, vocab_size: int, start: int) -> None:
+    if tuple(loaded.shape) != (vocab_size, param.shape[1]):
+        raise WeightLoadError(f"vocabulary table has shape {tuple(loaded.shape)}, the model expects "
+                              f"({vocab_size}, {param.shape[1]})")
+    n = max(0, min(param.shape[0], vocab_size - start))
+    with torch.no_grad():
+        if n:
+            param[:n].copy_(narrow(loaded, 0, start, n))
+        param[n:].zero_()
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, tp: GroupCoordinator | None = None) -> None:
+        super().__init__()
+        self.tp = tp or get_tp_group()
+        self.vocab_size = vocab_size
+        self.shard_size = -(-vocab_size // self.tp.world_size)
+        self.start = self.tp.rank_in_group * self.shard_size
+        # torch.empty: every row is loaded from the checkpoint (or zeroed as padding)
+        self.weight = nn.Parameter(torch.empty(self.shard_size, hidden_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: torch.Tensor, loaded, part=None) -> None:
+        _load_vocab_shard(param, loaded, self.vocab_size, self.start)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.world_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.shard_size)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside[:, None], 0)
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(CheckpointLinear):
+    def __init__(self, vocab_size: int, hidden_size: int, tp: GroupCoordinator | None = None) -> None:
+        self.tp = tp or get_tp_group()
+        self.vocab_size = vocab_size
+        self.shard_size = -(-vocab_size // self.tp.world_size)
+        super().__init__(hidden_size, self.shard_size, bias=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: torch.Tensor, loaded, part=None) -> None:
+        _load_vocab_shard(param, loaded, self.vocab_size, self.tp.rank_in_group * self.shard_size)
+
+    def tie(self, embedding: VocabParallelEmbedding) -> None:
+        self.weight = embedding.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.matmul(hidden, None)
+        if self.tp.world_size == 1:
+            return logits
+        return self.tp.all_gather(logits, dim=-1)[..., :self.vocab_size]
