@@ -165,27 +165,32 @@ EXECUTOR_BACKENDS = ("auto", "uni", "mp")
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How one deployment is spread over processes: ``tensor_parallel_size`` ranks split every layer. The
-    executor backend runs them: ``uni`` in the engine's own process (one rank only), ``mp`` one worker process per
-    rank; ``auto`` picks ``uni`` for one rank, ``mp`` otherwise."""
+    """How one deployment is spread over processes: ``data_parallel_size`` attention replicas (each with its own
+    scheduler, KV cache and requests), each split over ``tensor_parallel_size`` ranks. Ranks are numbered
+    ``dp_rank * tensor_parallel_size + tp_rank``. The executor backend runs them: ``uni`` in the engine's own
+    process (one rank only), ``mp`` one worker process per rank; ``auto`` picks ``uni`` for one rank, ``mp``
+    otherwise."""
 
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
     distributed_executor_backend: str = "auto"
 
     def __post_init__(self) -> None:
-        tp = self.tensor_parallel_size
-        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
         if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r}; choose one of "
                              f"{', '.join(EXECUTOR_BACKENDS)}")
         if self.distributed_executor_backend == "uni" and self.world_size > 1:
             raise ValueError(f"distributed_executor_backend='uni' runs one rank in the engine's process, but "
-                             f"tensor_parallel_size={tp} needs {self.world_size}; use 'mp'")
+                             f"tensor_parallel_size={self.tensor_parallel_size} x data_parallel_size="
+                             f"{self.data_parallel_size} needs {self.world_size}; use 'mp'")
 
     @property
     def world_size(self) -> int:
-        return self.tensor_parallel_size
+        return self.tensor_parallel_size * self.data_parallel_size
 
     @property
     def executor_backend(self) -> str:

@@ -51,6 +51,8 @@ class EngineArgs:
     seed: int = _arg(0, "random seed of the engine (sampling without a per-request seed)")
     attention_backend: str = _arg("auto", "auto | sdpa | reference (the plain torch attention)")
     tensor_parallel_size: int = _arg(1, "ranks that split every layer (heads, MLP, vocabulary), one process each")
+    data_parallel_size: int = _arg(1, "attention replicas, each with its own scheduler, KV cache and requests "
+                                      "(and its own tensor_parallel_size ranks)")
     distributed_executor_backend: str = _arg("auto", "auto | uni (one rank, in process) | mp (a worker "
                                                      "process per rank)")
     chat_template: str | None = _arg(None, "a jinja2 chat template, as a string or a file "
@@ -133,6 +135,7 @@ class EngineArgs:
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
+                                    data_parallel_size=self.data_parallel_size,
                                     distributed_executor_backend=self.distributed_executor_backend),
             seed=self.seed,
             attention_backend=AttentionBackend.parse(self.attention_backend),

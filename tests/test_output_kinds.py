@@ -56,7 +56,7 @@ def test_scheduler_and_runner_messages_round_trip_through_msgpack():
         wire = msgspec.msgpack.encode(sched)
         back = msgspec.msgpack.decode(wire, type=SchedulerOutput)
         assert back == sched
-        result = core.executor.execute_model(back)  # the worker runs from the decoded copy
+        result = core.executor.execute_model([back])[0]  # the worker runs from the decoded copy
         back_result = msgspec.msgpack.decode(msgspec.msgpack.encode(result), type=ModelRunnerOutput)
         assert back_result == result
         core.scheduler.update_from_output(sched, back_result)

@@ -144,3 +144,25 @@ def _zombie(pid: int) -> bool:
 
 def _gone(pid: int) -> bool:
     return not Path(f"/proc/{pid}").exists() or _zombie(pid)
+
+
+def test_data_parallel_replicas_share_the_load_and_match_one_process(tmp_path):
+    """DP=2 x TP=2 (four ranks): requests go to the less loaded replica, each replica's tokens equal one process's."""
+    path = make_dense_checkpoint(tmp_path / "dp", "llama")
+    ref = hf_greedy(path, PROMPTS, NEW_TOKENS)
+    llm = LLM(str(path), dtype="float32", tensor_parallel_size=2, data_parallel_size=2, kv_cache_memory_gb=0.02)
+    core = llm.engine.core
+    placed = [core.add_request(_core_request(f"x{i}", p)) for i, p in enumerate(PROMPTS)]
+    assert placed == [0, 1, 0, 1]  # each new request went to the replica with fewer requests
+    core.abort_requests([f"x{i}" for i in range(len(PROMPTS))])
+    check(run(llm), ref)
+    assert all(kv.all_free() for kv in core.kvs)
+    llm.engine.shutdown()
+
+
+def _core_request(rid: str, prompt: list[int]):
+    import time as _t
+
+    from openinfer.engine.core_io import EngineCoreRequest
+
+    return EngineCoreRequest(rid, prompt, SamplingParams(max_tokens=4, ignore_eos=True), _t.monotonic())

@@ -57,6 +57,7 @@ class GroupCoordinator:
 
 _WORLD = GroupCoordinator()
 _TP = GroupCoordinator()
+_DP = GroupCoordinator()
 
 
 def get_world_group() -> GroupCoordinator:
@@ -65,6 +66,11 @@ def get_world_group() -> GroupCoordinator:
 
 def get_tp_group() -> GroupCoordinator:
     return _TP
+
+
+def get_dp_group() -> GroupCoordinator:
+    """The ranks holding the same tensor-parallel shard in every data-parallel replica."""
+    return _DP
 
 
 def get_tensor_model_parallel_world_size() -> int:
@@ -104,26 +110,37 @@ def init_distributed_environment(world_size: int, rank: int, init_method: str, d
     logger.debug("rank %d of %d joined %s", rank, world_size, init_method)
 
 
-def initialize_model_parallel(tensor_parallel_size: int, device: torch.device) -> None:
-    """Split the world into tensor-parallel groups of consecutive ranks (every rank takes part in creating every
-    group, as torch.distributed requires)."""
-    global _TP
-    world, rank = _WORLD.world_size, _WORLD.rank_in_group
-    if world % tensor_parallel_size:
-        raise ValueError(f"world size {world} is not a multiple of tensor_parallel_size={tensor_parallel_size}")
-    for start in range(0, world, tensor_parallel_size):
-        ranks = list(range(start, start + tensor_parallel_size))
-        if len(ranks) == world:  # the whole world: reuse its groups
-            dev, cpu = _WORLD.device_group, _WORLD.cpu_group
-        else:
-            dev = dist.new_group(ranks, backend=device_backend(device))
-            cpu = dist.new_group(ranks, backend="gloo") if device.type == "cuda" else dev
-        if rank in ranks:
-            _TP = GroupCoordinator(ranks, ranks.index(rank), dev, cpu)
+def _make_group(ranks: list[int], device: torch.device) -> GroupCoordinator:
+    """Create one group (every rank of the world must call this for every group, in the same order)."""
+    if len(ranks) == _WORLD.world_size:  # the whole world: reuse its groups
+        dev, cpu = _WORLD.device_group, _WORLD.cpu_group
+    else:
+        dev = dist.new_group(ranks, backend=device_backend(device))
+        cpu = dist.new_group(ranks, backend="gloo") if device.type == "cuda" else dev
+    rank = _WORLD.rank_in_group
+    return GroupCoordinator(ranks, ranks.index(rank) if rank in ranks else -1, dev, cpu)
+
+
+def initialize_model_parallel(tensor_parallel_size: int, data_parallel_size: int, device: torch.device) -> None:
+    """Tensor-parallel groups of consecutive ranks (one per data-parallel replica) and data-parallel groups of the
+    ranks that hold the same shard in each replica."""
+    global _TP, _DP
+    tp, dp = tensor_parallel_size, data_parallel_size
+    if _WORLD.world_size != tp * dp:
+        raise ValueError(f"world size {_WORLD.world_size} != tensor_parallel_size={tp} x data_parallel_size={dp}")
+    rank = _WORLD.rank_in_group
+    for d in range(dp):
+        g = _make_group(list(range(d * tp, (d + 1) * tp)), device)
+        if g.rank_in_group >= 0:
+            _TP = g
+    for t in range(tp):
+        g = _make_group(list(range(t, tp * dp, tp)), device)
+        if rank in g.ranks:
+            _DP = g
 
 
 def destroy_distributed_environment() -> None:
-    global _WORLD, _TP
-    _WORLD, _TP = GroupCoordinator(), GroupCoordinator()
+    global _WORLD, _TP, _DP
+    _WORLD, _TP, _DP = GroupCoordinator(), GroupCoordinator(), GroupCoordinator()
     if dist.is_initialized():
         dist.destroy_process_group()

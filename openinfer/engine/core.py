@@ -1,9 +1,14 @@
-"""The engine core: scheduler + KV cache manager + executor. ``step()`` is schedule -> execute -> update.
+"""The engine core: schedulers + KV cache managers + executor. ``step()`` is schedule -> execute -> update.
 
 It speaks only in data (``EngineCoreRequest`` in, ``EngineCoreOutput`` deltas out) and never touches a model or a
 tensor: the executor does. Every accepted request ends in exactly one outcome (finished, aborted, error) and its
 KV blocks go back to the pool; a failed forward ends the requests of that step with an error and the core keeps
-serving.
+serving; a dead executor (a rank gone) ends every open request and makes the core refuse to step again.
+
+Data parallel (``data_parallel_size`` D): D attention replicas, each with its own scheduler, KV cache manager and
+requests (on its own group of ranks). A new request goes to the least loaded replica (fewest requests, then the
+emptiest KV cache); every step schedules each replica and runs them together in one executor call, which keeps
+replicas whose layers meet in collectives (expert-parallel MoE) stepping in lockstep.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ from openinfer.engine.request import Request, RequestStatus
 from openinfer.engine.scheduler import Scheduler
 from openinfer.executor.abstract import Executor, ExecutorFailed
 from openinfer.kv_cache_interface import bytes_per_token, kv_startup_message
+from openinfer.step_io import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +38,7 @@ class EngineStats:
     num_running: int
     num_waiting: int
     kv_cache_usage: float
-    num_free_blocks: int  # in the first KV group's pool
+    num_free_blocks: int  # in the first KV group's pools, summed over data-parallel replicas
     num_blocks: int
     prefix_cache_queries: int
     prefix_cache_hits: int
@@ -53,17 +59,31 @@ class EngineCore:
             max_num_batched_tokens=sched.max_num_batched_tokens, max_model_len=self.max_model_len,
             budget=budget, num_kv_blocks=cache.num_kv_blocks)
         self.executor.initialize_kv_cache(self.num_kv_blocks)
-        self.kv = KVCacheManager(self.kv_specs, self.num_kv_blocks, cache.block_size, cache.enable_prefix_caching)
-        self.scheduler = Scheduler(sched, self.kv)
+        self.kvs = [KVCacheManager(self.kv_specs, self.num_kv_blocks, cache.block_size, cache.enable_prefix_caching)
+                    for _ in range(config.parallel.data_parallel_size)]
+        self.schedulers = [Scheduler(sched, kv) for kv in self.kvs]
+        self._replica_of: dict[str, int] = {}  # request id -> data-parallel replica
         self.kv_bytes_per_token = bytes_per_token(self.kv_specs, cache.block_size)
         self.startup_message = kv_startup_message(self.kv_specs, self.num_kv_blocks, cache.block_size,
                                                   self.max_model_len)
 
+    @property
+    def kv(self) -> KVCacheManager:
+        """Replica 0's KV cache manager (the only one without data parallelism)."""
+        return self.kvs[0]
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.schedulers[0]
+
     # -- requests ----------------------------------------------------------------------------------------
-    def add_request(self, request: EngineCoreRequest) -> None:
-        """Enqueue; raises ValueError (and changes nothing) when the request can never fit the cache."""
+    def add_request(self, request: EngineCoreRequest) -> int:
+        """Enqueue on the least loaded replica (returned); raises ValueError (and changes nothing) when the
+        request can never fit the cache."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
+        if request.request_id in self._replica_of:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
         req = Request(request.request_id, request.prompt_token_ids, request.sampling_params, self.max_model_len,
                       request.arrival_s)
         end = req.num_prompt_tokens + req.max_tokens
@@ -73,67 +93,90 @@ class EngineCore:
                 raise ValueError(
                     f"request needs up to {need} KV blocks ({req.num_prompt_tokens} prompt + {req.max_tokens} new "
                     f"tokens) but the whole KV cache has {have} blocks; lower max_tokens or grow the cache")
-        self.scheduler.add_request(req)
+        replica = min(range(len(self.schedulers)), key=self._load)
+        self.schedulers[replica].add_request(req)
+        self._replica_of[req.request_id] = replica
+        return replica
+
+    def _load(self, replica: int) -> tuple[int, float]:
+        s = self.schedulers[replica]
+        return s.num_unfinished, self.kvs[replica].usage
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
-        self.scheduler.finish_requests(request_ids, status)
+        for rid in request_ids:
+            replica = self._replica_of.pop(rid, None)
+            if replica is not None:
+                self.schedulers[replica].finish_requests([rid], status)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return any(s.num_unfinished for s in self.schedulers)
 
     # -- the step ----------------------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
-        sched = self.scheduler.schedule()
+        scheds = [s.schedule() for s in self.schedulers]
         try:
-            if sched.empty:
-                if sched.finished_req_ids:  # workers still drop the state of what ended
-                    self.executor.execute_model(sched)
+            if all(s.empty for s in scheds):
+                if any(s.finished_req_ids for s in scheds):  # workers still drop the state of what ended
+                    self.executor.execute_model(scheds)
                 return []
-            result = self.executor.execute_model(sched)
+            results = self.executor.execute_model(scheds)
         except ExecutorFailed as e:
             self._die(str(e))
             raise EngineDeadError(self.dead_reason) from e
         except Exception:
             # A failed forward must not strand requests: each scheduled one ends with an error and its blocks
             # return to the pool; the engine keeps serving the rest.
-            logger.exception("model step failed; finishing %d requests with an error",
-                             len(sched.num_scheduled_tokens))
-            done = self.scheduler.finish_requests(list(sched.num_scheduled_tokens), RequestStatus.FINISHED_ERROR)
-            now = time.monotonic()
-            return [EngineCoreOutput(r.request_id, [], finish_reason="error",
-                                     num_cached_tokens=max(r.num_cached_tokens, 0),
-                                     num_preemptions=r.num_preemptions,
-                                     first_scheduled_s=r.times.first_scheduled_s, timestamp_s=now) for r in done]
-        return self.scheduler.update_from_output(sched, result)
+            ids = [rid for s in scheds for rid in s.num_scheduled_tokens]
+            logger.exception("model step failed; finishing %d requests with an error", len(ids))
+            return self._end_with_error(ids)
+        outputs: list[EngineCoreOutput] = []
+        for scheduler, sched, result in zip(self.schedulers, scheds, results):
+            if not sched.empty:
+                outputs += scheduler.update_from_output(sched, result or ModelRunnerOutput())
+        for o in outputs:
+            if o.finish_reason is not None:
+                self._replica_of.pop(o.request_id, None)
+        return outputs
+
+    def _end_with_error(self, ids: list[str]) -> list[EngineCoreOutput]:
+        done = []
+        for rid in ids:
+            replica = self._replica_of.pop(rid, None)
+            if replica is not None:
+                done += self.schedulers[replica].finish_requests([rid], RequestStatus.FINISHED_ERROR)
+        now = time.monotonic()
+        return [EngineCoreOutput(r.request_id, [], finish_reason="error",
+                                 num_cached_tokens=max(r.num_cached_tokens, 0), num_preemptions=r.num_preemptions,
+                                 first_scheduled_s=r.times.first_scheduled_s, timestamp_s=now) for r in done]
 
     def _die(self, reason: str) -> None:
         """Every open request ends with an error and gives its blocks back; no step runs again."""
         self.dead_reason = f"engine failed: {reason}"
-        ids = list(self.scheduler.requests)
-        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
+        ids = list(self._replica_of)
+        self._end_with_error(ids)
         logger.error("%s; %d open requests ended with an error", self.dead_reason, len(ids))
 
     # -- introspection -----------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
-        pool = self.kv.groups[0].pool
+        pools = [kv.groups[0].pool for kv in self.kvs]
         return EngineStats(
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            kv_cache_usage=self.kv.usage,
-            num_free_blocks=pool.num_free_blocks,
-            num_blocks=pool.num_blocks,
-            prefix_cache_queries=self.kv.stats.queries,
-            prefix_cache_hits=self.kv.stats.hits,
-            num_preemptions=self.scheduler.num_preemptions,
+            num_running=sum(len(s.running) for s in self.schedulers),
+            num_waiting=sum(len(s.waiting) for s in self.schedulers),
+            kv_cache_usage=max(kv.usage for kv in self.kvs),
+            num_free_blocks=sum(p.num_free_blocks for p in pools),
+            num_blocks=sum(p.num_blocks for p in pools),
+            prefix_cache_queries=sum(kv.stats.queries for kv in self.kvs),
+            prefix_cache_hits=sum(kv.stats.hits for kv in self.kvs),
+            num_preemptions=sum(s.num_preemptions for s in self.schedulers),
         )
 
     def reset_prefix_cache(self) -> int:
-        return self.kv.reset_prefix_cache()
+        return sum(kv.reset_prefix_cache() for kv in self.kvs)
 
     def shutdown(self) -> None:
         self.executor.shutdown()

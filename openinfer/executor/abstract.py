@@ -56,9 +56,10 @@ class Executor(ABC):
     def initialize_kv_cache(self, num_blocks: dict[str, int]) -> None:
         self.collective_rpc("initialize_kv_cache", (num_blocks,))
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step; the sampled tokens come from the driver rank."""
-        return self.collective_rpc("execute_model", (scheduler_output,))[0]
+    def execute_model(self, scheduler_outputs: list[SchedulerOutput]) -> list[ModelRunnerOutput | None]:
+        """Run one step: ``scheduler_outputs[d]`` on data-parallel replica d's ranks. Returns each replica's
+        sampled tokens (from its first rank); None for a replica that had nothing scheduled."""
+        return self.collective_rpc("execute_model", (scheduler_outputs[0],))[:1]
 
     @property
     def load_time_s(self) -> float:

@@ -23,6 +23,7 @@ import zmq
 
 from openinfer.config import engine_config_to_json
 from openinfer.executor.abstract import Executor, ExecutorFailed
+from openinfer.step_io import ModelRunnerOutput, SchedulerOutput
 from openinfer.worker import rpc
 
 logger = logging.getLogger(__name__)
@@ -81,8 +82,9 @@ class MultiprocExecutor(Executor):
         except BaseException:
             self.shutdown()
             raise
-        logger.info("started %d worker processes (tensor_parallel_size=%d)", world,
-                    self.config.parallel.tensor_parallel_size)
+        par = self.config.parallel
+        logger.info("started %d worker processes (tensor_parallel_size=%d, data_parallel_size=%d)", world,
+                    par.tensor_parallel_size, par.data_parallel_size)
 
     def _wait_ready(self) -> None:
         pending = set(range(len(self.procs)))
@@ -135,13 +137,25 @@ class MultiprocExecutor(Executor):
         raise ExecutorFailed(reason)
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
+        call_type = rpc.METHODS[method]
+        call_id = next(self._calls)
+        payload = msgspec.msgpack.encode(rpc.Request(call_id, call_type(*args, **(kwargs or {}))))
+        return self._round_trip(call_id, method, call_type, [payload] * len(self._ids))
+
+    def execute_model(self, scheduler_outputs: list[SchedulerOutput]) -> list[ModelRunnerOutput | None]:
+        """Each rank gets its replica's batch (encoded once per replica); each replica's first rank answers."""
+        tp = self.config.parallel.tensor_parallel_size
+        call_id = next(self._calls)
+        per_replica = [msgspec.msgpack.encode(rpc.Request(call_id, rpc.ExecuteModel(s))) for s in scheduler_outputs]
+        results = self._round_trip(call_id, "execute_model", rpc.ExecuteModel,
+                                   [per_replica[r // tp] for r in range(len(self._ids))])
+        return results[::tp]
+
+    def _round_trip(self, call_id: int, method: str, call_type: type, payloads: list[bytes]) -> list[Any]:
+        """Send rank r ``payloads[r]``, then wait for every rank's answer (watching that every rank lives)."""
         if self._failed is not None:
             raise ExecutorFailed(self._failed)
-        call_type = rpc.METHODS[method]
-        call = call_type(*args, **(kwargs or {}))
-        call_id = next(self._calls)
-        payload = msgspec.msgpack.encode(rpc.Request(call_id, call))
-        for ident in self._ids:
+        for ident, payload in zip(self._ids, payloads):
             self._sock.send_multipart([ident, payload])
         results: dict[int, Any] = {}
         result_type = rpc.RESULT_TYPES[call_type]

@@ -19,6 +19,8 @@ class Worker:
     def __init__(self, config: EngineConfig, rank: int = 0, distributed_init_method: str | None = None) -> None:
         self.config = config
         self.rank = rank
+        self.tp_rank = rank % config.parallel.tensor_parallel_size
+        self.dp_rank = rank // config.parallel.tensor_parallel_size
         self.distributed_init_method = distributed_init_method
         self.device = config.model.device
         if self.device.type == "cuda" and config.parallel.world_size > 1:
@@ -35,12 +37,18 @@ class Worker:
             from openinfer.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
 
             init_distributed_environment(world, self.rank, self.distributed_init_method, self.device)
-            initialize_model_parallel(self.config.parallel.tensor_parallel_size, self.device)
+            initialize_model_parallel(self.config.parallel.tensor_parallel_size,
+                                      self.config.parallel.data_parallel_size, self.device)
         torch.manual_seed(self.config.seed)
 
     def load_model(self) -> None:
         self.model_runner = ModelRunner(self.config, self.device)
         self.model_runner.load_model()
+
+    @property
+    def is_replica_driver(self) -> bool:
+        """The first rank of its data-parallel replica: the one whose sampled tokens the engine reads."""
+        return self.tp_rank == 0
 
     @property
     def load_time_s(self) -> float:
