@@ -48,6 +48,21 @@ class GroupCoordinator:
         dist.all_gather(parts, x.contiguous(), group=self.device_group)
         return torch.cat(parts, dim=dim)
 
+    def all_gather_bytes(self, data: bytes) -> list[bytes]:
+        """Every rank's ``data`` (any length), in rank order, over the CPU group: how ranks share msgpack-encoded
+        messages without pickle (torch's ``all_gather_object`` pickles)."""
+        if self.world_size == 1:
+            return [data]
+        n = torch.tensor([len(data)], dtype=torch.int64)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        dist.all_gather(sizes, n, group=self.cpu_group)
+        longest = max(int(s) for s in sizes)
+        buf = torch.zeros(longest, dtype=torch.uint8)
+        buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf[:0]
+        parts = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
+        dist.all_gather(parts, buf, group=self.cpu_group)
+        return [bytes(p[:int(s)].numpy()) for p, s in zip(parts, sizes)]
+
     def all_reduce_cpu(self, x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         """A control-plane reduction over the CPU group (e.g. "does any rank have work")."""
         if self.world_size > 1:
@@ -100,7 +115,8 @@ def init_distributed_environment(world_size: int, rank: int, init_method: str, d
     the others instead of hanging them."""
     if dist.is_initialized():
         return
-    if "127.0.0.1" in init_method or "localhost" in init_method:
+    addr = os.environ.get("MASTER_ADDR", "") if init_method == "env://" else init_method
+    if "127.0.0.1" in addr or "localhost" in addr:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group(device_backend(device), init_method=init_method, world_size=world_size, rank=rank,
                             timeout=timedelta(seconds=timeout_s))

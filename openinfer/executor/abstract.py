@@ -30,6 +30,10 @@ class Executor(ABC):
     def get_class(config: EngineConfig) -> type[Executor]:
         """The executor class for ``config`` (imported lazily: the engine core loads without torch)."""
         backend = config.parallel.executor_backend
+        if backend == "external_launcher":
+            from openinfer.executor.external_launcher import ExternalLauncherExecutor
+
+            return ExternalLauncherExecutor
         if backend == "mp":
             from openinfer.executor.multiproc import MultiprocExecutor
 
