@@ -160,7 +160,7 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be > 0, got {self.max_num_batched_tokens}")
 
 
-EXECUTOR_BACKENDS = ("auto", "uni", "mp", "external_launcher")
+EXECUTOR_BACKENDS = ("auto", "uni", "mp", "ray", "external_launcher")
 
 
 @dataclass(frozen=True)
@@ -168,7 +168,8 @@ class ParallelConfig:
     """How one deployment is spread over processes: ``data_parallel_size`` attention replicas (each with its own
     scheduler, KV cache and requests), each split over ``tensor_parallel_size`` ranks. Ranks are numbered
     ``dp_rank * tensor_parallel_size + tp_rank``. The executor backend runs them: ``uni`` in the engine's own
-    process (one rank only), ``mp`` one worker process per rank, ``external_launcher`` one engine per rank started
+    process (one rank only), ``mp`` one worker process per rank, ``ray`` one Ray actor per rank (a Ray cluster
+    spanning machines runs one deployment), ``external_launcher`` one engine per rank started
     by torchrun (or any launcher that sets RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT: the multi-node path
     without Ray); ``auto`` picks ``uni`` for one rank, ``mp`` otherwise."""
 

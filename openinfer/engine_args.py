@@ -54,8 +54,9 @@ class EngineArgs:
     data_parallel_size: int = _arg(1, "attention replicas, each with its own scheduler, KV cache and requests "
                                       "(and its own tensor_parallel_size ranks)")
     distributed_executor_backend: str = _arg("auto", "auto | uni (one rank, in process) | mp (a worker "
-                                                     "process per rank) | external_launcher (one engine per "
-                                                     "rank, started by torchrun)")
+                                                     "process per rank) | ray (a Ray actor per rank, over a Ray "
+                                                     "cluster) | external_launcher (one engine per rank, started "
+                                                     "by torchrun)")
     chat_template: str | None = _arg(None, "a jinja2 chat template, as a string or a file "
                                            "(default: the tokenizer's)")
 

@@ -34,6 +34,10 @@ class Executor(ABC):
             from openinfer.executor.external_launcher import ExternalLauncherExecutor
 
             return ExternalLauncherExecutor
+        if backend == "ray":
+            from openinfer.executor.ray_executor import RayExecutor
+
+            return RayExecutor
         if backend == "mp":
             from openinfer.executor.multiproc import MultiprocExecutor
 

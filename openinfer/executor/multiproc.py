@@ -60,24 +60,20 @@ def _stop(procs: list[subprocess.Popen], exit_wait_s: float = 0.0) -> None:
 
 
 class MultiprocExecutor(Executor):
+    # Where worker ranks find the executor's socket; a launcher placing ranks on other machines binds wider.
+    bind_host = "127.0.0.1"
+
     def _init_executor(self) -> None:
         world = self.config.parallel.world_size
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        port = self._sock.bind_to_random_port("tcp://127.0.0.1")
+        port = self._sock.bind_to_random_port(f"tcp://{self.bind_host}")
         self._ids = [f"rank-{r}".encode() for r in range(world)]
         self._calls = itertools.count()
         self._failed: str | None = None
-        env = dict(os.environ)
-        # The host's cores are shared by the ranks (one torch thread pool each) unless the user said otherwise.
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
-        cmd = [sys.executable, "-m", "openinfer.worker.worker_main", "--config-json",
-               engine_config_to_json(self.config), "--rpc-address", f"tcp://127.0.0.1:{port}",
-               "--dist-init", f"tcp://127.0.0.1:{_free_port()}"]
-        self.procs = [subprocess.Popen(cmd + ["--rank", str(r)], env=env) for r in range(world)]
-        self._finalizer = weakref.finalize(self, _stop, self.procs)
         try:
+            self._start_workers(engine_config_to_json(self.config), f"tcp://{self._rpc_host()}:{port}")
             self._wait_ready()
         except BaseException:
             self.shutdown()
@@ -86,8 +82,31 @@ class MultiprocExecutor(Executor):
         logger.info("started %d worker processes (tensor_parallel_size=%d, data_parallel_size=%d)", world,
                     par.tensor_parallel_size, par.data_parallel_size)
 
+    def _rpc_host(self) -> str:
+        return self.bind_host
+
+    def _start_workers(self, config_json: str, rpc_address: str) -> None:
+        """One ``worker_main`` process per rank on this machine."""
+        world = len(self._ids)
+        env = dict(os.environ)
+        # The host's cores are shared by the ranks (one torch thread pool each) unless the user said otherwise.
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
+        cmd = [sys.executable, "-m", "openinfer.worker.worker_main", "--config-json", config_json,
+               "--rpc-address", rpc_address, "--dist-init", f"tcp://127.0.0.1:{_free_port()}"]
+        self.procs = [subprocess.Popen(cmd + ["--rank", str(r)], env=env) for r in range(world)]
+        self._finalizer = weakref.finalize(self, _stop, self.procs)
+
+    def _dead_ranks(self) -> list[tuple[int, str]]:
+        """(rank, what happened) for every worker that is gone."""
+        return [(r, f"worker rank {r} (pid {p.pid}) exited with code {p.returncode}")
+                for r, p in enumerate(self.procs) if p.poll() is not None]
+
+    def _stop_workers(self, exit_wait_s: float) -> None:
+        self._finalizer.detach()
+        _stop(self.procs, exit_wait_s)
+
     def _wait_ready(self) -> None:
-        pending = set(range(len(self.procs)))
+        pending = set(range(len(self._ids)))
         deadline = time.monotonic() + START_TIMEOUT_S
         while pending:
             for rank, payload in self._recv_some():
@@ -113,20 +132,18 @@ class MultiprocExecutor(Executor):
         return got
 
     def _check_alive(self) -> None:
-        for rank, p in enumerate(self.procs):
-            code = p.poll()
-            if code is not None:
-                self._fail(f"worker rank {rank} (pid {p.pid}) exited with code {code}")
+        dead = self._dead_ranks()
+        if dead:
+            self._fail(dead[0][1])
 
     def _fail_on_error(self, rank: int, method: str, error: str | None) -> None:
         """A rank's call failed. If another rank has died (its peers see a reset connection in the middle of a
         collective), that death is the cause to report."""
         deadline = time.monotonic() + 1.0
         while time.monotonic() < deadline:
-            for r, p in enumerate(self.procs):
-                if r != rank and p.poll() is not None:
-                    self._fail(f"worker rank {r} (pid {p.pid}) exited with code {p.returncode} "
-                               f"(rank {rank} then failed {method})")
+            for r, what in self._dead_ranks():
+                if r != rank:
+                    self._fail(f"{what} (rank {rank} then failed {method})")
             time.sleep(0.05)
         self._fail(f"worker rank {rank}: {method} failed: {error}")
 
@@ -181,8 +198,8 @@ class MultiprocExecutor(Executor):
                 except zmq.ZMQError:
                     pass
             exit_wait_s = 5.0
-        self._finalizer.detach()
-        _stop(self.procs, exit_wait_s)
+        if hasattr(self, "_finalizer"):
+            self._stop_workers(exit_wait_s)
         self._sock.close()
         self._sock = None
         self._ctx.term()
