@@ -91,8 +91,9 @@ def _build():
                took, name)
     ops = torch.ops.openinfer_cpu
     # bf16 decode attention on AMX tiles where the CPU has them; OPENINFER_CPU_AMX=0 keeps the vector kernel
-    ops.decode_attention_use_amx(os.environ.get("OPENINFER_CPU_AMX", "1").strip().lower()
-                                 not in ("0", "false", "no", "off"))
+    use_amx = os.environ.get("OPENINFER_CPU_AMX", "1").strip().lower() not in ("0", "false", "no", "off")
+    ops.decode_attention_use_amx(use_amx)
+    ops.mla_decode_use_amx(use_amx)
     return ops
 
 
@@ -147,6 +148,22 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if out is not None and dst is not out:
         out.copy_(dst)
     return out if out is not None else dst
+
+
+def mla_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                         seq_lens: torch.Tensor, scale: float, v_dim: int) -> torch.Tensor | None:
+    """Absorbed MLA decode over the paged latent cache (``cpu_kernels/mla_decode.cpp``). q: [B, H, D] with
+    D = kv_lora_rank + rope (= the cache's last dim); the values are each row's first ``v_dim`` entries.
+    Returns [B, H, v_dim] in q's dtype, or None when the kernel cannot take the call (the caller keeps its
+    torch path)."""
+    ops = ops_for(q, kv_cache)
+    if ops is None or kv_cache.dim() != 3 or not kv_cache.is_contiguous() or q.shape[-1] != kv_cache.shape[-1]:
+        return None
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    out = torch.empty(q.shape[0], q.shape[1], v_dim, dtype=q.dtype)
+    ops.mla_decode_attention(out, q, kv_cache, block_tables.contiguous(), seq_lens.contiguous(), float(scale))
+    return out
 
 
 # ---- fused per-layer ops (cpu_kernels/layer_ops.cpp) --------------------------------------------------------
