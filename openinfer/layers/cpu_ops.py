@@ -235,3 +235,68 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty(x.shape[0], dtype=torch.long)
     ops.argmax_rows(out, x)
     return out
+
+
+# ---- mixture-of-experts pieces (cpu_kernels/moe_ops.cpp) ---------------------------------------------------------
+
+def moe_select(scores: torch.Tensor, bias: torch.Tensor | None, top_k: int, n_group: int,
+               topk_group: int) -> torch.Tensor | None:
+    """DeepSeek's noaux_tc expert choice on fp32 scores [T, E] (see moe_ops.cpp) -> ids int64 [T, K], ties
+    towards the lowest expert index."""
+    ops = ops_for(scores)
+    if ops is None or scores.dim() != 2 or scores.dtype != torch.float32:
+        return None
+    ids = torch.empty(scores.shape[0], top_k, dtype=torch.long)
+    ops.moe_select(ids, scores.contiguous(), None if bias is None else bias.float().contiguous(), n_group,
+                   topk_group)
+    return ids
+
+
+def swiglu(x: torch.Tensor, limit: float | None) -> torch.Tensor | None:
+    """silu(min(gate, limit)) * clamp(up, -limit, limit) on a fused [T, 2I] gate|up tensor (no clamp when limit
+    is None) into a new [T, I] tensor."""
+    ops = ops_for(x)
+    if ops is None or not _rows(x) or x.shape[1] % 2 or x.dtype not in _FLOAT_TYPES:
+        return None
+    out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype)
+    ops.swiglu(out, x, float("inf") if limit is None else float(limit))
+    return out
+
+
+def moe_combine(out: torch.Tensor, y: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor,
+                accumulate: bool) -> bool:
+    """In place: out[t] = sum_k dt(dt(weights[t, k]) * y[inv[t * K + k]]) (+ out[t] if accumulate), added in the
+    order of the rows in y, rounded to out's dtype after each add (``moe._combine`` says why). Returns False
+    when the kernel cannot take the call."""
+    ops = ops_for(out, y)
+    if (ops is None or not (_rows(out) and _rows(y)) or out.dtype != y.dtype or out.dtype not in _FLOAT_TYPES
+            or weights.dtype != torch.float32):
+        return False
+    ops.moe_combine(out, y, inv.contiguous(), weights.contiguous(), accumulate)
+    return True
+
+
+_FLOAT_TYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def sink_sparse_attention(q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, token_seq: torch.Tensor,
+                          positions: torch.Tensor, block_size: int, window: int, entries: torch.Tensor | None,
+                          entry_slots: torch.Tensor | None, sinks: torch.Tensor,
+                          scale: float) -> torch.Tensor | None:
+    """DeepSeek-V4 attention (``cpu_kernels/sparse_attention.cpp``): per query, its sequence's last ``window``
+    positions read from the flat token store ``kv`` [slots, d] through ``tables``, plus the entry rows
+    ``entry_slots`` [T, E] (-1 = none) of ``entries``, softmax with a per-head sink logit. q [T, H, d] -> [T, H, d]
+    in q's dtype, or None when the kernel cannot take the call."""
+    ops = ops_for(q, kv)
+    if ops is None or q.dim() != 3 or not kv.is_contiguous() or q.dtype not in _FLOAT_TYPES:
+        return None
+    if entries is not None and (entries.dtype != kv.dtype or not entries.is_contiguous()):
+        return None
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    out = torch.empty(q.shape, dtype=q.dtype)
+    ops.sink_sparse_attention(out, q, kv, tables.contiguous(), token_seq.contiguous(), positions.contiguous(),
+                              int(block_size), int(window), entries,
+                              None if entry_slots is None else entry_slots.contiguous(), sinks.float().contiguous(),
+                              float(scale))
+    return out
