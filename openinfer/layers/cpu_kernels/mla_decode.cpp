@@ -35,6 +35,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "attn_tiles.h"
 #include "vec.h"
 
 namespace {
@@ -56,136 +57,6 @@ inline void prefetch_block(const T* p, int64_t n, int64_t D) {
   const char* c = reinterpret_cast<const char*>(p);
   const int64_t bytes = n * D * static_cast<int64_t>(sizeof(T));
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
-}
-
-// Native-width vectors for the register-tiled products below: one register each (zmm with AVX-512, ymm with
-// AVX2), so a tile of accumulators is exactly what fits in the register file (vec.h's 16-float vectors are two
-// ymm on AVX2, and tiles of them spill).
-#if defined(__AVX512F__)
-typedef float vn __attribute__((vector_size(64)));
-constexpr int64_t kN = 16;
-#else
-typedef float vn __attribute__((vector_size(32)));
-constexpr int64_t kN = 8;
-#endif
-
-inline vn loadn(const float* p) {
-  vn v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline void storen(float* p, vn v) { std::memcpy(p, &v, sizeof(v)); }
-
-inline float hsumn(vn v) {
-  float s = 0.0f;
-  for (int64_t i = 0; i < kN; ++i) s += v[i];
-  return s;
-}
-
-// sc[i * ld + j] = q[i] . k[j] for NH heads (rows of q, stride D) and NK keys (rows of k, stride D): NH x NK
-// accumulators in registers, each key vector loaded once for all NH heads.
-template <int NH, int NK>
-inline void tile_scores(const float* __restrict__ q, const float* __restrict__ k, int64_t D, float* __restrict__ sc,
-                        int64_t ld) {
-  vn acc[NH][NK] = {};
-  for (int64_t c = 0; c < D; c += kN) {
-    vn kv[NK];
-#pragma GCC unroll 8
-    for (int j = 0; j < NK; ++j) kv[j] = loadn(k + j * D + c);
-#pragma GCC unroll 8
-    for (int i = 0; i < NH; ++i) {
-      const vn qv = loadn(q + i * D + c);
-#pragma GCC unroll 8
-      for (int j = 0; j < NK; ++j) acc[i][j] += qv * kv[j];
-    }
-  }
-  for (int i = 0; i < NH; ++i) {
-    for (int j = 0; j < NK; ++j) sc[i * ld + j] = hsumn(acc[i][j]);
-  }
-}
-
-inline float dot_scalar(const float* __restrict__ q, const float* __restrict__ k, int64_t D) {
-  float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t d = 0; d < D; ++d) s += q[d] * k[d];
-  return s;
-}
-
-// sc[g * ld + t] = qf[g] . rows[t] for g < G, t < n: tiles of 2 heads x 4 keys; a group of 4 rows (9 KB in fp32)
-// stays in L1 while every head pair goes by.
-inline void chunk_scores(const float* __restrict__ qf, int64_t G, const float* __restrict__ rows, int64_t n,
-                         int64_t D, float* __restrict__ sc, int64_t ld) {
-  if (D % kN) {
-    for (int64_t t = 0; t < n; ++t) {
-      for (int64_t g = 0; g < G; ++g) sc[g * ld + t] = dot_scalar(qf + g * D, rows + t * D, D);
-    }
-    return;
-  }
-  int64_t t = 0;
-  for (; t + 4 <= n; t += 4) {
-    int64_t g = 0;
-    for (; g + 2 <= G; g += 2) tile_scores<2, 4>(qf + g * D, rows + t * D, D, sc + g * ld + t, ld);
-    if (g < G) tile_scores<1, 4>(qf + g * D, rows + t * D, D, sc + g * ld + t, ld);
-  }
-  for (; t < n; ++t) {
-    int64_t g = 0;
-    for (; g + 2 <= G; g += 2) tile_scores<2, 1>(qf + g * D, rows + t * D, D, sc + g * ld + t, ld);
-    if (g < G) tile_scores<1, 1>(qf + g * D, rows + t * D, D, sc + g * ld + t, ld);
-  }
-}
-
-// acc[i, c : c + 4 kN] += sum_{t < n} p[i, t] * rows[t, c : c + 4 kN] for NH heads: NH x 4 accumulators in
-// registers, each value vector loaded once for all NH heads.
-template <int NH>
-inline void tile_values(float* __restrict__ acc, int64_t Dv, const float* __restrict__ p, int64_t ld,
-                        const float* __restrict__ v, int64_t n, int64_t D) {
-  vn a[NH][4];
-  for (int i = 0; i < NH; ++i) {
-    for (int j = 0; j < 4; ++j) a[i][j] = loadn(acc + i * Dv + j * kN);
-  }
-  for (int64_t t = 0; t < n; ++t) {
-    vn vv[4];
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) vv[j] = loadn(v + t * D + j * kN);
-#pragma GCC unroll 8
-    for (int i = 0; i < NH; ++i) {
-      const float pt = p[i * ld + t];
-#pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) a[i][j] += pt * vv[j];
-    }
-  }
-  for (int i = 0; i < NH; ++i) {
-    for (int j = 0; j < 4; ++j) storen(acc + i * Dv + j * kN, a[i][j]);
-  }
-}
-
-// acc[g, :Dv] += sum_{t < n} p[g, t] * rows[t, :Dv] (rows of stride D). Column slices outer, heads inner: a
-// 4-vector-wide slice of the n rows stays in L1 for every head pair.
-inline void chunk_values(float* __restrict__ acc, int64_t G, int64_t Dv, const float* __restrict__ p,
-                         int64_t ld, const float* __restrict__ rows, int64_t n, int64_t D) {
-  if (Dv % (4 * kN) == 0) {
-    for (int64_t c = 0; c < Dv; c += 4 * kN) {
-      int64_t g = 0;
-      for (; g + 2 <= G; g += 2) tile_values<2>(acc + g * Dv + c, Dv, p + g * ld, ld, rows + c, n, D);
-      if (g < G) tile_values<1>(acc + g * Dv + c, Dv, p + g * ld, ld, rows + c, n, D);
-    }
-    return;
-  }
-  for (int64_t g = 0; g < G; ++g) {
-    for (int64_t t = 0; t < n; ++t) {
-      const float pt = p[g * ld + t];
-      const float* __restrict__ v = rows + t * D;
-      float* __restrict__ a = acc + g * Dv;
-#pragma omp simd
-      for (int64_t d = 0; d < Dv; ++d) a[d] += pt * v[d];
-    }
-  }
-}
-
-inline void scale_row(float* __restrict__ row, float a, int64_t n) {
-#pragma omp simd
-  for (int64_t d = 0; d < n; ++d) row[d] *= a;
 }
 
 // CT: the cache's element type; DC / DVC: D and Dv when fixed at compile time (0: any).
@@ -243,27 +114,7 @@ void run(const MlaProblem& pb, char* out, const char* q, const CT* cache) {
             rows = buf;
           }
           chunk_scores(qf, G, rows, n, D, sc, ld);
-          // online softmax per head: new max, rescale what was accumulated under the old one
-          for (int64_t g = 0; g < G; ++g) {
-            float* __restrict__ sg = sc + g * ld;
-            for (int64_t t = n; t < ld; ++t) sg[t] = ninf;  // padding: exp -> ~0, and never used for V
-            vfloat m = loadv(sg);
-            for (int64_t c = kW; c < ld; c += kW) m = vmax(m, loadv(sg + c));
-            const float bmax = std::max(mx[g], hmax(m));
-            if (bmax > mx[g]) {
-              const float alpha = exp_neg(mx[g] - bmax);
-              sum[g] *= alpha;
-              scale_row(acc + g * Dv, alpha, Dv);
-              mx[g] = bmax;
-            }
-            vfloat s = {};
-            for (int64_t c = 0; c < ld; c += kW) {
-              const vfloat e = vexp_neg(loadv(sg + c) - bmax);
-              storev(sg + c, e);
-              s += e;
-            }
-            sum[g] += hsum(s);
-          }
+          online_softmax_chunk(sc, ld, n, G, mx, sum, acc, Dv);
           chunk_values(acc, G, Dv, sc, ld, rows, n, D);
         }
         for (int64_t g = 0; g < G; ++g) {
@@ -287,14 +138,6 @@ void dispatch(const MlaProblem& pb, char* out, const char* q, const at::Tensor& 
 #include "amx_mla_decode.h"
 
 namespace {
-
-// Heads per task: all of them when there are enough sequences for the threads (each chunk re-reads the
-// sequence's rows), else fewer, at least 4 so a group of rows is still shared by several heads.
-int64_t heads_per_task(int64_t B, int64_t H, int64_t threads) {
-  const int64_t want_chunks = std::max<int64_t>(1, (2 * threads + B - 1) / B);
-  const int64_t chunks = std::min<int64_t>(want_chunks, std::max<int64_t>(1, H / 4));
-  return std::min<int64_t>((H + chunks - 1) / chunks, 32);
-}
 
 void mla_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& cache,
                           const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
