@@ -77,6 +77,36 @@ def test_sparse_kernel_rejects_rows_outside_the_stores(kernel_ops):
         cpu_ops.sink_sparse_attention(q, kv, tables, seq, pos, 16, 8, entries, bad_slots, sinks, 0.1)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [1, 4, 7])  # k <= the widest visible set, as select() asks
+def test_indexer_topk_matches_torch(kernel_ops, dtype, k):
+    """Scores as Indexer.score computes them, then the stable descending sort's first k; ReLU makes many scores
+    exactly 0, so ties are common and must go to the lowest entry. NaN in every entry slot no query may see."""
+    from openinfer.models.deepseek_v4.indexer import Indexer
+
+    gen = torch.Generator().manual_seed(k)
+    t, nh, d, w, s = 23, 4, 16, 7, 3
+    keys = torch.full((40, d), float("nan"))
+    seq_slots = torch.randperm(40, generator=gen)[: s * w].view(s, w)
+    visible = torch.randint(0, w + 1, (t,), generator=gen)
+    token_seq = torch.randint(0, s, (t,), generator=gen)
+    for i in range(t):  # only what some query sees holds a value
+        keys[seq_slots[token_seq[i], : visible[i]]] = 0.0
+    seen = ~keys[:, 0].isnan()
+    keys[seen] = torch.randn(int(seen.sum()), d, generator=gen)
+    keys = keys.to(dtype)
+    q = torch.randn(t, nh, d, generator=gen).to(dtype)
+    head_w = torch.rand(t, nh, generator=gen)
+    head_w[:, 0] = 0.0  # a head that adds exact zeros
+    got = cpu_ops.indexer_topk(q, head_w, keys, seq_slots, token_seq, visible, k, d ** -0.5)
+    gathered = torch.nan_to_num(keys[seq_slots[token_seq]].float())  # [t, w, d]; unseen rows are masked below
+    idx = Indexer(8, 8, nh, d, 4, k, 1e-6)
+    scores = idx.score(q, head_w, gathered).masked_fill(torch.arange(w)[None] >= visible[:, None], float("-inf"))
+    want = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+    want = torch.where(want < visible[:, None], want, torch.full_like(want, -1))
+    assert torch.equal(got, want)
+
+
 @pytest.mark.skipif(bool(__import__("os").environ.get("OPENINFER_KERNEL_CFLAGS")), reason="already a variant")
 def test_sparse_kernel_avx2_build(kernel_ops):
     """This file's kernel tests against an x86-64-v3 (AVX2, no AVX-512) build, the one the other AVX2 tests

@@ -300,3 +300,19 @@ def sink_sparse_attention(q: torch.Tensor, kv: torch.Tensor, tables: torch.Tenso
                               None if entry_slots is None else entry_slots.contiguous(), sinks.float().contiguous(),
                               float(scale))
     return out
+
+
+def indexer_topk(q: torch.Tensor, head_w: torch.Tensor, keys: torch.Tensor, seq_slots: torch.Tensor,
+                 token_seq: torch.Tensor, visible: torch.Tensor, k: int, scale: float) -> torch.Tensor | None:
+    """V4 lightning indexer (``cpu_kernels/indexer_topk.cpp``): per query t, scores sum_h head_w[t, h] *
+    relu(q[t, h] . keys[seq_slots[token_seq[t], w]]) * scale over w < visible[t], and their top k (descending,
+    ties -> lowest w, -1 past visible). -> ids int64 [T, k], or None when the kernel cannot take the call."""
+    ops = ops_for(q, keys)
+    if ops is None or q.dim() != 3 or q.dtype not in _FLOAT_TYPES or keys.dtype not in _FLOAT_TYPES:
+        return None
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    ids = torch.empty(q.shape[0], k, dtype=torch.long)
+    ops.indexer_topk(ids, q, head_w.float().contiguous(), keys.contiguous(), seq_slots.contiguous(),
+                     token_seq.contiguous(), visible.contiguous(), float(scale))
+    return ids
