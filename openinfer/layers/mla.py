@@ -7,8 +7,10 @@ of 128 heads x 2 x 128 for plain MHA). With ``kv_b_proj`` split per head into W_
 Backends:
 - ``sdpa`` (fast): decodes use the weight-absorbed form — q'_h = W_UK_h^T q_nope_h, so scores are
   q'_h . c_kv + q_pe_h . k_pe and out_h = W_UV_h (p_h @ c_kv) — one MQA over the latent with no per-token
-  decompression, on CPU the C++ kernel over the cache blocks in place (torch fallback: gather + SDPA). Prefill chunks decompress K/V per sequence and run causal MHA: with many queries
-  per key that is fewer FLOPs (head dim 192+128 instead of 576+512 for V3) and the decompression is amortised.
+  decompression, on CPU the C++ kernel over the cache blocks in place (torch fallback: gather + SDPA). Prefill
+  chunks decompress K/V per sequence and run causal MHA: with many queries per key that is fewer FLOPs (head dim
+  192+128 instead of 576+512 for V3) and the decompression is amortised; V is zero-padded to the q/k head dim
+  because SDPA's fused (flash) CPU kernel takes only one head dim and otherwise falls back to its math path.
 - ``reference``: per sequence and per query, fp32, keys read slot by slot and decompressed: plainly correct.
 """
 from __future__ import annotations
@@ -170,6 +172,9 @@ class MLAAttention(nn.Module):
             k, v = decompress(lat, kv_b_weight, h, self.qk_nope_head_dim, lr)
             q = torch.cat((q_nope[s:s + n], q_pe[s:s + n]), dim=-1).transpose(0, 1).unsqueeze(0)
             k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+            dqk = q.shape[-1]
+            if dv < dqk:  # SDPA's fused CPU kernel needs one head dim for q, k and v: zero value columns
+                v = F.pad(v, (0, dqk - dv))
             if ctx == n:
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
             else:
@@ -177,7 +182,7 @@ class MLAAttention(nn.Module):
                 q_pos = torch.arange(ctx - n, ctx, device=q.device)
                 mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
-            out[s:s + n] = o.squeeze(0).transpose(0, 1)
+            out[s:s + n] = o.squeeze(0).transpose(0, 1)[..., :dv]
         return out
 
 
