@@ -242,6 +242,6 @@ class DeepseekMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(x, token_ids)
-        # the routed outputs are combined straight onto the shared experts' (one fp32 pass, one rounding)
+        # the routed outputs are combined straight onto the shared experts' output, in one pass
         shared = self.shared_experts(x) if self.shared_experts is not None else None
         return self.experts(x, topk_weights, topk_ids, out=shared)

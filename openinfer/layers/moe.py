@@ -3,9 +3,9 @@
 ``fused_experts`` is the fast path (``torch._grouped_mm`` over expert-contiguous rows, no Python loop over
 tokens; on CPU, with ``pack_experts`` weights, one oneDNN matmul per expert that has rows); ``reference_experts``
 is the plain per-token loop it is tested against. Routing (which experts, which weights) is the model's business;
-this file only runs the chosen experts. The expert outputs go back to token order weighted, in fp32, added onto
-``out`` when given (the shared expert's output: one pass, one rounding) - on CPU in the ``moe_combine`` kernel,
-a gather per token; the torch fallback gathers too (``index_add_`` scatters serially on CPU).
+this file only runs the chosen experts. The expert outputs go back to token order weighted, added onto ``out``
+when given (the shared expert's output), in one pass: on CPU the ``moe_combine`` kernel, a gather per token; the
+torch fallback gathers too (``index_add_`` scatters serially on CPU). Both keep the scatter's roundings.
 """
 from __future__ import annotations
 
