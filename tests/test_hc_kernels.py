@@ -183,7 +183,10 @@ def test_v4_model_same_with_and_without_kernels(kernel_ops, ckpt, dtype, monkeyp
     fast = _generate(ckpt, dtype)
     assert calls and all(c is not None for c in calls)  # the kernel ran, not the fallback
     calls.clear()
-    monkeypatch.setenv("OPENINFER_CPU_KERNELS", "0")
+    # Only the mHC kernels off: the attention and MoE kernels round differently from their torch code as well
+    # (fp32 accumulation where torch rounds to bf16), and in bf16 that alone can flip a near-tied greedy token;
+    # the whole model with all kernels on and off is tests/test_v4_sparse_kernel.py's.
+    monkeypatch.setattr(hc_kernels, "_ops", lambda *a: None)
     plain = _generate(ckpt, dtype)
     assert calls and all(c is None for c in calls)  # and now it did not
     for a, b in zip(fast, plain):

@@ -91,8 +91,9 @@ def _build():
                took, name)
     ops = torch.ops.openinfer_cpu
     # bf16 decode attention on AMX tiles where the CPU has them; OPENINFER_CPU_AMX=0 keeps the vector kernel
-    ops.decode_attention_use_amx(os.environ.get("OPENINFER_CPU_AMX", "1").strip().lower()
-                                 not in ("0", "false", "no", "off"))
+    use_amx = os.environ.get("OPENINFER_CPU_AMX", "1").strip().lower() not in ("0", "false", "no", "off")
+    ops.decode_attention_use_amx(use_amx)
+    ops.mla_decode_use_amx(use_amx)
     return ops
 
 
@@ -147,6 +148,22 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if out is not None and dst is not out:
         out.copy_(dst)
     return out if out is not None else dst
+
+
+def mla_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                         seq_lens: torch.Tensor, scale: float, v_dim: int) -> torch.Tensor | None:
+    """Absorbed MLA decode over the paged latent cache (``cpu_kernels/mla_decode.cpp``). q: [B, H, D] with
+    D = kv_lora_rank + rope (= the cache's last dim); the values are each row's first ``v_dim`` entries.
+    Returns [B, H, v_dim] in q's dtype, or None when the kernel cannot take the call (the caller keeps its
+    torch path)."""
+    ops = ops_for(q, kv_cache)
+    if ops is None or kv_cache.dim() != 3 or not kv_cache.is_contiguous() or q.shape[-1] != kv_cache.shape[-1]:
+        return None
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    out = torch.empty(q.shape[0], q.shape[1], v_dim, dtype=q.dtype)
+    ops.mla_decode_attention(out, q, kv_cache, block_tables.contiguous(), seq_lens.contiguous(), float(scale))
+    return out
 
 
 # ---- fused per-layer ops (cpu_kernels/layer_ops.cpp) --------------------------------------------------------
@@ -218,3 +235,84 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty(x.shape[0], dtype=torch.long)
     ops.argmax_rows(out, x)
     return out
+
+
+# ---- mixture-of-experts pieces (cpu_kernels/moe_ops.cpp) ---------------------------------------------------------
+
+def moe_select(scores: torch.Tensor, bias: torch.Tensor | None, top_k: int, n_group: int,
+               topk_group: int) -> torch.Tensor | None:
+    """DeepSeek's noaux_tc expert choice on fp32 scores [T, E] (see moe_ops.cpp) -> ids int64 [T, K], ties
+    towards the lowest expert index."""
+    ops = ops_for(scores)
+    if ops is None or scores.dim() != 2 or scores.dtype != torch.float32:
+        return None
+    ids = torch.empty(scores.shape[0], top_k, dtype=torch.long)
+    ops.moe_select(ids, scores.contiguous(), None if bias is None else bias.float().contiguous(), n_group,
+                   topk_group)
+    return ids
+
+
+def swiglu(x: torch.Tensor, limit: float | None) -> torch.Tensor | None:
+    """silu(min(gate, limit)) * clamp(up, -limit, limit) on a fused [T, 2I] gate|up tensor (no clamp when limit
+    is None) into a new [T, I] tensor."""
+    ops = ops_for(x)
+    if ops is None or not _rows(x) or x.shape[1] % 2 or x.dtype not in _FLOAT_TYPES:
+        return None
+    out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype)
+    ops.swiglu(out, x, float("inf") if limit is None else float(limit))
+    return out
+
+
+def moe_combine(out: torch.Tensor, y: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor,
+                accumulate: bool) -> bool:
+    """In place: out[t] = sum_k dt(dt(weights[t, k]) * y[inv[t * K + k]]) (+ out[t] if accumulate), added in the
+    order of the rows in y, rounded to out's dtype after each add (``moe._combine`` says why). Returns False
+    when the kernel cannot take the call."""
+    ops = ops_for(out, y)
+    if (ops is None or not (_rows(out) and _rows(y)) or out.dtype != y.dtype or out.dtype not in _FLOAT_TYPES
+            or weights.dtype != torch.float32):
+        return False
+    ops.moe_combine(out, y, inv.contiguous(), weights.contiguous(), accumulate)
+    return True
+
+
+_FLOAT_TYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def sink_sparse_attention(q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, token_seq: torch.Tensor,
+                          positions: torch.Tensor, block_size: int, window: int, entries: torch.Tensor | None,
+                          entry_slots: torch.Tensor | None, sinks: torch.Tensor,
+                          scale: float) -> torch.Tensor | None:
+    """DeepSeek-V4 attention (``cpu_kernels/sparse_attention.cpp``): per query, its sequence's last ``window``
+    positions read from the flat token store ``kv`` [slots, d] through ``tables``, plus the entry rows
+    ``entry_slots`` [T, E] (-1 = none) of ``entries``, softmax with a per-head sink logit. q [T, H, d] -> [T, H, d]
+    in q's dtype, or None when the kernel cannot take the call."""
+    ops = ops_for(q, kv)
+    if ops is None or q.dim() != 3 or not kv.is_contiguous() or q.dtype not in _FLOAT_TYPES:
+        return None
+    if entries is not None and (entries.dtype != kv.dtype or not entries.is_contiguous()):
+        return None
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    out = torch.empty(q.shape, dtype=q.dtype)
+    ops.sink_sparse_attention(out, q, kv, tables.contiguous(), token_seq.contiguous(), positions.contiguous(),
+                              int(block_size), int(window), entries,
+                              None if entry_slots is None else entry_slots.contiguous(), sinks.float().contiguous(),
+                              float(scale))
+    return out
+
+
+def indexer_topk(q: torch.Tensor, head_w: torch.Tensor, keys: torch.Tensor, seq_slots: torch.Tensor,
+                 token_seq: torch.Tensor, visible: torch.Tensor, k: int, scale: float) -> torch.Tensor | None:
+    """V4 lightning indexer (``cpu_kernels/indexer_topk.cpp``): per query t, scores sum_h head_w[t, h] *
+    relu(q[t, h] . keys[seq_slots[token_seq[t], w]]) * scale over w < visible[t], and their top k (descending,
+    ties -> lowest w, -1 past visible). -> ids int64 [T, k], or None when the kernel cannot take the call."""
+    ops = ops_for(q, keys)
+    if ops is None or q.dim() != 3 or q.dtype not in _FLOAT_TYPES or keys.dtype not in _FLOAT_TYPES:
+        return None
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    ids = torch.empty(q.shape[0], k, dtype=torch.long)
+    ops.indexer_topk(ids, q, head_w.float().contiguous(), keys.contiguous(), seq_slots.contiguous(),
+                     token_seq.contiguous(), visible.contiguous(), float(scale))
+    return ids

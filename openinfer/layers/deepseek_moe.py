@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from openinfer.layers import cpu_ops
 from openinfer.layers.linear import CheckpointLinear, cpu_prepack_supported
 from openinfer.layers.moe import fused_experts, pack_experts, swiglu
 
@@ -108,7 +109,11 @@ def route(router_logits: torch.Tensor, cfg: RouterConfig,
                              f"({t}, num_experts_per_tok={cfg.num_experts_per_tok})")
         topk_ids = hash_ids.long()
     else:
-        topk_ids = _select(scores, cfg, e_score_correction_bias)
+        # one pass per token in the CPU kernel (the same choice, the same tie rule), else torch ops
+        topk_ids = cpu_ops.moe_select(scores, e_score_correction_bias, cfg.num_experts_per_tok, cfg.n_group,
+                                      cfg.topk_group)
+        if topk_ids is None:
+            topk_ids = _select(scores, cfg, e_score_correction_bias)
     topk_weights = scores.gather(1, topk_ids)
     if cfg.norm_topk_prob:
         topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
@@ -191,9 +196,11 @@ class DeepseekExperts(nn.Module):
             return self.w13_weight, self.w2_weight
         return tuple(torch.stack([w.to_dense() for w in ws]) for ws in self._packed)
 
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """``out``: added onto in place (the shared experts' output), see ``fused_experts``."""
         return fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.swiglu_limit,
-                             packed=self._packed)
+                             packed=self._packed, out=out)
 
 
 class DeepseekMLP(nn.Module):
@@ -226,7 +233,6 @@ class DeepseekMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(x, token_ids)
-        out = self.experts(x, topk_weights, topk_ids)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+        # the routed outputs are combined straight onto the shared experts' output, in one pass
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        return self.experts(x, topk_weights, topk_ids, out=shared)

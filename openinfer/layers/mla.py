@@ -6,9 +6,11 @@ of 128 heads x 2 x 128 for plain MHA). With ``kv_b_proj`` split per head into W_
   k_h = [W_UK_h c_kv | k_pe],  v_h = W_UV_h c_kv.
 Backends:
 - ``sdpa`` (fast): decodes use the weight-absorbed form — q'_h = W_UK_h^T q_nope_h, so scores are
-  q'_h . c_kv + q_pe_h . k_pe and out_h = W_UV_h (p_h @ c_kv) — one batched MQA over the latent with no
-  per-token decompression. Prefill chunks decompress K/V per sequence and run causal MHA: with many queries
-  per key that is fewer FLOPs (head dim 192+128 instead of 576+512 for V3) and the decompression is amortised.
+  q'_h . c_kv + q_pe_h . k_pe and out_h = W_UV_h (p_h @ c_kv) — one MQA over the latent with no per-token
+  decompression, on CPU the C++ kernel over the cache blocks in place (torch fallback: gather + SDPA). Prefill
+  chunks decompress K/V per sequence and run causal MHA: with many queries per key that is fewer FLOPs (head dim
+  192+128 instead of 576+512 for V3) and the decompression is amortised; V is zero-padded to the q/k head dim
+  because SDPA's fused (flash) CPU kernel takes only one head dim and otherwise falls back to its math path.
 - ``reference``: per sequence and per query, fp32, keys read slot by slot and decompressed: plainly correct.
 """
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch import nn
 
 from openinfer.config import AttentionBackend
 from openinfer.forward_context import AttentionMetadata, KVGroupTables, get_forward_context
+from openinfer.layers import cpu_ops
 from openinfer.layers.attention import FULL_ATTENTION_GROUP
 
 
@@ -77,11 +80,16 @@ class MLAAttention(nn.Module):
         nd = md.num_decodes
         if nd:
             q_lat = torch.einsum("bhd,hdl->bhl", q_nope[:nd], w_uk)
-            q = torch.cat((q_lat, q_pe[:nd]), dim=-1).unsqueeze(2)  # [B, H, 1, L+R]
-            kv = self.kv_cache[tables.decode_block_tables].view(nd, 1, -1, self.latent_dim).to(q.dtype)
-            o = F.scaled_dot_product_attention(q, kv, kv[..., :lr], attn_mask=md.decode_mask,
-                                               scale=self.scale, enable_gqa=True)  # [B, H, 1, L]
-            out[:nd] = torch.einsum("bhl,hvl->bhv", o.squeeze(2), w_uv)
+            q = torch.cat((q_lat, q_pe[:nd]), dim=-1)  # [B, H, L+R]
+            # The C++ kernel reads each sequence's latent rows in place (cpu_kernels/mla_decode.cpp); the torch
+            # path below gathers them into a tensor padded to the longest sequence.
+            o = cpu_ops.mla_decode_attention(q, self.kv_cache, tables.decode_block_tables, md.decode_seq_lens,
+                                             self.scale, lr)
+            if o is None:
+                kv = self.kv_cache[tables.decode_block_tables].view(nd, 1, -1, self.latent_dim).to(q.dtype)
+                o = F.scaled_dot_product_attention(q.unsqueeze(2), kv, kv[..., :lr], attn_mask=md.decode_mask,
+                                                   scale=self.scale, enable_gqa=True).squeeze(2)  # [B, H, L]
+            out[:nd] = torch.einsum("bhl,hvl->bhv", o, w_uv)
         for span in md.prefills:
             s, n, ctx = span.query_start, span.query_len, span.context_len
             if ctx == n:  # nothing cached before this chunk: use the fresh latents, skip the gather
@@ -91,6 +99,9 @@ class MLAAttention(nn.Module):
             k, v = decompress(lat, kv_b_weight, h, self.qk_nope_head_dim, lr)
             q = torch.cat((q_nope[s:s + n], q_pe[s:s + n]), dim=-1).transpose(0, 1).unsqueeze(0)
             k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+            dqk = q.shape[-1]
+            if dv < dqk:  # SDPA's fused CPU kernel needs one head dim for q, k and v: zero value columns
+                v = F.pad(v, (0, dqk - dv))
             if ctx == n:
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
             else:
@@ -98,7 +109,7 @@ class MLAAttention(nn.Module):
                 q_pos = torch.arange(ctx - n, ctx, device=q.device)
                 mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
-            out[s:s + n] = o.squeeze(0).transpose(0, 1)
+            out[s:s + n] = o.squeeze(0).transpose(0, 1)[..., :dv]
         return out
 
 

@@ -3,18 +3,31 @@
 ``fused_experts`` is the fast path (``torch._grouped_mm`` over expert-contiguous rows, no Python loop over
 tokens; on CPU, with ``pack_experts`` weights, one oneDNN matmul per expert that has rows); ``reference_experts``
 is the plain per-token loop it is tested against. Routing (which experts, which weights) is the model's business;
-this file only runs the chosen experts.
+this file only runs the chosen experts. The expert outputs go back to token order weighted, added onto ``out``
+when given (the shared expert's output), in one pass: on CPU the ``moe_combine`` kernel, a gather per token; the
+torch fallback gathers too (``index_add_`` scatters serially on CPU). Both keep the scatter's roundings.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from openinfer.layers import cpu_ops
+
 _HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
 
 
 def swiglu(gate_up: torch.Tensor, swiglu_limit: float | None = None) -> torch.Tensor:
-    """silu(gate) * up on a fused [.., 2I] tensor; DeepSeek-V4 clamps gate from above and up both ways."""
+    """silu(gate) * up on a fused [.., 2I] tensor; DeepSeek-V4 clamps gate from above and up both ways. One pass
+    in the CPU kernel where it can take the tensor, else ``torch_swiglu``."""
+    if gate_up.dim() == 2:
+        out = cpu_ops.swiglu(gate_up, swiglu_limit)
+        if out is not None:
+            return out
+    return torch_swiglu(gate_up, swiglu_limit)
+
+
+def torch_swiglu(gate_up: torch.Tensor, swiglu_limit: float | None = None) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     if swiglu_limit is not None:
         gate = gate.clamp(max=swiglu_limit)
@@ -30,17 +43,19 @@ def fused_experts(
     topk_ids: torch.Tensor,
     swiglu_limit: float | None = None,
     packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; topk_* [T, K] -> [T, H].
 
     Each (token, expert) pair becomes one row; rows are sorted by expert so each expert's rows are
-    contiguous, both projections run as grouped matmuls, and results are scattered back weighted.
-    ``packed``: per-expert oneDNN-prepacked w13 / w2 (``pack_experts``, CPU), used instead of w13 / w2."""
+    contiguous, both projections run as grouped matmuls, and results are gathered back weighted.
+    ``packed``: per-expert oneDNN-prepacked w13 / w2 (``pack_experts``, CPU), used instead of w13 / w2.
+    ``out`` [T, H] in x's dtype: the result is added onto it, in place, and it is returned."""
     t, k = topk_ids.shape
     num_experts = len(packed[0]) if packed is not None else w13.shape[0]
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    rows = x[order // k]
+    rows = x.index_select(0, order // k)
     counts = torch.bincount(flat, minlength=num_experts)
     if packed is not None:
         y = _looped_packed(rows, packed, counts.tolist(), swiglu_limit)
@@ -51,10 +66,31 @@ def fused_experts(
         y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)
     else:
         y = _looped(rows, w13, w2, counts.tolist(), swiglu_limit)
-    y = y * topk_weights.reshape(-1)[order, None].to(y.dtype)
-    out = torch.zeros(t, x.shape[1], dtype=y.dtype, device=x.device)
-    out.index_add_(0, order // k, y)
-    return out.to(x.dtype)
+    return _combine(y.to(x.dtype), order, topk_weights, out)
+
+
+def _combine(y: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tensor,
+             out: torch.Tensor | None) -> torch.Tensor:
+    """Token t's result: its pairs' rows of y (sorted by expert, in ``order``) times their weights (rounded to
+    y's dtype), summed in fp32 in the order the rows sit in y, rounded, plus ``out[t]`` when given (the shared
+    experts' output): the roundings of the ``y * w`` + ``index_add_`` scatter this replaces, so either path
+    gives the other's bits. As a gather per token (CPU kernel, else the torch code below) because
+    ``index_add_`` scatters serially on CPU."""
+    t, k = topk_weights.shape
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel(), device=order.device)
+    w = topk_weights.float()
+    dst = out if out is not None else torch.empty(t, y.shape[1], dtype=y.dtype, device=y.device)
+    if cpu_ops.moe_combine(dst, y, inv, w, accumulate=out is not None):
+        return dst
+    pos, j = inv.view(t, k).sort(dim=1)
+    yw = (y[pos.reshape(-1)].view(t, k, -1) * w.gather(1, j).to(y.dtype)[..., None]).float()
+    acc = yw[:, 0]
+    for i in range(1, k):  # K adds in fp32, in row order, as index_add_ sums them
+        acc = acc + yw[:, i]
+    if out is None:
+        return acc.to(y.dtype)
+    return out.copy_(acc.to(y.dtype) + out)
 
 
 def _looped(rows, w13, w2, counts, swiglu_limit):
@@ -100,6 +136,6 @@ def reference_experts(x, w13, w2, topk_weights, topk_ids, swiglu_limit=None) -> 
     for i in range(x.shape[0]):
         for j in range(topk_ids.shape[1]):
             e = int(topk_ids[i, j])
-            h = swiglu(x[i].float() @ w13[e].float().t(), swiglu_limit)
+            h = torch_swiglu(x[i].float() @ w13[e].float().t(), swiglu_limit)
             out[i] += float(topk_weights[i, j]) * (h @ w2[e].float().t())
     return out.to(x.dtype)

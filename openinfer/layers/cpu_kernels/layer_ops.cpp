@@ -97,16 +97,6 @@ void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& weigh
   });
 }
 
-// silu(g) = g * sigmoid(g), sigmoid from exp(-|g|) so the exp never overflows.
-inline vfloat vsilu(vfloat g) {
-  const vfloat ag = g < 0.0f ? -g : g;
-  const vfloat e = vexp_neg(-ag);
-  const vfloat one = splat(1.0f);
-  const vfloat r = one / (one + e);  // one division: a vector divide costs as much as the rest together
-  const vfloat sig = g < 0.0f ? e * r : r;
-  return g * sig;
-}
-
 template <typename T>
 void silu_and_mul_impl(at::Tensor& out, const at::Tensor& x) {
   const int64_t rows = x.size(0), d = out.size(1);

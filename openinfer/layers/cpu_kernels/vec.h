@@ -81,6 +81,16 @@ inline vfloat vexp_neg(vfloat x) {
 
 inline float exp_neg(float x) { return vexp_neg(splat(x))[0]; }
 
+// silu(g) = g * sigmoid(g), sigmoid from exp(-|g|) so the exp never overflows.
+inline vfloat vsilu(vfloat g) {
+  const vfloat ag = g < 0.0f ? -g : g;
+  const vfloat e = vexp_neg(-ag);
+  const vfloat one = splat(1.0f);
+  const vfloat r = one / (one + e);  // one division: a vector divide costs as much as the rest together
+  const vfloat sig = g < 0.0f ? e * r : r;
+  return g * sig;
+}
+
 // ---- rows of head_dim elements -> fp32 and back --------------------------------------------------------
 
 inline void load_row(const float* __restrict__ src, float* __restrict__ dst, int64_t n) {

@@ -8,8 +8,10 @@
 SWA-only layers use the main RoPE (θ=10000, no YaRN); CSA/HCA layers the compress RoPE (θ=160000, YaRN) for q,
 kv, entries and the indexer.
 
-``AttentionBackend.SDPA`` (the fast path) gathers each token's keys from the paged stores with one index per store,
-in query chunks sized to bound memory; ``"reference"`` (``REFERENCE``, see reference.py) loops token by token, slot by slot.
+``AttentionBackend.SDPA`` (the fast path): on CPU the ``sink_sparse_attention`` kernel reads each query's window
+and chosen entries in place; elsewhere (or with ``OPENINFER_CPU_KERNELS=0``) the torch code gathers each token's
+keys from the paged stores with one index per store, in query chunks sized to bound memory. ``REFERENCE`` (see
+reference.py) loops token by token, slot by slot.
 """
 from __future__ import annotations
 
@@ -18,9 +20,10 @@ from torch import nn
 
 from openinfer.config import AttentionBackend
 from openinfer.forward_context import get_forward_context
-from openinfer.models.deepseek_v4.cache import WINDOW, StepIndex, V4LayerCache
+from openinfer.layers import cpu_ops
 from openinfer.layers.linear import CheckpointLinear
 from openinfer.layers.norm import RMSNorm, unweighted_rms_norm
+from openinfer.models.deepseek_v4.cache import WINDOW, StepIndex, V4LayerCache
 from openinfer.models.deepseek_v4.common import fp32_param
 from openinfer.models.deepseek_v4.compressor import Compressor
 from openinfer.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
@@ -137,9 +140,6 @@ class DeepseekV4Attention(nn.Module):
                 cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         cache, pos = self.cache, step.positions
         seq = step.token_seq[:, None]
-        win_pos = pos[:, None] - (self.sliding_window - 1) + torch.arange(self.sliding_window, device=pos.device)
-        keys = cache.flat("kv")[step.token_slots(seq, win_pos)]
-        valid = win_pos >= 0
         windows = None
         if self.layer_type == HCA:
             visible = (pos + 1) // self.ratio
@@ -148,9 +148,23 @@ class DeepseekV4Attention(nn.Module):
         elif self.layer_type == CSA:
             windows = self.indexer.select(q_residual, x, step, cache.flat("index_entries"), cache.entry_cap,
                                           cos, sin)
-        if windows is not None and windows.shape[1]:
-            entries = cache.flat("entries")[step.entry_slots(seq, windows, self.ratio, cache.entry_cap)]
-            keys = torch.cat([keys, entries], dim=1)
+        if windows is not None and not windows.shape[1]:
+            windows = None
+        entry_slots = None
+        if windows is not None:
+            entry_slots = step.entry_slots(seq, windows, self.ratio, cache.entry_cap)
+        # CPU kernel: the window and the chosen entries read in place, no [T, keys, d] gather
+        out = cpu_ops.sink_sparse_attention(
+            q, cache.flat("kv"), step.token_tables, step.token_seq, pos, step.block_size, self.sliding_window,
+            None if windows is None else cache.flat("entries"),
+            None if windows is None else torch.where(windows >= 0, entry_slots, -1), self.sinks, self.scale)
+        if out is not None:
+            return out
+        win_pos = pos[:, None] - (self.sliding_window - 1) + torch.arange(self.sliding_window, device=pos.device)
+        keys = cache.flat("kv")[step.token_slots(seq, win_pos)]
+        valid = win_pos >= 0
+        if windows is not None:
+            keys = torch.cat([keys, cache.flat("entries")[entry_slots]], dim=1)
             valid = torch.cat([valid, windows >= 0], dim=1)
         return sink_attention(q, keys, valid, self.sinks, self.scale)
 

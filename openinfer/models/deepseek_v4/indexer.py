@@ -4,7 +4,8 @@
   q^I   = RoPE(wq_b(q_residual)).view(index_n_heads, index_head_dim)
   I[t, w] = sum_h (weights_proj(x)[t, h] * n_h^-0.5) * ReLU(q^I_{t,h} . K^I_w) * d_I^-0.5,  w visible iff
   w < (t + 1) // m.
-Ties are broken towards the lowest entry index (a stable descending sort). HF uses ``torch.topk``, whose tie order
+Ties are broken towards the lowest entry index (a stable descending sort). On CPU one kernel pass per query scores
+the visible entries in place and selects the top k (``cpu_ops.indexer_topk``); the torch code is the fallback. HF uses ``torch.topk``, whose tie order
 depends on the tensor length, so on exact ties (ReLU makes many scores exactly 0) HF's prefill and decode can pick
 different entries; where HF has no ties the two agree.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from openinfer.layers import cpu_ops
 from openinfer.models.deepseek_v4.cache import StepIndex
 from openinfer.layers.linear import CheckpointLinear
 from openinfer.models.deepseek_v4.compressor import Compressor
@@ -55,10 +57,17 @@ class Indexer(nn.Module):
             return torch.empty(t, 0, dtype=torch.long, device=x.device)
         q, head_w = self.query(q_residual, x, cos, sin)
         windows = torch.arange(max_visible, device=x.device)
+        k = min(self.topk, max_visible)
+        # CPU kernel: each query's visible keys scored in place and only k of them selected
+        seqs = torch.arange(step.tables.shape[0], device=x.device)
+        chosen = cpu_ops.indexer_topk(q, head_w, index_entries,
+                                      step.entry_slots(seqs[:, None], windows[None, :], m, cap),
+                                      step.token_seq, visible, k, self.head_dim ** -0.5)
+        if chosen is not None:
+            return chosen
         keys = index_entries[step.entry_slots(step.token_seq[:, None], windows[None, :], m, cap)]
         scores = self.score(q, head_w, keys)
         hidden = windows[None, :] >= visible[:, None]
         scores = scores.masked_fill(hidden, float("-inf"))
-        k = min(self.topk, max_visible)
         chosen = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
         return torch.where(chosen < visible[:, None], chosen, torch.full_like(chosen, -1))

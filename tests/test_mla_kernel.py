@@ -1,0 +1,175 @@
+"""The MLA decode kernel (cpu_kernels/mla_decode.cpp) against plain torch: the op itself on odd shapes, and the
+MLA layer's decode path with the kernel on and off."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from openinfer.forward_context import AttentionMetadata, set_forward_context
+from openinfer.layers import cpu_ops
+from openinfer.layers.mla import MLAAttention, reference_mla
+
+
+def _paged(lens, bs, d, dtype, gen, spare_blocks=3):
+    """A cache whose blocks are handed out shuffled, every slot no sequence owns (past a length, unused
+    blocks) set to NaN: a kernel that reads one leaks NaN into its output."""
+    need = [-(-n // bs) for n in lens]
+    num_blocks = sum(need) + spare_blocks
+    cache = torch.full((num_blocks, bs, d), float("nan"))
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    width = max(max(need), 1)
+    tables = torch.zeros(len(lens), width, dtype=torch.long)
+    for b, (n, nb) in enumerate(zip(lens, need)):
+        blocks = [perm.pop() for _ in range(nb)]
+        tables[b, :nb] = torch.tensor(blocks, dtype=torch.long)
+        for p in range(n):
+            cache[blocks[p // bs], p % bs] = torch.randn(d, generator=gen)
+    return cache.to(dtype), tables, torch.tensor(lens, dtype=torch.long)
+
+
+def _reference(q, cache, tables, lens, scale, dv):
+    """Per sequence, fp32: gather the rows slot by slot, softmax, values = the rows' first dv entries."""
+    bs = cache.shape[1]
+    out = torch.zeros(q.shape[0], q.shape[1], dv)
+    for b, n in enumerate(lens.tolist()):
+        if n == 0:
+            continue
+        rows = torch.stack([cache[tables[b, p // bs], p % bs] for p in range(n)]).float()
+        p = torch.softmax(q[b].float() @ rows.t() * scale, dim=-1)
+        out[b] = p @ rows[:, :dv]
+    return out
+
+
+def _run(ops, q, cache, tables, lens, scale, dv):
+    out = torch.empty(q.shape[0], q.shape[1], dv, dtype=q.dtype)
+    ops.mla_decode_attention(out, q, cache, tables, lens, scale)
+    return out
+
+
+# (D, Dv): DeepSeek-V3's 512 + 64; a width that is no multiple of the 16-lane vectors (the test models' 32 + 8);
+# 128 + 16 with a value dim that is a multiple of 16 but not of 64.
+DIMS = [(576, 512), (40, 32), (144, 112)]
+# empty, single-token, block-boundary (16, 17, 32), odd lengths
+LENS = [[1], [0, 1, 16, 17], [5, 33, 100, 32, 15]]
+
+
+@pytest.mark.parametrize("d, dv", DIMS)
+@pytest.mark.parametrize("lens", LENS)
+@pytest.mark.parametrize("heads", [1, 8, 20])
+@pytest.mark.parametrize("bs", [16, 5])
+def test_mla_kernel_fp32_matches_reference(kernel_ops, d, dv, lens, heads, bs):
+    gen = torch.Generator().manual_seed(len(lens) * 100 + heads + d)
+    cache, tables, lens_t = _paged(lens, bs, d, torch.float32, gen)
+    q = torch.randn(len(lens), heads, d, generator=gen)
+    scale = d ** -0.5
+    got = _run(kernel_ops, q, cache, tables, lens_t, scale, dv)
+    want = _reference(q, cache, tables, lens_t, scale, dv)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("amx", [False, True])
+@pytest.mark.parametrize("qdtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("lens", LENS)
+def test_mla_kernel_bf16_cache_matches_reference(kernel_ops, amx, qdtype, lens):
+    """bf16 latents (the vector kernel widens them; the AMX path also rounds q and the probabilities to bf16,
+    as flash attention does) against the fp32 reference on the same bf16 values."""
+    if kernel_ops.mla_decode_use_amx(amx) != amx and amx:
+        kernel_ops.mla_decode_use_amx(True)
+        pytest.skip("no AMX in this build / on this CPU")
+    try:
+        gen = torch.Generator().manual_seed(7 + len(lens))
+        cache, tables, lens_t = _paged(lens, 16, 576, torch.bfloat16, gen)
+        q = torch.randn(len(lens), 16, 576, generator=gen).to(qdtype)
+        got = _run(kernel_ops, q, cache, tables, lens_t, 576 ** -0.5, 512).float()
+        want = _reference(q, cache, tables, lens_t, 576 ** -0.5, 512)
+    finally:
+        kernel_ops.mla_decode_use_amx(True)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 if amx else 1e-2)
+
+
+def test_mla_kernel_same_bits_for_any_thread_count(kernel_ops):
+    """Heads are split into tasks by thread count; each head's arithmetic must not depend on the split."""
+    gen = torch.Generator().manual_seed(3)
+    cache, tables, lens = _paged([1, 40, 7], 16, 576, torch.float32, gen)
+    q = torch.randn(3, 8, 576, generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(_run(kernel_ops, q, cache, tables, lens, 0.05, 512))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_mla_kernel_rejects_bad_tables(kernel_ops):
+    gen = torch.Generator().manual_seed(4)
+    cache, tables, lens = _paged([20], 16, 40, torch.float32, gen)
+    q = torch.randn(1, 2, 40, generator=gen)
+    bad = tables.clone()
+    bad[0, 1] = cache.shape[0]
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        _run(kernel_ops, q, cache, bad, lens, 0.1, 32)
+    with pytest.raises(RuntimeError, match="needs 3 blocks"):
+        _run(kernel_ops, q, cache, tables, torch.tensor([40]), 0.1, 32)
+
+
+def _decode_metadata(lens, tables, bs):
+    rows = [tables[b, :-(-n // bs)].tolist() for b, n in enumerate(lens)]
+    return AttentionMetadata.build([1] * len(lens), lens, {"full": rows}, {"full": bs}, bs, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 3e-5), (torch.bfloat16, 3e-2)])
+def test_mla_layer_decode_kernel_and_torch_path_match_reference(kernel_ops, monkeypatch, dtype, tol):
+    """MLAAttention's decode: the kernel path, the torch path (OPENINFER_CPU_KERNELS=0) and the slot-by-slot
+    reference agree, with NaN in every slot no sequence owns (the torch path masks them: SDPA's masked
+    scores are -inf, but a NaN value row would still poison it, so stale slots here are finite only for it)."""
+    h, dn, r, dv, lora, bs = 4, 16, 8, 16, 32, 16
+    lens = [1, 16, 17, 45]
+    gen = torch.Generator().manual_seed(11)
+    cache, tables, _ = _paged(lens, bs, lora + r, dtype, gen)
+    md = _decode_metadata(lens, tables, bs)
+    q_nope = torch.randn(4, h, dn, generator=gen).to(dtype)
+    q_pe = torch.randn(4, h, r, generator=gen).to(dtype)
+    c_kv = torch.randn(4, lora, generator=gen).to(dtype)
+    k_pe = torch.randn(4, r, generator=gen).to(dtype)
+    kv_b = (torch.randn(h * (dn + dv), lora, generator=gen) * 0.2).to(dtype)
+    layer = MLAAttention(h, lora, dn, r, dv, (dn + r) ** -0.5)
+
+    def run(c, kernels):
+        monkeypatch.setenv("OPENINFER_CPU_KERNELS", "1" if kernels else "0")
+        layer.kv_cache = c.clone()
+        with set_forward_context(md):
+            return layer(q_nope, q_pe, c_kv, k_pe, kv_b).float()
+
+    fast = run(cache, True)
+    torch_path = run(torch.nan_to_num(cache, nan=0.0), False)
+    layer.kv_cache = cache.clone()
+    with set_forward_context(md):
+        layer.kv_cache.view(-1, lora + r).index_copy_(0, md.group("full").slot_mapping, torch.cat((c_kv, k_pe), -1))
+        ref = reference_mla(q_nope, q_pe, md, md.group("full"), layer.kv_cache, kv_b, lora, layer.scale).float()
+    ref = ref.reshape(4, -1)
+    assert not fast.isnan().any()
+    torch.testing.assert_close(fast, ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(torch_path, ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif(bool(__import__("os").environ.get("OPENINFER_KERNEL_CFLAGS")), reason="already a variant")
+def test_mla_kernel_avx2_build(kernel_ops):
+    """The extension is built with -march=native; CI may run elsewhere. Run this file's kernel tests against
+    an x86-64-v3 (AVX2, no AVX-512, no AMX) build, the one test_kernels.py's AVX2 test makes."""
+    import os
+    import platform
+    import subprocess
+    import sys
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 only")
+    env = dict(os.environ, OPENINFER_KERNEL_CFLAGS="-march=x86-64-v3", OMP_NUM_THREADS="2")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "not avx2"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert " passed" in r.stdout, r.stdout[-1000:]
