@@ -175,6 +175,8 @@ class ParallelConfig:
 
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    # Routed experts split over every rank (instead of each expert's intermediate split over the TP ranks).
+    enable_expert_parallel: bool = False
     distributed_executor_backend: str = "auto"
 
     def __post_init__(self) -> None:
@@ -185,6 +187,9 @@ class ParallelConfig:
         if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r}; choose one of "
                              f"{', '.join(EXECUTOR_BACKENDS)}")
+        if self.enable_expert_parallel and self.tensor_parallel_size > 1:
+            raise ValueError("enable_expert_parallel with tensor_parallel_size > 1 is not supported yet: use "
+                             "data_parallel_size for the expert-parallel ranks (tensor_parallel_size=1)")
         if self.distributed_executor_backend == "uni" and self.world_size > 1:
             raise ValueError(f"distributed_executor_backend='uni' runs one rank in the engine's process, but "
                              f"tensor_parallel_size={self.tensor_parallel_size} x data_parallel_size="
@@ -193,6 +198,12 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.data_parallel_size
+
+    @property
+    def lockstep(self) -> bool:
+        """Replicas meet in collectives inside the model (expert-parallel MoE): an idle replica's ranks must
+        still run a forward whenever another replica steps."""
+        return self.enable_expert_parallel and self.data_parallel_size > 1
 
     @property
     def executor_backend(self) -> str:

@@ -53,6 +53,8 @@ class EngineArgs:
     tensor_parallel_size: int = _arg(1, "ranks that split every layer (heads, MLP, vocabulary), one process each")
     data_parallel_size: int = _arg(1, "attention replicas, each with its own scheduler, KV cache and requests "
                                       "(and its own tensor_parallel_size ranks)")
+    enable_expert_parallel: bool = _arg(False, "split the routed experts of MoE layers over all ranks (tokens "
+                                               "travel to their experts by all-to-all)")
     distributed_executor_backend: str = _arg("auto", "auto | uni (one rank, in process) | mp (a worker "
                                                      "process per rank) | ray (a Ray actor per rank, over a Ray "
                                                      "cluster) | external_launcher (one engine per rank, started "
@@ -138,6 +140,7 @@ class EngineArgs:
                                       max_num_batched_tokens=max_num_batched_tokens),
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                                     data_parallel_size=self.data_parallel_size,
+                                    enable_expert_parallel=self.enable_expert_parallel,
                                     distributed_executor_backend=self.distributed_executor_backend),
             seed=self.seed,
             attention_backend=AttentionBackend.parse(self.attention_backend),

@@ -161,7 +161,7 @@ def valid_values(ckpt_copy: Path) -> dict[str, typing.Any]:
                 max_model_len=64, max_num_seqs=3, max_num_batched_tokens=100, block_size=32,
                 enable_prefix_caching=False, kv_cache_memory_gb=0.5, memory_utilization=0.5, num_kv_blocks=10,
                 seed=1, attention_backend="reference", chat_template="{{ messages }}", tensor_parallel_size=2,
-                data_parallel_size=2, distributed_executor_backend="mp")
+                data_parallel_size=2, enable_expert_parallel=True, distributed_executor_backend="mp")
 
 
 def test_every_field_reaches_the_engine(ckpt, ckpt_copy, monkeypatch):
@@ -203,6 +203,7 @@ def test_max_model_len_has_one_home(ckpt):
     (dict(distributed_executor_backend="slurm"), r"distributed_executor_backend='slurm'; choose one of"),
     (dict(tensor_parallel_size=2, distributed_executor_backend="uni"), r"'uni' runs one rank"),
     (dict(data_parallel_size=0), r"data_parallel_size must be an integer >= 1, got 0"),
+    (dict(enable_expert_parallel=True, tensor_parallel_size=2), r"enable_expert_parallel with tensor_parallel"),
 ])
 def test_bad_value_names_the_field_and_limit(ckpt, bad, message):
     with pytest.raises(ValueError, match=message):

@@ -7,7 +7,7 @@ import torch
 
 from openinfer.layers import cpu_ops
 from openinfer.layers.deepseek_moe import DeepseekMoE, RouterConfig, _select, route
-from openinfer.layers.moe import _combine, fused_experts, pack_experts, reference_experts, torch_swiglu
+from openinfer.layers.moe import combine_experts, fused_experts, pack_experts, reference_experts, torch_swiglu
 
 
 def _kernels(monkeypatch, on: bool) -> None:
@@ -69,7 +69,7 @@ def test_moe_combine_same_bits_as_torch(kernel_ops, monkeypatch, dtype, with_out
     outs = []
     for on in (True, False):
         _kernels(monkeypatch, on)
-        outs.append(_combine(y, order, w, base.clone() if with_out else None))
+        outs.append(combine_experts(y, order, w, base.clone() if with_out else None))
     assert torch.equal(outs[0], outs[1])
     # and what it replaces: weighted scatter in y's dtype, then + the shared output
     ref = torch.zeros(t, h, dtype=dtype).index_add_(0, order // k, y * w.reshape(-1)[order, None].to(dtype))

@@ -73,6 +73,7 @@ class GroupCoordinator:
 _WORLD = GroupCoordinator()
 _TP = GroupCoordinator()
 _DP = GroupCoordinator()
+_EP = GroupCoordinator()
 
 
 def get_world_group() -> GroupCoordinator:
@@ -81,6 +82,11 @@ def get_world_group() -> GroupCoordinator:
 
 def get_tp_group() -> GroupCoordinator:
     return _TP
+
+
+def get_ep_group() -> GroupCoordinator:
+    """The ranks that split the routed experts (every rank of the deployment, with expert parallelism on)."""
+    return _EP
 
 
 def get_dp_group() -> GroupCoordinator:
@@ -137,10 +143,11 @@ def _make_group(ranks: list[int], device: torch.device) -> GroupCoordinator:
     return GroupCoordinator(ranks, ranks.index(rank) if rank in ranks else -1, dev, cpu)
 
 
-def initialize_model_parallel(tensor_parallel_size: int, data_parallel_size: int, device: torch.device) -> None:
-    """Tensor-parallel groups of consecutive ranks (one per data-parallel replica) and data-parallel groups of the
-    ranks that hold the same shard in each replica."""
-    global _TP, _DP
+def initialize_model_parallel(tensor_parallel_size: int, data_parallel_size: int, device: torch.device,
+                              expert_parallel: bool = False) -> None:
+    """Tensor-parallel groups of consecutive ranks (one per data-parallel replica), data-parallel groups of the
+    ranks that hold the same shard in each replica, and with expert parallelism one group of every rank."""
+    global _TP, _DP, _EP
     tp, dp = tensor_parallel_size, data_parallel_size
     if _WORLD.world_size != tp * dp:
         raise ValueError(f"world size {_WORLD.world_size} != tensor_parallel_size={tp} x data_parallel_size={dp}")
@@ -153,10 +160,12 @@ def initialize_model_parallel(tensor_parallel_size: int, data_parallel_size: int
         g = _make_group(list(range(t, tp * dp, tp)), device)
         if rank in g.ranks:
             _DP = g
+    if expert_parallel:
+        _EP = _make_group(list(range(tp * dp)), device)
 
 
 def destroy_distributed_environment() -> None:
-    global _WORLD, _TP, _DP
-    _WORLD, _TP, _DP = GroupCoordinator(), GroupCoordinator(), GroupCoordinator()
+    global _WORLD, _TP, _DP, _EP
+    _WORLD, _TP, _DP, _EP = GroupCoordinator(), GroupCoordinator(), GroupCoordinator(), GroupCoordinator()
     if dist.is_initialized():
         dist.destroy_process_group()

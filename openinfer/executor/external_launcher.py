@@ -58,7 +58,8 @@ class ExternalLauncherExecutor(Executor):
     def execute_model(self, scheduler_outputs: list[SchedulerOutput]) -> list[ModelRunnerOutput | None]:
         from openinfer.distributed.parallel_state import get_world_group
 
-        mine = self.worker.execute_model(scheduler_outputs[self.worker.dp_rank])
+        lockstep = self.config.parallel.lockstep and any(not s.empty for s in scheduler_outputs)
+        mine = self.worker.execute_model(scheduler_outputs[self.worker.dp_rank], lockstep)
         if len(scheduler_outputs) == 1:
             return [mine]
         tp = self.config.parallel.tensor_parallel_size

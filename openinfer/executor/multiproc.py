@@ -163,7 +163,9 @@ class MultiprocExecutor(Executor):
         """Each rank gets its replica's batch (encoded once per replica); each replica's first rank answers."""
         tp = self.config.parallel.tensor_parallel_size
         call_id = next(self._calls)
-        per_replica = [msgspec.msgpack.encode(rpc.Request(call_id, rpc.ExecuteModel(s))) for s in scheduler_outputs]
+        lockstep = self.config.parallel.lockstep and any(not s.empty for s in scheduler_outputs)
+        per_replica = [msgspec.msgpack.encode(rpc.Request(call_id, rpc.ExecuteModel(s, lockstep)))
+                       for s in scheduler_outputs]
         results = self._round_trip(call_id, "execute_model", rpc.ExecuteModel,
                                    [per_replica[r // tp] for r in range(len(self._ids))])
         return results[::tp]

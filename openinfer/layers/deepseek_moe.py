@@ -21,9 +21,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from openinfer.distributed.parallel_state import get_ep_group, get_tp_group
 from openinfer.layers import cpu_ops
-from openinfer.layers.linear import CheckpointLinear, cpu_prepack_supported
-from openinfer.layers.moe import fused_experts, pack_experts, swiglu
+from openinfer.layers.expert_parallel import expert_parallel_experts
+from openinfer.layers.linear import cpu_prepack_supported
+from openinfer.layers.moe import combine_experts, experts_on_sorted_rows, fused_experts, pack_experts, swiglu
+from openinfer.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear, divide
+from openinfer.layers.weight_utils import WeightLoadError, materialize, narrow
 
 # New score functions are added here; RouterConfig validates against this table.
 SCORING_FUNCS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -162,20 +166,60 @@ class DeepseekTopkRouter(nn.Module):
 
 
 class DeepseekExperts(nn.Module):
-    """``mlp.experts``: all routed experts stacked for ``fused_experts`` (gate rows then up rows in w13).
-    HF stores one module per expert; the model's loader places ``experts.{e}.{gate,up,down}_proj.weight``."""
+    """``mlp.experts``: the routed experts this rank holds, stacked for ``fused_experts`` (gate rows then up rows in
+    w13). With expert parallelism a contiguous range of whole experts (``expert_ids``); otherwise every expert,
+    each split over the tensor-parallel ranks along its intermediate dimension. HF stores one module per expert;
+    the model's loader hands each checkpoint tensor to ``load_expert``."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  swiglu_limit: float | None = None) -> None:
         super().__init__()
+        self.ep, self.tp = get_ep_group(), get_tp_group()
+        self.num_experts = num_experts
+        if self.ep.world_size > 1:
+            local = divide(num_experts, self.ep.world_size, "n_routed_experts")
+            self.first_expert = self.ep.rank_in_group * local
+            self.shard = None  # whole experts
+        else:
+            local, self.first_expert = num_experts, 0
+            intermediate_size = divide(intermediate_size, self.tp.world_size, "moe_intermediate_size")
+            self.shard = self.tp.rank_in_group * intermediate_size if self.tp.world_size > 1 else None
+        self.num_local_experts = local
         self.intermediate_size = intermediate_size
         self.swiglu_limit = swiglu_limit
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size),
-                                       requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size),
-                                      requires_grad=False)
+        self.w13_weight = nn.Parameter(torch.empty(local, 2 * intermediate_size, hidden_size), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(local, hidden_size, intermediate_size), requires_grad=False)
 
     _packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+
+    @property
+    def expert_ids(self) -> range:
+        """The global ids of the experts this rank holds."""
+        return range(self.first_expert, self.first_expert + self.num_local_experts)
+
+    @property
+    def reduces_over_tp(self) -> bool:
+        """Each rank computes a partial sum over its slice of every expert: the caller all-reduces."""
+        return self.shard is not None
+
+    @torch.no_grad()
+    def load_expert(self, expert: int, part: int, tensor) -> bool:
+        """Checkpoint tensor of global expert ``expert``: part 0 gate (w1), 1 up (w3), 2 down (w2). Returns False
+        for an expert another rank holds (nothing read)."""
+        if expert not in self.expert_ids:
+            return False
+        e, i = expert - self.first_expert, self.intermediate_size
+        if part == 2:
+            dst = self.w2_weight[e]
+            src = tensor if self.shard is None else narrow(tensor, 1, self.shard, i)
+        else:
+            dst = self.w13_weight[e, part * i:(part + 1) * i]
+            src = tensor if self.shard is None else narrow(tensor, 0, self.shard, i)
+        if tuple(src.shape) != tuple(dst.shape):
+            raise WeightLoadError(f"expert {expert} part {part}: checkpoint slice has shape {tuple(src.shape)}, the "
+                                  f"model expects {tuple(dst.shape)}")
+        dst.copy_(materialize(src))
+        return True
 
     @torch.no_grad()
     def prepack_cpu(self, keep_weight: bool = False) -> bool:
@@ -199,17 +243,25 @@ class DeepseekExperts(nn.Module):
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 out: torch.Tensor | None = None) -> torch.Tensor:
         """``out``: added onto in place (the shared experts' output), see ``fused_experts``."""
-        return fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.swiglu_limit,
-                             packed=self._packed, out=out)
+        if self.ep.world_size == 1:
+            return fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.swiglu_limit,
+                                 packed=self._packed, out=out)
+        y, order = expert_parallel_experts(
+            x, topk_ids, self.num_local_experts, self.ep,
+            lambda rows, counts: experts_on_sorted_rows(rows, counts, self.w13_weight, self.w2_weight,
+                                                        self.swiglu_limit, self._packed))
+        return combine_experts(y.to(x.dtype), order, topk_weights, out)
 
 
 class DeepseekMLP(nn.Module):
-    """Dense SwiGLU MLP (dense layers, shared experts); HF's gate_proj/up_proj load into one fused matmul."""
+    """Dense SwiGLU MLP (dense layers, shared experts); HF's gate_proj/up_proj load into one fused matmul, split
+    over the tensor-parallel ranks (``reduce_results=False``: the caller sums the partial results)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, swiglu_limit: float | None = None) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, swiglu_limit: float | None = None,
+                 reduce_results: bool = True) -> None:
         super().__init__()
-        self.gate_up_proj = CheckpointLinear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = CheckpointLinear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = ColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size], bias=False)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False, reduce_results=reduce_results)
         self.swiglu_limit = swiglu_limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -219,7 +271,7 @@ class DeepseekMLP(nn.Module):
 class DeepseekMoE(nn.Module):
     """Routed experts + always-on shared experts (a dense MLP of n_shared_experts x moe_intermediate_size).
     ``swiglu_limit`` clamps routed and shared experts alike; ``hash_vocab_size`` makes the gate hash-routed.
-    """
+    Under tensor parallelism both are partial sums over the ranks' slices, reduced once at the end."""
 
     def __init__(self, hidden_size: int, moe_intermediate_size: int, n_shared_experts: int,
                  cfg: RouterConfig, swiglu_limit: float | None = None,
@@ -227,12 +279,15 @@ class DeepseekMoE(nn.Module):
         super().__init__()
         self.gate = DeepseekTopkRouter(hidden_size, cfg, hash_vocab_size)
         self.experts = DeepseekExperts(cfg.n_routed_experts, hidden_size, moe_intermediate_size, swiglu_limit)
+        self.tp_reduce = self.experts.reduces_over_tp
         self.shared_experts = (
-            DeepseekMLP(hidden_size, moe_intermediate_size * n_shared_experts, swiglu_limit)
+            DeepseekMLP(hidden_size, moe_intermediate_size * n_shared_experts, swiglu_limit,
+                        reduce_results=not self.tp_reduce)
             if n_shared_experts else None)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(x, token_ids)
         # the routed outputs are combined straight onto the shared experts' output, in one pass
         shared = self.shared_experts(x) if self.shared_experts is not None else None
-        return self.experts(x, topk_weights, topk_ids, out=shared)
+        out = self.experts(x, topk_weights, topk_ids, out=shared)
+        return self.experts.tp.all_reduce(out) if self.tp_reduce else out

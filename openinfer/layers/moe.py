@@ -57,19 +57,25 @@ def fused_experts(
     order = torch.argsort(flat, stable=True)
     rows = x.index_select(0, order // k)
     counts = torch.bincount(flat, minlength=num_experts)
+    y = experts_on_sorted_rows(rows, counts.tolist(), w13, w2, swiglu_limit, packed)
+    return combine_experts(y.to(x.dtype), order, topk_weights, out)
+
+
+def experts_on_sorted_rows(rows: torch.Tensor, counts: list[int], w13: torch.Tensor, w2: torch.Tensor,
+                           swiglu_limit: float | None,
+                           packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None) -> torch.Tensor:
+    """rows [N, H] grouped by expert (``counts[e]`` rows for expert e, in expert order) -> expert outputs [N, H]."""
     if packed is not None:
-        y = _looped_packed(rows, packed, counts.tolist(), swiglu_limit)
-    elif _HAS_GROUPED_MM and x.dtype in (torch.bfloat16, torch.float32):
-        offs = counts.cumsum(0).to(torch.int32)
+        return _looped_packed(rows, packed, counts, swiglu_limit)
+    if _HAS_GROUPED_MM and rows.dtype in (torch.bfloat16, torch.float32) and rows.shape[0]:
+        offs = torch.tensor(counts, device=rows.device).cumsum(0).to(torch.int32)
         h = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offs)
         h = swiglu(h, swiglu_limit)
-        y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)
-    else:
-        y = _looped(rows, w13, w2, counts.tolist(), swiglu_limit)
-    return _combine(y.to(x.dtype), order, topk_weights, out)
+        return torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)
+    return _looped(rows, w13, w2, counts, swiglu_limit)
 
 
-def _combine(y: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tensor,
+def combine_experts(y: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tensor,
              out: torch.Tensor | None) -> torch.Tensor:
     """Token t's result: its pairs' rows of y (sorted by expert, in ``order``) times their weights (rounded to
     y's dtype), summed in fp32 in the order the rows sit in y, rounded, plus ``out[t]`` when given (the shared

@@ -11,6 +11,7 @@ checkpoint tensor (layers/weight_utils.py). With one rank these are plain ``Line
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from openinfer.distributed.parallel_state import GroupCoordinator, get_tp_group
 from openinfer.layers.linear import CheckpointLinear
@@ -98,9 +99,13 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(CheckpointLinear):
-    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+    """``reduce_results=False`` leaves the partial sums to the caller, who adds more partial results (an MoE's
+    shared and routed experts) and reduces once."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, reduce_results: bool = True,
                  tp: GroupCoordinator | None = None) -> None:
         self.tp = tp or get_tp_group()
+        self.reduce_results = reduce_results
         self.input_size_full = input_size
         super().__init__(divide(input_size, self.tp.world_size, "input size"), output_size, bias=bias)
         self.weight.weight_loader = self.weight_loader
@@ -123,4 +128,21 @@ class RowParallelLinear(CheckpointLinear):
             return self.matmul(x, self.bias)
         # The partial sums are added across ranks; the bias must be added exactly once.
         y = self.matmul(x, self.bias if self.tp.is_first_rank else None)
-        return self.tp.all_reduce(y)
+        return self.tp.all_reduce(y) if self.reduce_results else y
+
+
+def sharded_parameter(full_size: int, *rest: int, dtype: torch.dtype | None = None,
+                      tp: GroupCoordinator | None = None) -> nn.Parameter:
+    """A parameter split along dim 0 over the tensor-parallel ranks (per-head values such as attention sinks),
+    loading only its rank's slice."""
+    tp = tp or get_tp_group()
+    n = divide(full_size, tp.world_size, "sharded size")
+    param = nn.Parameter(torch.zeros(n, *rest, dtype=dtype), requires_grad=False)
+
+    def weight_loader(p: torch.Tensor, loaded, part=None) -> None:
+        _check_shape(loaded, 0, full_size, "a tensor-parallel sharded parameter")
+        with torch.no_grad():
+            p.copy_(narrow(loaded, 0, tp.rank_in_group * n, n))
+
+    param.weight_loader = weight_loader
+    return param

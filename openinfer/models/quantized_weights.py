@@ -20,7 +20,7 @@ from openinfer.models.weights import WeightLoadError, materialize
 SCALE_SUFFIXES = (".weight_scale_inv", ".scale")
 
 
-def _scale_owner(name: str) -> str | None:
+def scale_owner(name: str) -> str | None:
     """``X.weight`` for a scale name ``X.weight_scale_inv`` / ``X.scale``, else None."""
     for suffix in SCALE_SUFFIXES:
         if name.endswith(suffix):
@@ -42,7 +42,7 @@ class Dequantizer:
         self.scales: dict[str, tuple[str, torch.Tensor]] = {}
 
     def feed(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-        owner = _scale_owner(name)
+        owner = scale_owner(name)
         if owner is not None and not self.is_param(name):
             key = owner
             self.scales[key] = (name, materialize(tensor))

@@ -11,7 +11,7 @@ import time
 import torch
 
 from openinfer.config import AttentionBackend, EngineConfig
-from openinfer.forward_context import set_forward_context
+from openinfer.forward_context import AttentionMetadata, set_forward_context
 from openinfer.layers import cpu_ops
 from openinfer.layers.attention import Attention
 from openinfer.layers.linear import prepack_linears
@@ -58,8 +58,12 @@ class ModelRunner:
         return specs
 
     def initialize_kv_cache(self, num_blocks: dict[str, int]) -> None:
-        """Allocate every group's stores and start a fresh input batch over them."""
+        """Allocate every group's stores and start a fresh input batch over them. Where replicas step in lockstep,
+        one more block per group than the engine knows about: the scratch block of dummy forwards."""
         specs = self.kv_cache_spec()
+        if self.config.parallel.lockstep:
+            num_blocks = {name: n + 1 for name, n in num_blocks.items()}
+            self._dummy_blocks = {name: n - 1 for name, n in num_blocks.items()}
         self.model.bind_kv_cache(num_blocks, self.block_size, self.dtype, self.device)
         self.input_batch = InputBatch([s.name for s in specs],
                                       {s.name: s.tokens_per_block(self.block_size) for s in specs},
@@ -82,10 +86,12 @@ class ModelRunner:
 
     # -- one step ----------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, sched: SchedulerOutput, lockstep: bool = False) -> ModelRunnerOutput:
         batch = self.input_batch
         batch.update(sched)
         if sched.empty:
+            if lockstep:
+                self._dummy_forward()
             return ModelRunnerOutput()
         inputs = batch.prepare(sched)
         with set_forward_context(inputs.metadata):
@@ -121,6 +127,15 @@ class ModelRunner:
         for r, first in plp:
             out.prompt_logprobs[r.state.req_id] = self._prompt_logprobs(hidden, r, first)
         return out
+
+    def _dummy_forward(self) -> None:
+        """One token through the model on the scratch block, nothing sampled: this replica has no work, but its
+        ranks must take part in the collectives (expert-parallel all-to-all) another replica's step runs."""
+        names = self.input_batch.group_names
+        md = AttentionMetadata.build([1], [1], {n: [[self._dummy_blocks[n]]] for n in names},
+                                     self.input_batch.tokens_per_block, self.block_size, self.device)
+        with set_forward_context(md):
+            self.model(torch.zeros(1, dtype=torch.long, device=self.device), md.positions)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, r: ScheduledRow, first: int) -> list[dict[int, float]]:
         """Logprob of prompt token p+1 given tokens <= p, for each prompt position p in this chunk."""

@@ -23,6 +23,8 @@ class InitializeKVCache(msgspec.Struct, tag=True):
 
 class ExecuteModel(msgspec.Struct, tag=True):
     scheduler_output: SchedulerOutput
+    # Another replica steps and the model's layers meet across replicas: run a forward even with nothing scheduled.
+    lockstep: bool = False
 
 
 class GetLoadTime(msgspec.Struct, tag=True):

@@ -37,8 +37,9 @@ class Worker:
             from openinfer.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
 
             init_distributed_environment(world, self.rank, self.distributed_init_method, self.device)
-            initialize_model_parallel(self.config.parallel.tensor_parallel_size,
-                                      self.config.parallel.data_parallel_size, self.device)
+            par = self.config.parallel
+            initialize_model_parallel(par.tensor_parallel_size, par.data_parallel_size, self.device,
+                                      par.enable_expert_parallel)
         torch.manual_seed(self.config.seed)
 
     def load_model(self) -> None:
@@ -79,5 +80,5 @@ class Worker:
     def initialize_kv_cache(self, num_blocks: dict[str, int]) -> None:
         self.model_runner.initialize_kv_cache(num_blocks)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.model_runner.execute_model(scheduler_output)
+    def execute_model(self, scheduler_output: SchedulerOutput, lockstep: bool = False) -> ModelRunnerOutput:
+        return self.model_runner.execute_model(scheduler_output, lockstep)

@@ -66,7 +66,7 @@ def serve(rank: int, config_json: str, rpc_address: str, dist_init: str) -> int:
 
 def _dispatch(worker, call: rpc.Call):
     if isinstance(call, rpc.ExecuteModel):
-        out = worker.execute_model(call.scheduler_output)
+        out = worker.execute_model(call.scheduler_output, call.lockstep)
         return out if worker.is_replica_driver else None  # only each replica's first rank's tokens are read
     if isinstance(call, rpc.GetKVCacheSpec):
         return worker.get_kv_cache_spec()

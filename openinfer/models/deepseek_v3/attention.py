@@ -5,7 +5,9 @@ import torch
 from torch import nn
 
 from openinfer.config import AttentionBackend
+from openinfer.distributed.parallel_state import get_tensor_model_parallel_world_size
 from openinfer.layers.linear import CheckpointLinear
+from openinfer.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear, divide
 from openinfer.layers.mla import MLAAttention
 from openinfer.layers.norm import RMSNorm
 from openinfer.layers.rotary import apply_interleaved, apply_neox, softmax_scale
@@ -18,25 +20,28 @@ _LORA_NORM_EPS = 1e-6
 class DeepseekV3Attention(nn.Module):
     def __init__(self, a: DeepseekV3Args, backend: AttentionBackend) -> None:
         super().__init__()
-        self.num_heads = a.num_attention_heads
+        total_heads = a.num_attention_heads
+        # Tensor parallel: each rank holds a slice of the heads; the latent (c_kv | k_pe) is per token, not per
+        # head, so every rank computes and caches all of it.
+        self.num_heads = divide(total_heads, get_tensor_model_parallel_world_size(), "num_attention_heads")
         self.q_lora_rank = a.q_lora_rank
         self.kv_lora_rank = a.kv_lora_rank
         self.qk_nope_head_dim, self.qk_rope_head_dim = a.qk_nope_head_dim, a.qk_rope_head_dim
         self.rope_interleave = a.rope_interleave
         qk_head_dim = a.qk_nope_head_dim + a.qk_rope_head_dim
         if a.q_lora_rank is None:
-            self.q_proj = CheckpointLinear(a.hidden_size, self.num_heads * qk_head_dim, bias=False)
+            self.q_proj = ColumnParallelLinear(a.hidden_size, [total_heads * qk_head_dim], bias=False)
         else:
             self.q_a_proj = CheckpointLinear(a.hidden_size, a.q_lora_rank, bias=a.attention_bias)
             self.q_a_layernorm = RMSNorm(a.q_lora_rank, _LORA_NORM_EPS)
-            self.q_b_proj = CheckpointLinear(a.q_lora_rank, self.num_heads * qk_head_dim, bias=False)
+            self.q_b_proj = ColumnParallelLinear(a.q_lora_rank, [total_heads * qk_head_dim], bias=False)
         self.kv_a_proj_with_mqa = CheckpointLinear(a.hidden_size, a.kv_lora_rank + a.qk_rope_head_dim,
                                                    bias=a.attention_bias)
         self.kv_a_layernorm = RMSNorm(a.kv_lora_rank, _LORA_NORM_EPS)
-        self.kv_b_proj = CheckpointLinear(a.kv_lora_rank, self.num_heads * (a.qk_nope_head_dim + a.v_head_dim),
-                                          bias=False)
+        self.kv_b_proj = ColumnParallelLinear(a.kv_lora_rank, [total_heads * (a.qk_nope_head_dim + a.v_head_dim)],
+                                              bias=False)
         self.kv_b_proj.prepack = False  # MLA reads W_UK / W_UV out of this weight (absorbed decode, decompression)
-        self.o_proj = CheckpointLinear(self.num_heads * a.v_head_dim, a.hidden_size, bias=a.attention_bias)
+        self.o_proj = RowParallelLinear(total_heads * a.v_head_dim, a.hidden_size, bias=a.attention_bias)
         self.mla = MLAAttention(self.num_heads, a.kv_lora_rank, a.qk_nope_head_dim, a.qk_rope_head_dim,
                                 a.v_head_dim, softmax_scale(qk_head_dim, a.rope), backend)
 

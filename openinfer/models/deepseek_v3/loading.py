@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from openinfer.layers.deepseek_moe import DeepseekExperts
-from openinfer.models.quantized_weights import Dequantizer
+from openinfer.models.quantized_weights import Dequantizer, scale_owner
 from openinfer.models.weights import WeightLoadError, copy_into
 
 logger = logging.getLogger(__name__)
@@ -22,13 +22,15 @@ _EXPERT = re.compile(r"(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\
 
 
 def checkpoint_tensor_names(model: nn.Module) -> set[str]:
-    """Every tensor name an HF checkpoint of this config must contain (per-expert, unfused names)."""
+    """Every tensor name an HF checkpoint must contain for this rank (per-expert, unfused names; with expert
+    parallelism only the experts this rank holds)."""
     names: set[str] = set()
-    for pname, p in model.named_parameters():
+    for pname, _ in model.named_parameters():
         if pname.endswith(".experts.w13_weight") or pname.endswith(".experts.w2_weight"):
             prefix, kind = pname.rsplit(".", 1)
+            experts = model.get_submodule(prefix)
             projs = ("gate_proj", "up_proj") if kind == "w13_weight" else ("down_proj",)
-            names.update(f"{prefix}.{e}.{proj}.weight" for e in range(p.shape[0]) for proj in projs)
+            names.update(f"{prefix}.{e}.{proj}.weight" for e in experts.expert_ids for proj in projs)
         elif ".gate_up_proj." in pname:
             names.update(pname.replace(".gate_up_proj.", f".{p}.") for p in ("gate_proj", "up_proj"))
         else:
@@ -49,6 +51,8 @@ def load_v3_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
             continue
         if "rotary_emb.inv_freq" in raw_name or (args.tie_word_embeddings and raw_name == "lm_head.weight"):
             continue
+        if _not_this_ranks_expert(model, raw_name):
+            continue  # expert parallelism: another rank holds it (and reads it)
         for name, tensor in dequantizer.feed(raw_name, raw_tensor):
             _load_one(model, params, name, tensor)
             loaded.add(name)
@@ -62,29 +66,43 @@ def load_v3_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
     return loaded
 
 
+def _experts_of(model: nn.Module, name: str) -> tuple[DeepseekExperts, int, str] | None:
+    """(the experts module, expert id, projection) for a routed expert's tensor name (or its scale), else None."""
+    m = _EXPERT.match(scale_owner(name) or name)
+    if not m:
+        return None
+    experts = _submodule(model, m.group(1), name)
+    if not isinstance(experts, DeepseekExperts) or not 0 <= int(m.group(2)) < experts.num_experts:
+        raise WeightLoadError(f"checkpoint tensor {name!r} does not belong to this model")
+    return experts, int(m.group(2)), m.group(3)
+
+
+def _not_this_ranks_expert(model: nn.Module, name: str) -> bool:
+    found = _experts_of(model, name)
+    return found is not None and found[1] not in found[0].expert_ids
+
+
 def _load_one(model: nn.Module, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> None:
-    m = _EXPERT.match(name)
-    if m:
-        experts = _submodule(model, m.group(1), name)
-        e, proj = int(m.group(2)), m.group(3)
-        if not isinstance(experts, DeepseekExperts) or e >= experts.w13_weight.shape[0]:
-            raise WeightLoadError(f"checkpoint tensor {name!r} does not belong to this model")
-        i = experts.intermediate_size
-        dst = {"gate_proj": experts.w13_weight[e, :i], "up_proj": experts.w13_weight[e, i:],
-               "down_proj": experts.w2_weight[e]}[proj]
-        copy_into(dst, tensor, name)
+    found = _experts_of(model, name)
+    if found is not None:
+        experts, e, proj = found
+        experts.load_expert(e, {"gate_proj": 0, "up_proj": 1, "down_proj": 2}[proj], tensor)
         return
-    for proj, shard in ((".gate_proj.", 0), (".up_proj.", 1)):
-        if proj in name:  # dense MLP / shared experts: HF's gate and up fill halves of gate_up_proj
+    for proj, part in ((".gate_proj.", 0), (".up_proj.", 1)):
+        if proj in name:  # dense MLP / shared experts: HF's gate and up fill parts of gate_up_proj
             fused = params.get(name.replace(proj, ".gate_up_proj."))
             if fused is None:
                 raise WeightLoadError(f"checkpoint tensor {name!r} does not belong to this model")
-            half = fused.shape[0] // 2
-            copy_into(fused[shard * half:(shard + 1) * half], tensor, name)
+            fused.weight_loader(fused, tensor, part)
             return
     if name not in params:
         raise WeightLoadError(f"checkpoint tensor {name!r} does not belong to this model")
-    copy_into(params[name], tensor, name)
+    param = params[name]
+    loader = getattr(param, "weight_loader", None)
+    if loader is not None:
+        loader(param, tensor)
+    else:
+        copy_into(param, tensor, name)
 
 
 def _submodule(model: nn.Module, path: str, name: str) -> nn.Module:

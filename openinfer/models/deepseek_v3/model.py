@@ -16,7 +16,7 @@ from openinfer.config import AttentionBackend
 from openinfer.kv_cache_interface import KVGroupSpec
 from openinfer.layers.attention import bind_layer_caches, free_layer_caches, FULL_ATTENTION_GROUP
 from openinfer.layers.deepseek_moe import DeepseekMLP, DeepseekMoE
-from openinfer.layers.linear import CheckpointLinear
+from openinfer.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from openinfer.layers.mla import MLAAttention
 from openinfer.layers.norm import RMSNorm
 from openinfer.layers.rotary import RotaryEmbedding
@@ -51,7 +51,7 @@ class DeepseekV3DecoderLayer(nn.Module):
 class DeepseekV3Model(nn.Module):
     def __init__(self, a: DeepseekV3Args, backend: AttentionBackend) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(a.vocab_size, a.hidden_size)
         self.layers = nn.ModuleList(DeepseekV3DecoderLayer(a, i, backend) for i in range(a.num_hidden_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         # One table for all layers (V3: 163840 positions), like HF's model-level rotary_emb.
@@ -73,9 +73,9 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.config = cfg
         self.args = DeepseekV3Args.from_hf(cfg)
         self.model = DeepseekV3Model(self.args, attention_backend)
-        self.lm_head = CheckpointLinear(self.args.hidden_size, self.args.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(self.args.vocab_size, self.args.hidden_size)
         if self.args.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head.tie(self.model.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

@@ -21,7 +21,9 @@ from torch import nn
 from openinfer.config import AttentionBackend
 from openinfer.forward_context import get_forward_context
 from openinfer.layers import cpu_ops
+from openinfer.distributed.parallel_state import get_tensor_model_parallel_world_size
 from openinfer.layers.linear import CheckpointLinear
+from openinfer.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear, divide, sharded_parameter
 from openinfer.layers.norm import RMSNorm, unweighted_rms_norm
 from openinfer.models.deepseek_v4.cache import WINDOW, StepIndex, V4LayerCache
 from openinfer.models.deepseek_v4.common import fp32_param
@@ -57,11 +59,14 @@ class DeepseekV4Attention(nn.Module):
         self.layer_idx = layer_idx
         self.layer_type = cfg.layer_types[layer_idx]
         self.ratio = cfg.compress_ratios[layer_idx]
-        self.num_heads = cfg.num_attention_heads
+        # Tensor parallel: each rank holds a slice of the query heads and of the output groups (each group's heads
+        # stay on one rank); the latent K/V, the compressor and the mHC are per token, computed on every rank.
+        tp = get_tensor_model_parallel_world_size()
+        self.num_heads = divide(cfg.num_attention_heads, tp, "num_attention_heads")
         self.num_kv_heads = 1
         self.head_dim = cfg.head_dim
         self.sliding_window = cfg.sliding_window
-        self.o_groups, self.o_lora_rank = cfg.o_groups, cfg.o_lora_rank
+        self.o_groups, self.o_lora_rank = divide(cfg.o_groups, tp, "o_groups"), cfg.o_lora_rank
         self.eps = eps
         self.scale = cfg.head_dim ** -0.5
         self.rope_type = "main" if self.layer_type == SLIDING else "compress"
@@ -70,14 +75,14 @@ class DeepseekV4Attention(nn.Module):
 
         self.q_a_proj = CheckpointLinear(hidden, cfg.q_lora_rank, bias=False)
         self.q_a_norm = RMSNorm(cfg.q_lora_rank, eps, torch.float32)
-        self.q_b_proj = CheckpointLinear(cfg.q_lora_rank, self.num_heads * self.head_dim, bias=False)
+        self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, [cfg.num_attention_heads * self.head_dim], bias=False)
         self.kv_proj = CheckpointLinear(hidden, self.head_dim, bias=False)
         self.kv_norm = RMSNorm(self.head_dim, eps, torch.float32)
-        self.o_a_proj = CheckpointLinear(self.num_heads * self.head_dim // cfg.o_groups,
-                                         cfg.o_groups * cfg.o_lora_rank, bias=False)
+        self.o_a_proj = ColumnParallelLinear(cfg.num_attention_heads * self.head_dim // cfg.o_groups,
+                                             [cfg.o_groups * cfg.o_lora_rank], bias=False)
         self.o_a_proj.prepack = False  # _project_out reads its weight as a grouped matrix
-        self.o_b_proj = CheckpointLinear(cfg.o_groups * cfg.o_lora_rank, hidden, bias=False)
-        self.sinks = fp32_param(self.num_heads)
+        self.o_b_proj = RowParallelLinear(cfg.o_groups * cfg.o_lora_rank, hidden, bias=False)
+        self.sinks = sharded_parameter(cfg.num_attention_heads, dtype=torch.float32)
         self.compressor = None
         self.indexer = None
         if self.layer_type != SLIDING:

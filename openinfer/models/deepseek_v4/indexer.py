@@ -16,26 +16,32 @@ from torch import nn
 
 from openinfer.layers import cpu_ops
 from openinfer.models.deepseek_v4.cache import StepIndex
-from openinfer.layers.linear import CheckpointLinear
+from openinfer.distributed.parallel_state import get_tp_group
+from openinfer.layers.parallel_linear import ColumnParallelLinear, divide
 from openinfer.models.deepseek_v4.compressor import Compressor
 from openinfer.layers.rotary import apply_interleaved
 
 
 class Indexer(nn.Module):
+    """Under tensor parallelism each rank holds a slice of the indexer heads: its scores are partial sums over
+    those heads, summed across ranks before the top-k (so every rank selects the same entries)."""
+
     def __init__(self, hidden_size: int, q_lora_rank: int, n_heads: int, head_dim: int, ratio: int, topk: int,
                  eps: float) -> None:
         super().__init__()
-        self.n_heads = n_heads
+        self.tp = get_tp_group()
+        self.n_heads = n_heads  # all of them: the head weights are scaled by n_heads^-0.5
+        self.num_local_heads = divide(n_heads, self.tp.world_size, "index_n_heads")
         self.head_dim = head_dim
         self.ratio = ratio
         self.topk = topk
         self.compressor = Compressor(hidden_size, head_dim, ratio, overlap=True, eps=eps)
-        self.q_b_proj = CheckpointLinear(q_lora_rank, n_heads * head_dim, bias=False)
-        self.weights_proj = CheckpointLinear(hidden_size, n_heads, bias=False)
+        self.q_b_proj = ColumnParallelLinear(q_lora_rank, [n_heads * head_dim], bias=False)
+        self.weights_proj = ColumnParallelLinear(hidden_size, [n_heads], bias=False)
 
     def query(self, q_residual: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """-> (q [T, n_h, d_I] roped, head weights [T, n_h] fp32, already scaled by n_h^-0.5)."""
-        q = self.q_b_proj(q_residual).view(-1, self.n_heads, self.head_dim)
+        """-> (q [T, n_h, d_I] roped, head weights [T, n_h] fp32, already scaled by n_h^-0.5); this rank's heads."""
+        q = self.q_b_proj(q_residual).view(-1, self.num_local_heads, self.head_dim)
         q = apply_interleaved(q, cos, sin)
         return q, self.weights_proj(x).float() * self.n_heads ** -0.5
 
@@ -58,15 +64,16 @@ class Indexer(nn.Module):
         q, head_w = self.query(q_residual, x, cos, sin)
         windows = torch.arange(max_visible, device=x.device)
         k = min(self.topk, max_visible)
-        # CPU kernel: each query's visible keys scored in place and only k of them selected
-        seqs = torch.arange(step.tables.shape[0], device=x.device)
-        chosen = cpu_ops.indexer_topk(q, head_w, index_entries,
-                                      step.entry_slots(seqs[:, None], windows[None, :], m, cap),
-                                      step.token_seq, visible, k, self.head_dim ** -0.5)
-        if chosen is not None:
-            return chosen
+        if self.tp.world_size == 1:
+            # CPU kernel: each query's visible keys scored in place and only k of them selected
+            seqs = torch.arange(step.tables.shape[0], device=x.device)
+            chosen = cpu_ops.indexer_topk(q, head_w, index_entries,
+                                          step.entry_slots(seqs[:, None], windows[None, :], m, cap),
+                                          step.token_seq, visible, k, self.head_dim ** -0.5)
+            if chosen is not None:
+                return chosen
         keys = index_entries[step.entry_slots(step.token_seq[:, None], windows[None, :], m, cap)]
-        scores = self.score(q, head_w, keys)
+        scores = self.tp.all_reduce(self.score(q, head_w, keys))
         hidden = windows[None, :] >= visible[:, None]
         scores = scores.masked_fill(hidden, float("-inf"))
         chosen = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 
 import torch
 
-from openinfer.models.quantized_weights import Dequantizer
+from openinfer.models.quantized_weights import Dequantizer, scale_owner
 from openinfer.models.weights import WeightLoadError, copy_into, materialize
 
 logger = logging.getLogger(__name__)
@@ -84,15 +84,28 @@ def _targets(model) -> dict[str, torch.Tensor]:
     return targets
 
 
-def _copy_shard(param: torch.Tensor, tensor: torch.Tensor, name: str, shard: tuple[int | None, int]) -> None:
+def _copy_shard(model, pname: str, param: torch.Tensor, tensor, name: str, shard: tuple[int | None, int]) -> None:
+    """A routed expert's w1/w3/w2 (the experts module places it: its slice under tensor parallelism), or part of
+    the shared expert's fused gate_up (its weight_loader)."""
     expert, part = shard
-    dest = param if expert is None else param[expert] if 0 <= expert < param.shape[0] else None
-    if dest is None:
+    if expert is None:
+        param.weight_loader(param, tensor, part)
+        return
+    experts = model.get_submodule(pname.rsplit(".", 1)[0])
+    if not 0 <= expert < experts.num_experts:
         raise WeightLoadError(f"checkpoint tensor {name!r}: expert {expert} is out of range")
-    if part < 2:
-        half = dest.shape[0] // 2
-        dest = dest[part * half:(part + 1) * half]
-    copy_into(dest, tensor, name)
+    experts.load_expert(expert, part, tensor)
+
+
+def _not_this_ranks_expert(model, raw_name: str) -> bool:
+    pname, shard = canonical_name(scale_owner(raw_name) or raw_name)
+    if shard is None or shard[0] is None or not pname.endswith(("experts.w13_weight", "experts.w2_weight")):
+        return False
+    try:
+        experts = model.get_submodule(pname.rsplit(".", 1)[0])
+    except AttributeError:
+        return False  # not this model's: the loader names it
+    return 0 <= shard[0] < experts.num_experts and shard[0] not in experts.expert_ids
 
 
 def load_v4_weights(model, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -102,6 +115,8 @@ def load_v4_weights(model, weights: Iterable[tuple[str, torch.Tensor]]) -> set[s
     dequantizer = Dequantizer(model.config.fp8_block, model.config.expert_dtype,
                               lambda n: canonical_name(n)[0] in targets)
     for raw_name, raw_tensor in weights:
+        if _not_this_ranks_expert(model, raw_name):
+            continue  # expert parallelism: another rank holds it (and reads it)
         for name, tensor in dequantizer.feed(raw_name, raw_tensor):
             pname, shard = canonical_name(name)
             if pname.startswith("mtp.") and model.mtp is None:
@@ -118,11 +133,13 @@ def load_v4_weights(model, weights: Iterable[tuple[str, torch.Tensor]]) -> set[s
             if pname.endswith("tid2eid"):
                 tensor = materialize(tensor)
                 _check_hash_table(name, tensor, model.config.n_routed_experts)
+            param = targets[pname]
             if shard is None:
-                copy_into(targets[pname], tensor, name)
+                loader = getattr(param, "weight_loader", None)
+                loader(param, tensor) if loader is not None else copy_into(param, tensor, name)
                 loaded.add(pname)
             else:
-                _copy_shard(targets[pname], tensor, name, shard)
+                _copy_shard(model, pname, param, tensor, name, shard)
                 loaded.add(f"{pname}#{shard}")
     dequantizer.finish()
     expected = _expected(model, targets)
@@ -147,9 +164,11 @@ def _expected(model, targets: dict[str, torch.Tensor]) -> set[str]:
         if model.config.tie_word_embeddings and pname == "lm_head.weight":
             continue
         if pname.endswith("experts.w13_weight"):
-            expected.update(f"{pname}#{(e, p)}" for e in range(t.shape[0]) for p in (0, 1))
+            ids = model.get_submodule(pname.rsplit(".", 1)[0]).expert_ids
+            expected.update(f"{pname}#{(e, p)}" for e in ids for p in (0, 1))
         elif pname.endswith("experts.w2_weight"):
-            expected.update(f"{pname}#{(e, 2)}" for e in range(t.shape[0]))
+            ids = model.get_submodule(pname.rsplit(".", 1)[0]).expert_ids
+            expected.update(f"{pname}#{(e, 2)}" for e in ids)
         elif pname.endswith("shared_experts.gate_up_proj.weight"):
             expected.update(f"{pname}#{(None, p)}" for p in (0, 1))
         else:

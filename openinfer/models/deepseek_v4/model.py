@@ -23,6 +23,7 @@ from openinfer.models.deepseek_v4.attention import DeepseekV4Attention
 from openinfer.models.deepseek_v4.cache import (COARSE, FULL, WINDOW, StepIndex, V4LayerCache, coarse_ratio,
                                                 layer_bytes_per_block, lookback_tokens)
 from openinfer.layers.linear import CheckpointLinear
+from openinfer.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from openinfer.layers.norm import RMSNorm
 from openinfer.models.deepseek_v4.config import DeepseekV4Config
 from openinfer.models.deepseek_v4.hc import HyperConnection, HyperHead, fused_post_pre, hc_post
@@ -62,9 +63,7 @@ class DeepseekV4Model(nn.Module):
     def __init__(self, cfg: DeepseekV4Config, backend: AttentionBackend = AttentionBackend.SDPA) -> None:
         super().__init__()
         self.cfg = cfg
-        # _weight skips nn.Embedding's normal_ init (seconds for a 129k x 4096 table); the checkpoint fills it.
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
-                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)  # no init: the checkpoint fills it
         self.layers = nn.ModuleList(DeepseekV4DecoderLayer(cfg, i, backend) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, torch.float32)
         self.hc_head = HyperHead(cfg.hc_mult, cfg.hidden_size, cfg.hc_eps, cfg.rms_norm_eps)
@@ -101,9 +100,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         super().__init__()
         self.config = DeepseekV4Config.from_hf(hf_config)
         self.model = DeepseekV4Model(self.config, attention_backend)
-        self.lm_head = CheckpointLinear(self.config.hidden_size, self.config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(self.config.vocab_size, self.config.hidden_size)
         if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head.tie(self.model.embed_tokens)
         # Built by load_weights only when the checkpoint carries mtp.* tensors (a V4-Flash MTP block is ~3% of
         # the model); None otherwise.
         self.mtp: nn.ModuleList | None = None

@@ -78,11 +78,12 @@ def reference_attention(attn, q: torch.Tensor, q_residual: torch.Tensor, x: torc
         elif attn.layer_type == CSA and visible:
             idx = attn.indexer
             qi, head_w = idx.query(q_residual[t:t + 1], x[t:t + 1], cos[t:t + 1], sin[t:t + 1])
-            scores = []
+            partial = []
             for w in range(visible):
                 k = cache.flat("index_entries")[_entry_slot(step, seq, w, m, cache.entry_cap)].float()
                 per_head = torch.relu(qi[0].float() @ k) * idx.head_dim ** -0.5
-                scores.append(float((per_head * head_w[0]).sum()))
+                partial.append((per_head * head_w[0]).sum())
+            scores = idx.tp.all_reduce(torch.stack(partial)).tolist()  # this rank's heads, summed over ranks
             chosen = sorted(range(visible), key=lambda w: (-scores[w], w))[:idx.topk]
         for w in chosen:
             keys.append(cache.flat("entries")[_entry_slot(step, seq, w, m, cache.entry_cap)])
