@@ -107,24 +107,6 @@ def test_indexer_topk_matches_torch(kernel_ops, dtype, k):
     assert torch.equal(got, want)
 
 
-@pytest.mark.skipif(bool(__import__("os").environ.get("OPENINFER_KERNEL_CFLAGS")), reason="already a variant")
-def test_sparse_kernel_avx2_build(kernel_ops):
-    """This file's kernel tests against an x86-64-v3 (AVX2, no AVX-512) build, the one the other AVX2 tests
-    make."""
-    import os
-    import platform
-    import subprocess
-    import sys
-
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("x86 only")
-    env = dict(os.environ, OPENINFER_KERNEL_CFLAGS="-march=x86-64-v3", OMP_NUM_THREADS="2")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "not avx2"]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert " passed" in r.stdout, r.stdout[-1000:]
-
-
 def test_v4_model_same_with_and_without_kernels_fp32(kernel_ops, tmp_path, monkeypatch):
     """The tiny V4 model (SWA, CSA with the indexer, HCA layers; hash and learned MoE) generating with every CPU
     kernel on and with OPENINFER_CPU_KERNELS=0: the same greedy tokens, log-probs equal to fp32 rounding."""
