@@ -177,6 +177,11 @@ class ParallelConfig:
     data_parallel_size: int = 1
     # Routed experts split over every rank (instead of each expert's intermediate split over the TP ranks).
     enable_expert_parallel: bool = False
+    # Expert load balancing: count tokens per expert, and every eplb_step_interval steps re-place the experts
+    # (plus num_redundant_experts replicas of the busiest) over the ranks.
+    enable_eplb: bool = False
+    num_redundant_experts: int = 0
+    eplb_step_interval: int = 1000
     distributed_executor_backend: str = "auto"
 
     def __post_init__(self) -> None:
@@ -187,6 +192,13 @@ class ParallelConfig:
         if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r}; choose one of "
                              f"{', '.join(EXECUTOR_BACKENDS)}")
+        if (self.enable_eplb or self.num_redundant_experts) and not self.enable_expert_parallel:
+            raise ValueError("enable_eplb / num_redundant_experts place experts over expert-parallel ranks: set "
+                             "enable_expert_parallel")
+        if not isinstance(self.num_redundant_experts, int) or self.num_redundant_experts < 0:
+            raise ValueError(f"num_redundant_experts must be an integer >= 0, got {self.num_redundant_experts!r}")
+        if not isinstance(self.eplb_step_interval, int) or self.eplb_step_interval < 1:
+            raise ValueError(f"eplb_step_interval must be an integer >= 1, got {self.eplb_step_interval!r}")
         if self.enable_expert_parallel and self.tensor_parallel_size > 1:
             raise ValueError("enable_expert_parallel with tensor_parallel_size > 1 is not supported yet: use "
                              "data_parallel_size for the expert-parallel ranks (tensor_parallel_size=1)")

@@ -55,6 +55,11 @@ class EngineArgs:
                                       "(and its own tensor_parallel_size ranks)")
     enable_expert_parallel: bool = _arg(False, "split the routed experts of MoE layers over all ranks (tokens "
                                                "travel to their experts by all-to-all)")
+    enable_eplb: bool = _arg(False, "expert load balancing: count tokens per expert and re-place experts over the "
+                                    "expert-parallel ranks every --eplb-step-interval steps")
+    num_redundant_experts: int = _arg(0, "extra expert slots for replicas of the busiest experts (expert "
+                                         "parallelism; the total must split evenly over the ranks)")
+    eplb_step_interval: int = _arg(1000, "engine steps between two expert rebalances (with --enable-eplb)")
     distributed_executor_backend: str = _arg("auto", "auto | uni (one rank, in process) | mp (a worker "
                                                      "process per rank) | ray (a Ray actor per rank, over a Ray "
                                                      "cluster) | external_launcher (one engine per rank, started "
@@ -141,6 +146,8 @@ class EngineArgs:
             parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                                     data_parallel_size=self.data_parallel_size,
                                     enable_expert_parallel=self.enable_expert_parallel,
+                                    enable_eplb=self.enable_eplb, num_redundant_experts=self.num_redundant_experts,
+                                    eplb_step_interval=self.eplb_step_interval,
                                     distributed_executor_backend=self.distributed_executor_backend),
             seed=self.seed,
             attention_backend=AttentionBackend.parse(self.attention_backend),

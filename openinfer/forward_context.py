@@ -72,6 +72,9 @@ class AttentionMetadata:
     prefills: list[PrefillSpan]
     groups: dict[str, KVGroupTables] = field(default_factory=dict)
     max_decode_len: int = 0
+    # A forward with nothing scheduled, run only to take part in collectives (lockstep replicas): nothing it
+    # computes counts (e.g. toward expert load).
+    is_dummy: bool = False
     _decode_bias: dict = field(default_factory=dict, repr=False)
     _decode_mask: torch.Tensor | None = field(default=None, repr=False)
 
@@ -142,6 +145,11 @@ class AttentionMetadata:
 
 
 _CURRENT: AttentionMetadata | None = None
+
+
+def peek_forward_context() -> AttentionMetadata | None:
+    """The current step's metadata, or None outside a model-runner step."""
+    return _CURRENT
 
 
 def get_forward_context() -> AttentionMetadata:

@@ -53,9 +53,23 @@ class SampledToken(msgspec.Struct):
     top_logprobs: dict[int, float] | None = None  # token id -> logprob (includes the sampled token)
 
 
+class ExpertLoadStats(msgspec.Struct):
+    """Expert load balancing's last rebalance: the busiest rank's tokens over the mean (summed over MoE layers) in
+    the window it closed, under the placement that served that window, and what the same loads give under the new
+    placement."""
+
+    num_rebalances: int = 0
+    window_steps: int = 0
+    imbalance_served: float = 1.0
+    imbalance_rebalanced: float = 1.0
+    rank_loads_served: list[int] = []
+
+
 class ModelRunnerOutput(msgspec.Struct):
     """One sampled token per request that reached the end of its known tokens this step, plus prompt logprobs
-    for the prompt positions computed this step (requests that asked for them)."""
+    for the prompt positions computed this step (requests that asked for them), and the expert-load figures
+    when this step closed a load-balancing window."""
 
     sampled: dict[str, SampledToken] = {}
     prompt_logprobs: dict[str, list[dict[int, float]]] = {}
+    expert_load: ExpertLoadStats | None = None

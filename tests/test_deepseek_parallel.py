@@ -86,3 +86,83 @@ def test_v4(v4, layout):
     llm = LLM(str(v4), **kw, **layout)
     same(run(llm, V4_PROMPTS), one)
     llm.engine.shutdown()
+
+
+def _skewed_v3(path: Path) -> Path:
+    """The V3 checkpoint with experts 2 and 3 chosen by every token (a large selection bias). With two
+    expert-parallel ranks and two redundant slots, rank 0 starts with experts 0-4 and rank 1 with 5-7 plus replicas
+    of 0 and 1: rank 0 serves every routed pair."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = path.parent / "skewed"
+    shutil.copytree(path, out)
+    tensors = load_file(str(out / "model.safetensors"))
+    for name, t in tensors.items():
+        if name.endswith("e_score_correction_bias"):
+            t[2:4] += 5.0
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def test_eplb_rebalances_a_skewed_load_without_changing_tokens(v3):
+    skewed = _skewed_v3(v3)
+    kw = dict(dtype="float32", num_kv_blocks=48, max_num_batched_tokens=32)
+    one = run(LLM(str(skewed), **kw), V3_PROMPTS)
+    llm = LLM(str(skewed), **kw, data_parallel_size=2, enable_expert_parallel=True, enable_eplb=True,
+              num_redundant_experts=2, eplb_step_interval=4)
+    eng = llm.engine
+    sp = GREEDY.clone(max_tokens=12)
+    for i, p in enumerate(V3_PROMPTS):
+        eng.add_request(f"r{i}", {"prompt_token_ids": p}, sp)
+    seen: dict[int, tuple[float, float]] = {}
+    outs = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            outs[o.request_id] = o
+        s = eng.stats()
+        seen.setdefault(s.eplb_rebalances, (s.eplb_imbalance_served, s.eplb_imbalance_rebalanced))
+    assert len(seen) >= 3, seen  # at least two rebalances
+    served_1, planned_1 = seen[1]
+    served_2, _ = seen[2]
+    # Window 1 ran on the initial placement: every pair on rank 0 (busiest / mean = 2). The rebalance puts
+    # replicas of experts 2 and 3 on rank 1, and window 2, served by them, is balanced.
+    assert served_1 == pytest.approx(2.0) and planned_1 < 1.3 and served_2 < 1.3
+    # The tokens are those of one process (the first 8 of 12 compared with the reference run).
+    for i, ref in enumerate(one):
+        got = outs[f"r{i}"].outputs[0]
+        assert got.token_ids[:8] == ref.outputs[0].token_ids
+    llm.engine.shutdown()
+
+
+def test_eplb_counters_reach_bench_json_and_metrics(v3, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    import httpx
+    from server_utils import ServerProcess
+
+    skewed = _skewed_v3(v3) if not (v3.parent / "skewed").exists() else v3.parent / "skewed"
+    flags = ["--data-parallel-size", "2", "--enable-expert-parallel", "--enable-eplb", "--num-redundant-experts",
+             "2", "--eplb-step-interval", "4", "--dtype", "float32", "--num-kv-blocks", "48"]
+    out = tmp_path / "tp.json"
+    subprocess.run([sys.executable, "-m", "openinfer", "bench", "throughput", "--model", str(skewed), *flags,
+                    "--batch-sizes", "4", "--input-len", "16", "--output-len", "16", "--num-iters", "1",
+                    "--warmup-iters", "0", "--output-json", str(out)], check=True, timeout=300,
+                   env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    d = json.loads(out.read_text())
+    engine = d["engines"]["openinfer"]
+    assert engine["parallel"]["data_parallel_size"] == 2 and engine["parallel"]["enable_eplb"]
+    assert d["environment"]["num_devices"] == 2  # the engine's ranks
+    assert engine["expert_load"]["num_rebalances"] >= 1 and engine["expert_load"]["imbalance_served"] >= 1.0
+    point = d["points"][0]["openinfer"]
+    assert point["output_throughput_per_device"] == pytest.approx(point["output_throughput"] / 2)
+    with ServerProcess(skewed, *flags) as server:
+        body = {"model": str(skewed), "prompt": "hello there", "max_tokens": 12, "ignore_eos": True}
+        for _ in range(2):
+            assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200
+        m = server.metrics()
+        assert m["openinfer:eplb_rebalances_total"] >= 1
+        assert m["openinfer:eplb_rank_imbalance"] >= 1.0

@@ -161,7 +161,12 @@ def valid_values(ckpt_copy: Path) -> dict[str, typing.Any]:
                 max_model_len=64, max_num_seqs=3, max_num_batched_tokens=100, block_size=32,
                 enable_prefix_caching=False, kv_cache_memory_gb=0.5, memory_utilization=0.5, num_kv_blocks=10,
                 seed=1, attention_backend="reference", chat_template="{{ messages }}", tensor_parallel_size=2,
-                data_parallel_size=2, enable_expert_parallel=True, distributed_executor_backend="mp")
+                data_parallel_size=2, enable_expert_parallel=True, distributed_executor_backend="mp",
+                enable_eplb=True, num_redundant_experts=2, eplb_step_interval=10)
+
+
+COMPANIONS = {name: {"enable_expert_parallel": True} for name in
+              ("enable_eplb", "num_redundant_experts", "eplb_step_interval")}
 
 
 def test_every_field_reaches_the_engine(ckpt, ckpt_copy, monkeypatch):
@@ -172,10 +177,13 @@ def test_every_field_reaches_the_engine(ckpt, ckpt_copy, monkeypatch):
     values = valid_values(ckpt_copy)
     missing = {f.name for f in FIELDS} - set(values)
     assert not missing, f"add a valid non-default value for the new EngineArgs field(s) {missing} here"
-    llm_mod.build_engine(EngineArgs(model=str(ckpt)))
-    base = built.pop()
     for name, value in values.items():
-        llm_mod.build_engine(EngineArgs(**{"model": str(ckpt), name: value}))
+        # A field that is only valid beside another (EPLB needs expert parallelism) is compared with and without
+        # itself on top of that companion.
+        companion = {"model": str(ckpt), **COMPANIONS.get(name, {})}
+        llm_mod.build_engine(EngineArgs(**companion))
+        base = built.pop()
+        llm_mod.build_engine(EngineArgs(**{**companion, name: value}))
         assert built.pop() != base, f"EngineArgs.{name} does not reach the engine"
 
 
@@ -204,6 +212,9 @@ def test_max_model_len_has_one_home(ckpt):
     (dict(tensor_parallel_size=2, distributed_executor_backend="uni"), r"'uni' runs one rank"),
     (dict(data_parallel_size=0), r"data_parallel_size must be an integer >= 1, got 0"),
     (dict(enable_expert_parallel=True, tensor_parallel_size=2), r"enable_expert_parallel with tensor_parallel"),
+    (dict(enable_eplb=True), r"enable_eplb / num_redundant_experts place experts over expert-parallel ranks"),
+    (dict(enable_expert_parallel=True, num_redundant_experts=-1), r"num_redundant_experts must be an integer >= 0"),
+    (dict(enable_expert_parallel=True, eplb_step_interval=0), r"eplb_step_interval must be an integer >= 1"),
 ])
 def test_bad_value_names_the_field_and_limit(ckpt, bad, message):
     with pytest.raises(ValueError, match=message):

@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from openinfer.bench import results as R
 from openinfer.bench.workload import (DECODE_TAIL_TOKENS, add_workload_args, check_fits, resolve_workload, tokens_needed)
 from openinfer.engine_args import EngineArgs
@@ -102,6 +104,7 @@ class OpenInferRunner:
             "enable_prefix_caching": cfg.cache.enable_prefix_caching,
             "num_kv_blocks": self.engine.stats().num_blocks,
             "attention_backend": cfg.attention_backend.value,
+            "parallel": dataclasses.asdict(cfg.parallel),
             "sampling": f"temperature {self.temperature}" if self.temperature else "greedy (temperature 0)",
             "startup_message": self.engine.startup_message,
             "init_time_s": self.init_time_s,
@@ -137,6 +140,7 @@ class OpenInferRunner:
         return self.last_window.sample
 
     def close(self) -> None:
+        self.engine.shutdown()  # worker processes, when there are any
         del self.engine, self.llm
 
 
@@ -283,6 +287,8 @@ def _run_here(args: argparse.Namespace, batches: list[int]) -> dict[str, Any]:
         result["environment"]["model"] = R.model_info(runner.engine.config.model.path)
         for s in sweep(runner, batches, args, vocab, block, num_devices):
             R.add_point(result, s)
+        if runner.engine.config.parallel.enable_eplb:
+            result["engines"]["openinfer"]["expert_load"] = msgspec.structs.asdict(runner.engine.core.expert_load)
         runner.close()
         del runner
         gc.collect()  # free our weights and KV cache before HF allocates its own
@@ -308,9 +314,6 @@ def _run_here(args: argparse.Namespace, batches: list[int]) -> dict[str, Any]:
     result["environment"]["load_average_end"] = R.load_average()
     if args.vs and args.temperature != 0:
         result["notes"].append(f"openinfer sampled at temperature {args.temperature}; HF ran greedy")
-    if args.num_devices > 1:
-        result["notes"].append(f"openinfer runs on one device (no tensor parallelism yet); --num-devices "
-                               f"{args.num_devices} only divides the *_per_device rates")
     return result
 
 

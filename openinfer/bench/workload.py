@@ -55,9 +55,9 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (default, matches HF do_sample=False); vLLM's bench uses 1.0")
     g.add_argument("--num-threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    g.add_argument("--num-devices", type=int, default=1,
+    g.add_argument("--num-devices", type=int, default=None,
                    help="devices the deployment uses; recorded, and divides every *_per_device rate "
-                        "(default 1: openinfer has no tensor parallelism yet)")
+                        "(default: the engine's ranks, tensor_parallel_size x data_parallel_size)")
     g.add_argument("--speculative-config", default="null",
                    help="speculative decoding settings as JSON, recorded with the workload; only null is "
                         "accepted until speculative decoding exists")
@@ -109,6 +109,9 @@ def resolve_workload(args: argparse.Namespace) -> list[int]:
             raise ValueError("--decode-steps applies to --mode decode; in --mode e2e use --output-len")
         if args.output_len is None:
             args.output_len = DEFAULT_OUTPUT_LEN
+    if args.num_devices is None:
+        args.num_devices = (getattr(args, "tensor_parallel_size", 1) or 1) * (getattr(args, "data_parallel_size", 1)
+                                                                               or 1)
     checks = [("context-len", args.context_len, 1), ("num-iters", args.num_iters, 1),
               ("warmup-iters", args.warmup_iters, 0), ("num-devices", args.num_devices, 1),
               ("hf-max-batch", args.hf_max_batch, 1)]

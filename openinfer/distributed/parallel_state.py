@@ -169,3 +169,24 @@ def destroy_distributed_environment() -> None:
     _WORLD, _TP, _DP, _EP = GroupCoordinator(), GroupCoordinator(), GroupCoordinator(), GroupCoordinator()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@dataclass(frozen=True)
+class EplbSettings:
+    """Expert load balancing, as the MoE layers read it: redundant expert slots beyond the logical experts, and
+    whether loads are counted and placement rebalanced."""
+
+    enabled: bool = False
+    num_redundant_experts: int = 0
+
+
+_EPLB = EplbSettings()
+
+
+def get_eplb_settings() -> EplbSettings:
+    return _EPLB
+
+
+def set_eplb_settings(settings: EplbSettings) -> None:
+    global _EPLB
+    _EPLB = settings

@@ -24,7 +24,7 @@ from openinfer.engine.request import Request, RequestStatus
 from openinfer.engine.scheduler import Scheduler
 from openinfer.executor.abstract import Executor, ExecutorFailed
 from openinfer.kv_cache_interface import bytes_per_token, kv_startup_message
-from openinfer.step_io import ModelRunnerOutput, SchedulerOutput
+from openinfer.step_io import ExpertLoadStats, ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,11 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    # Expert load balancing (zero / 1.0 without it): rebalances so far, and the busiest expert-parallel rank's
+    # tokens over the mean in the last window, as served and under the placement it then moved to.
+    eplb_rebalances: int = 0
+    eplb_imbalance_served: float = 1.0
+    eplb_imbalance_rebalanced: float = 1.0
 
 
 class EngineCore:
@@ -50,6 +55,7 @@ class EngineCore:
         self.config = config
         self.max_model_len = config.model.max_model_len
         self.dead_reason: str | None = None
+        self.expert_load = ExpertLoadStats()
         self.executor = (executor_class or Executor.get_class(config))(config)
         cache, sched = config.cache, config.scheduler
         self.kv_specs = self.executor.get_kv_cache_spec()
@@ -135,6 +141,9 @@ class EngineCore:
             logger.exception("model step failed; finishing %d requests with an error", len(ids))
             return self._end_with_error(ids)
         outputs: list[EngineCoreOutput] = []
+        for result in results:
+            if result is not None and result.expert_load is not None:
+                self.expert_load = result.expert_load
         for scheduler, sched, result in zip(self.schedulers, scheds, results):
             if not sched.empty:
                 outputs += scheduler.update_from_output(sched, result or ModelRunnerOutput())
@@ -173,6 +182,9 @@ class EngineCore:
             prefix_cache_queries=sum(kv.stats.queries for kv in self.kvs),
             prefix_cache_hits=sum(kv.stats.hits for kv in self.kvs),
             num_preemptions=sum(s.num_preemptions for s in self.schedulers),
+            eplb_rebalances=self.expert_load.num_rebalances,
+            eplb_imbalance_served=self.expert_load.imbalance_served,
+            eplb_imbalance_rebalanced=self.expert_load.imbalance_rebalanced,
         )
 
     def reset_prefix_cache(self) -> int:

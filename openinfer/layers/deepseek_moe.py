@@ -21,8 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from openinfer.distributed.parallel_state import get_ep_group, get_tp_group
+from openinfer.distributed.parallel_state import get_eplb_settings, get_ep_group, get_tp_group
+from openinfer.forward_context import peek_forward_context
 from openinfer.layers import cpu_ops
+from openinfer.layers.expert_map import ExpertMap
 from openinfer.layers.expert_parallel import expert_parallel_experts
 from openinfer.layers.linear import cpu_prepack_supported
 from openinfer.layers.moe import combine_experts, experts_on_sorted_rows, fused_experts, pack_experts, swiglu
@@ -167,58 +169,83 @@ class DeepseekTopkRouter(nn.Module):
 
 class DeepseekExperts(nn.Module):
     """``mlp.experts``: the routed experts this rank holds, stacked for ``fused_experts`` (gate rows then up rows in
-    w13). With expert parallelism a contiguous range of whole experts (``expert_ids``); otherwise every expert,
-    each split over the tensor-parallel ranks along its intermediate dimension. HF stores one module per expert;
-    the model's loader hands each checkpoint tensor to ``load_expert``."""
+    w13). Without expert parallelism every expert, each split over the tensor-parallel ranks along its intermediate
+    dimension. With it, whole experts in *slots*: a contiguous range of the ``num_slots`` slots per rank, slot s
+    holding logical expert ``map.phy_to_log[s]`` (the identity unless load balancing placed replicas: see
+    expert_map.py, and worker/eplb.py for the rebalancing). HF stores one module per expert; the model's loader
+    hands each checkpoint tensor to ``load_expert``."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  swiglu_limit: float | None = None) -> None:
         super().__init__()
         self.ep, self.tp = get_ep_group(), get_tp_group()
         self.num_experts = num_experts
+        self.map: ExpertMap | None = None
+        self.count_load = False
         if self.ep.world_size > 1:
-            local = divide(num_experts, self.ep.world_size, "n_routed_experts")
-            self.first_expert = self.ep.rank_in_group * local
+            eplb = get_eplb_settings()
+            self.num_slots = num_experts + eplb.num_redundant_experts
+            local = divide(self.num_slots, self.ep.world_size, "n_routed_experts + num_redundant_experts")
+            self.first_slot = self.ep.rank_in_group * local
             self.shard = None  # whole experts
+            if eplb.enabled or eplb.num_redundant_experts:
+                # Initially expert e in slot e, the extra slots holding replicas of experts 0, 1, ...
+                self.map = ExpertMap(torch.arange(self.num_slots) % num_experts, num_experts)
+                self.count_load = eplb.enabled
         else:
-            local, self.first_expert = num_experts, 0
+            self.num_slots, local, self.first_slot = num_experts, num_experts, 0
             intermediate_size = divide(intermediate_size, self.tp.world_size, "moe_intermediate_size")
             self.shard = self.tp.rank_in_group * intermediate_size if self.tp.world_size > 1 else None
-        self.num_local_experts = local
+        self.num_local_slots = local
         self.intermediate_size = intermediate_size
         self.swiglu_limit = swiglu_limit
         self.w13_weight = nn.Parameter(torch.empty(local, 2 * intermediate_size, hidden_size), requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(local, hidden_size, intermediate_size), requires_grad=False)
+        # Tokens routed since the last rebalance: per logical expert (what placement balances) and per slot (what
+        # each rank actually served). Summed over ranks by the rebalancer.
+        self.register_buffer("logical_load", torch.zeros(num_experts, dtype=torch.long), persistent=False)
+        self.register_buffer("slot_load", torch.zeros(self.num_slots, dtype=torch.long), persistent=False)
 
     _packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
 
     @property
-    def expert_ids(self) -> range:
-        """The global ids of the experts this rank holds."""
-        return range(self.first_expert, self.first_expert + self.num_local_experts)
+    def expert_ids(self) -> list[int]:
+        """The global ids of the logical experts this rank holds (in at least one slot)."""
+        slots = range(self.first_slot, self.first_slot + self.num_local_slots)
+        if self.map is None:
+            return list(slots)
+        return sorted({int(self.map.phy_to_log[s]) for s in slots})
 
     @property
     def reduces_over_tp(self) -> bool:
         """Each rank computes a partial sum over its slice of every expert: the caller all-reduces."""
         return self.shard is not None
 
+    def _local_slots(self, expert: int) -> list[int]:
+        if self.map is not None:
+            return self.map.slots_of(expert, self.first_slot, self.num_local_slots)
+        e = expert - self.first_slot
+        return [e] if 0 <= e < self.num_local_slots else []
+
     @torch.no_grad()
     def load_expert(self, expert: int, part: int, tensor) -> bool:
-        """Checkpoint tensor of global expert ``expert``: part 0 gate (w1), 1 up (w3), 2 down (w2). Returns False
-        for an expert another rank holds (nothing read)."""
-        if expert not in self.expert_ids:
+        """Checkpoint tensor of global expert ``expert``: part 0 gate (w1), 1 up (w3), 2 down (w2), into every
+        local slot holding it. Returns False for an expert only other ranks hold (nothing read)."""
+        slots = self._local_slots(expert)
+        if not slots:
             return False
-        e, i = expert - self.first_expert, self.intermediate_size
+        i = self.intermediate_size
         if part == 2:
-            dst = self.w2_weight[e]
             src = tensor if self.shard is None else narrow(tensor, 1, self.shard, i)
         else:
-            dst = self.w13_weight[e, part * i:(part + 1) * i]
             src = tensor if self.shard is None else narrow(tensor, 0, self.shard, i)
-        if tuple(src.shape) != tuple(dst.shape):
-            raise WeightLoadError(f"expert {expert} part {part}: checkpoint slice has shape {tuple(src.shape)}, the "
-                                  f"model expects {tuple(dst.shape)}")
-        dst.copy_(materialize(src))
+        src = materialize(src)
+        for e in slots:
+            dst = self.w2_weight[e] if part == 2 else self.w13_weight[e, part * i:(part + 1) * i]
+            if tuple(src.shape) != tuple(dst.shape):
+                raise WeightLoadError(f"expert {expert} part {part}: checkpoint slice has shape {tuple(src.shape)}, "
+                                      f"the model expects {tuple(dst.shape)}")
+            dst.copy_(src)
         return True
 
     @torch.no_grad()
@@ -240,16 +267,38 @@ class DeepseekExperts(nn.Module):
             return self.w13_weight, self.w2_weight
         return tuple(torch.stack([w.to_dense() for w in ws]) for ws in self._packed)
 
+    @torch.no_grad()
+    def set_weights(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        """Replace every local slot's weights (after a rebalance), packed again where they were."""
+        packed = self._packed is not None
+        self._packed = None
+        self.w13_weight = nn.Parameter(w13, requires_grad=False)
+        self.w2_weight = nn.Parameter(w2, requires_grad=False)
+        if packed:
+            self.prepack_cpu()
+
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 out: torch.Tensor | None = None) -> torch.Tensor:
         """``out``: added onto in place (the shared experts' output), see ``fused_experts``."""
         if self.ep.world_size == 1:
             return fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.swiglu_limit,
                                  packed=self._packed, out=out)
+        slots = topk_ids if self.map is None else self.map.to_slots(topk_ids)
+        if self.count_load:
+            md = peek_forward_context()
+            if md is None or not md.is_dummy:
+                self.logical_load += torch.bincount(topk_ids.reshape(-1), minlength=self.num_experts)
+                self.slot_load += torch.bincount(slots.reshape(-1), minlength=self.num_slots)
         y, order = expert_parallel_experts(
-            x, topk_ids, self.num_local_experts, self.ep,
+            x, slots, self.num_local_slots, self.ep,
             lambda rows, counts: experts_on_sorted_rows(rows, counts, self.w13_weight, self.w2_weight,
                                                         self.swiglu_limit, self._packed))
+        if self.map is not None:
+            # Combine in the logical experts' order, as one process does (replicas only change where a pair ran).
+            pairs = torch.empty_like(y)
+            pairs[order] = y
+            order = torch.argsort(topk_ids.reshape(-1), stable=True)
+            y = pairs.index_select(0, order)
         return combine_experts(y.to(x.dtype), order, topk_weights, out)
 
 

@@ -224,6 +224,9 @@ class AsyncEngine:
             self.stats.num_steps + (step_started_s is not None),
             time.monotonic(),
             step_started_s,
+            s.eplb_rebalances,
+            s.eplb_imbalance_served,
+            s.eplb_imbalance_rebalanced,
         )
 
     def _run(self) -> None:

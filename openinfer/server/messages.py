@@ -89,6 +89,9 @@ class StatsSnapshot(msgspec.Struct, frozen=True):
     num_steps: int = 0
     heartbeat_s: float = 0.0  # time.monotonic() of the core loop's last iteration
     step_started_s: float | None = None  # set while a step runs: lets /health/ready spot a stalled step
+    eplb_rebalances: int = 0
+    eplb_imbalance_served: float = 1.0
+    eplb_imbalance_rebalanced: float = 1.0
 
 
 class EngineDead(msgspec.Struct, tag=True, frozen=True):

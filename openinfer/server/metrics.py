@@ -134,6 +134,12 @@ class _EngineStatsCollector(Collector):
             "num_preemptions", "Requests preempted (recomputed) for lack of KV blocks.", s.num_preemptions
         )
         yield counter("engine_steps", "Engine steps executed.", s.num_steps)
+        yield counter("eplb_rebalances", "Expert load-balancing rebalances (re-placements of the experts).",
+                      s.eplb_rebalances)
+        yield gauge("eplb_rank_imbalance", "Busiest expert-parallel rank's routed tokens over the mean, in the last "
+                    "load-balancing window (1 = balanced).", s.eplb_imbalance_served)
+        yield gauge("eplb_rank_imbalance_rebalanced", "The same window's loads under the placement the last "
+                    "rebalance moved to.", s.eplb_imbalance_rebalanced)
 
 
 class ServerMetrics:

@@ -17,7 +17,8 @@ from openinfer.layers.attention import Attention
 from openinfer.layers.linear import prepack_linears
 from openinfer.kv_cache_interface import KVGroupSpec, blocks_for_tokens, check_groups
 from openinfer.sampling_params import SamplingParams
-from openinfer.step_io import ModelRunnerOutput, NewRequestData, SampledToken, SchedulerOutput
+from openinfer.step_io import ExpertLoadStats, ModelRunnerOutput, NewRequestData, SampledToken, SchedulerOutput
+from openinfer.worker.eplb import ExpertRebalancer
 from openinfer.worker.input_batch import InputBatch, ScheduledRow
 from openinfer.worker.loader import load_model
 from openinfer.worker.sampler import SamplingRow, sample, top_logprobs
@@ -43,6 +44,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.model = load_model(self.config.model, self.config.attention_backend, self.device)
         prepack_linears(self.model)
+        self.rebalancer = ExpertRebalancer(self.model, self.config.parallel.eplb_step_interval)
         if (self.device.type == "cpu" and self.config.attention_backend == AttentionBackend.SDPA
                 and any(isinstance(m, Attention) for m in self.model.modules())):
             # Build (first run on a machine: ~7 s) or load the C++ decode kernel now, at start-up, rather than
@@ -83,6 +85,7 @@ class ModelRunner:
         self.execute_model(SchedulerOutput(new_requests=[req], num_scheduled_tokens={_PROFILE_ID: n}))
         self.model.free_kv_cache()  # the throwaway stores
         self.input_batch = None
+        self.rebalancer.reset()  # the warm-up's routing is no one's load
 
     # -- one step ----------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -90,9 +93,10 @@ class ModelRunner:
         batch = self.input_batch
         batch.update(sched)
         if sched.empty:
-            if lockstep:
-                self._dummy_forward()
-            return ModelRunnerOutput()
+            if not lockstep:
+                return ModelRunnerOutput()
+            self._dummy_forward()
+            return ModelRunnerOutput(expert_load=self._after_forward())
         inputs = batch.prepare(sched)
         with set_forward_context(inputs.metadata):
             hidden = self.model(inputs.input_ids, inputs.positions)
@@ -126,7 +130,12 @@ class ModelRunner:
                 batch.append_sampled(r, tok)
         for r, first in plp:
             out.prompt_logprobs[r.state.req_id] = self._prompt_logprobs(hidden, r, first)
+        out.expert_load = self._after_forward()
         return out
+
+    def _after_forward(self) -> ExpertLoadStats | None:
+        """Expert load balancing counts forwards (every rank runs the same ones) and rebalances between them."""
+        return self.rebalancer.stats if self.rebalancer.after_step() else None
 
     def _dummy_forward(self) -> None:
         """One token through the model on the scratch block, nothing sampled: this replica has no work, but its
@@ -134,6 +143,7 @@ class ModelRunner:
         names = self.input_batch.group_names
         md = AttentionMetadata.build([1], [1], {n: [[self._dummy_blocks[n]]] for n in names},
                                      self.input_batch.tokens_per_block, self.block_size, self.device)
+        md.is_dummy = True
         with set_forward_context(md):
             self.model(torch.zeros(1, dtype=torch.long, device=self.device), md.positions)
 

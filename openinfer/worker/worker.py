@@ -34,12 +34,14 @@ class Worker:
             platform.tune_malloc()  # before the model's first activations (platform.py says why)
         world = self.config.parallel.world_size
         if world > 1:
-            from openinfer.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+            from openinfer.distributed.parallel_state import (EplbSettings, init_distributed_environment,
+                                                              initialize_model_parallel, set_eplb_settings)
 
             init_distributed_environment(world, self.rank, self.distributed_init_method, self.device)
             par = self.config.parallel
             initialize_model_parallel(par.tensor_parallel_size, par.data_parallel_size, self.device,
                                       par.enable_expert_parallel)
+            set_eplb_settings(EplbSettings(par.enable_eplb, par.num_redundant_experts))
         torch.manual_seed(self.config.seed)
 
     def load_model(self) -> None:
