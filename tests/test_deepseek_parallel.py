@@ -78,8 +78,9 @@ def test_v3_four_expert_parallel_ranks(v3):
 
 @pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2),
                                     dict(data_parallel_size=2, enable_expert_parallel=True),
-                                    dict(tensor_parallel_size=2, data_parallel_size=2)],
-                         ids=["tp2", "dp2-ep2", "tp2xdp2"])
+                                    dict(tensor_parallel_size=2, data_parallel_size=2),
+                                    dict(data_parallel_size=4, enable_expert_parallel=True)],
+                         ids=["tp2", "dp2-ep2", "tp2xdp2", "dp4-ep4"])
 def test_v4(v4, layout):
     kw = dict(dtype="float32", max_model_len=128, num_kv_blocks=48, max_num_batched_tokens=32)
     one = run(LLM(str(v4), **kw), V4_PROMPTS)
