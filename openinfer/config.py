@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -224,6 +224,62 @@ class ParallelConfig:
         return "uni" if self.world_size == 1 else "mp"
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's ``speculative_config``): each step a proposer drafts ``num_speculative_tokens``
+    tokens per decoding request and the target verifies them all in one forward.
+
+    - ``ngram`` (prompt lookup): the longest n in [prompt_lookup_min, prompt_lookup_max] whose last n tokens occur
+      earlier in the prompt + output proposes what followed them. No weights.
+    - ``draft_model``: a smaller model with the same vocabulary (``model``), its own KV cache.
+    - ``mtp``: the target's own multi-token-prediction layers (DeepSeek-V3 / V4)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 3
+    model: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config.method={self.method!r}; choose one of "
+                             f"{', '.join(SPECULATIVE_METHODS)}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be an integer in [1, 16], got {k!r}")
+        if self.method == "ngram" and not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"speculative_config: need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative_config.model names the draft model: required for method 'draft_model' "
+                             "and only for it")
+
+    @classmethod
+    def parse(cls, value: str | dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        """JSON text, a dict or None (``"null"`` too) -> the config; unknown keys are an error naming them."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config must be JSON, got {value!r}: {e}") from None
+            if value is None:
+                return None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys {unknown}; known: {sorted(known)}")
+        if "method" not in value or "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config needs 'method' and 'num_speculative_tokens'")
+        return cls(**value)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Built from ``EngineArgs.create_engine_config`` (engine_args.py), the one list of user settings."""
@@ -232,6 +288,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig | None = None
     seed: int = 0
     attention_backend: AttentionBackend = AttentionBackend.SDPA
 
@@ -248,6 +305,7 @@ def engine_config_to_json(config: EngineConfig) -> str:
         "model": {"path": m.path, "hf_config": m.hf_config, "dtype": str(m.dtype).removeprefix("torch."),
                   "device": str(m.device), "max_model_len": m.max_model_len, "tokenizer_path": m.tokenizer_path},
         "cache": asdict(config.cache), "scheduler": asdict(config.scheduler), "parallel": asdict(config.parallel),
+        "speculative": asdict(config.speculative) if config.speculative else None,
         "seed": config.seed, "attention_backend": config.attention_backend.value,
     })
 
@@ -261,5 +319,6 @@ def engine_config_from_json(text: str) -> EngineConfig:
                         device=torch.device(m["device"]), max_model_len=m["max_model_len"],
                         tokenizer_path=m["tokenizer_path"])
     return EngineConfig(model=model, cache=CacheConfig(**d["cache"]), scheduler=SchedulerConfig(**d["scheduler"]),
-                        parallel=ParallelConfig(**d["parallel"]), seed=d["seed"],
+                        parallel=ParallelConfig(**d["parallel"]),
+                        speculative=SpeculativeConfig.parse(d.get("speculative")), seed=d["seed"],
                         attention_backend=AttentionBackend(d["attention_backend"]))

@@ -60,6 +60,9 @@ class EngineArgs:
     num_redundant_experts: int = _arg(0, "extra expert slots for replicas of the busiest experts (expert "
                                          "parallelism; the total must split evenly over the ranks)")
     eplb_step_interval: int = _arg(1000, "engine steps between two expert rebalances (with --enable-eplb)")
+    speculative_config: str | None = _arg(None, "speculative decoding as JSON, e.g. '{\"method\": \"ngram\", "
+                                                "\"num_speculative_tokens\": 3}' (methods: ngram, draft_model "
+                                                "with \"model\", mtp)")
     distributed_executor_backend: str = _arg("auto", "auto | uni (one rank, in process) | mp (a worker "
                                                      "process per rank) | ray (a Ray actor per rank, over a Ray "
                                                      "cluster) | external_launcher (one engine per rank, started "
@@ -124,7 +127,7 @@ class EngineArgs:
         ``chat_template`` is not part of it: it goes to ``LLMEngine(config, chat_template=...)``."""
         from openinfer.assets_path import default_model_path
         from openinfer.config import (AttentionBackend, CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
-                                      SchedulerConfig)
+                                      SchedulerConfig, SpeculativeConfig)
 
         model = ModelConfig.from_path(self.model or default_model_path(), dtype=self.dtype,
                                       device=self.device, max_model_len=self.max_model_len,
@@ -149,6 +152,7 @@ class EngineArgs:
                                     enable_eplb=self.enable_eplb, num_redundant_experts=self.num_redundant_experts,
                                     eplb_step_interval=self.eplb_step_interval,
                                     distributed_executor_backend=self.distributed_executor_backend),
+            speculative=SpeculativeConfig.parse(self.speculative_config),
             seed=self.seed,
             attention_backend=AttentionBackend.parse(self.attention_backend),
         )

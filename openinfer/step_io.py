@@ -37,6 +37,9 @@ class SchedulerOutput(msgspec.Struct):
     # Finished, aborted or preempted since the previous step: workers drop their state (before adding new ones).
     finished_req_ids: list[str] = []
     preempted_req_ids: list[str] = []
+    # Speculative decoding: the draft tokens each request verifies this step, after its last known token. They are
+    # counted in num_scheduled_tokens (the known tokens computed this step + these).
+    scheduled_spec_tokens: dict[str, list[int]] = {}
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -66,10 +69,12 @@ class ExpertLoadStats(msgspec.Struct):
 
 
 class ModelRunnerOutput(msgspec.Struct):
-    """One sampled token per request that reached the end of its known tokens this step, plus prompt logprobs
-    for the prompt positions computed this step (requests that asked for them), and the expert-load figures
-    when this step closed a load-balancing window."""
+    """The tokens of every request that reached the end of its known tokens this step - one, or with speculative
+    decoding the accepted drafts plus one more - plus prompt logprobs for the prompt positions computed this step
+    (requests that asked for them), the next drafts to verify, and the expert-load figures when this step closed a
+    load-balancing window."""
 
-    sampled: dict[str, SampledToken] = {}
+    sampled: dict[str, list[SampledToken]] = {}
+    spec_token_ids: dict[str, list[int]] = {}
     prompt_logprobs: dict[str, list[dict[int, float]]] = {}
     expert_load: ExpertLoadStats | None = None

@@ -225,10 +225,14 @@ def test_speculative_config_recorded_or_rejected():
     args = parse("--speculative-config", "null")
     resolve_workload(args)
     assert args.speculative_config_value is None
-    with pytest.raises(ValueError, match="--speculative-config .*speculative decoding is not implemented"):
-        resolve_workload(parse("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}'))
-    with pytest.raises(ValueError, match="--speculative-config must be JSON"):
+    args = parse("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}')
+    resolve_workload(args)  # the engine's own setting, recorded with the workload
+    assert args.speculative_config_value["method"] == "ngram"
+    assert args.speculative_config_value["num_speculative_tokens"] == 4
+    with pytest.raises(ValueError, match="--speculative-config: speculative_config must be JSON"):
         resolve_workload(parse("--speculative-config", "{bad"))
+    with pytest.raises(ValueError, match=r"num_speculative_tokens must be an integer in \[1, 16\], got 0"):
+        resolve_workload(parse("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'))
 
 
 @pytest.mark.parametrize("argv, message", [

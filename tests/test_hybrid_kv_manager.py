@@ -127,7 +127,7 @@ def test_scheduler_preempts_on_window_shortage_and_window_use_stays_bounded():
                 assert kv.groups[WINDOW].num_held(rid) <= per_seq
             running = s.requests[rid]
             if running.num_computed_tokens + n == running.num_tokens:
-                sampled[rid] = SampledToken(7)
+                sampled[rid] = [SampledToken(7)]
         s.update_from_output(out, ModelRunnerOutput(sampled))
         steps += 1
         assert steps < 1000

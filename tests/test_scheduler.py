@@ -60,7 +60,7 @@ class Step:
 def run_step(s: Scheduler, token: int = 7):
     out = s.schedule()
     step = Step(s, out)
-    result = ModelRunnerOutput({q.request_id: SampledToken(token) for q in step.seqs if q.sample})
+    result = ModelRunnerOutput({q.request_id: [SampledToken(token)] for q in step.seqs if q.sample})
     return step, s.update_from_output(out, result)
 
 

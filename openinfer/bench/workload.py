@@ -58,9 +58,6 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-devices", type=int, default=None,
                    help="devices the deployment uses; recorded, and divides every *_per_device rate "
                         "(default: the engine's ranks, tensor_parallel_size x data_parallel_size)")
-    g.add_argument("--speculative-config", default="null",
-                   help="speculative decoding settings as JSON, recorded with the workload; only null is "
-                        "accepted until speculative decoding exists")
     g.add_argument("--hf-max-batch", type=int, default=64, help="largest batch the HF side runs")
     g.add_argument("--hf-experts-implementation", default=None, choices=["eager", "grouped_mm", "batched_mm"],
                    help="transformers' MoE experts backend (its default in 5.22 is grouped_mm; eager is the "
@@ -78,15 +75,16 @@ def parse_batch_sizes(text: str) -> list[int]:
 
 
 def parse_speculative_config(text: str | None) -> dict[str, Any] | None:
+    """The engine's --speculative-config (engine_args.py), validated, as the workload records it."""
+    import dataclasses
+
+    from openinfer.config import SpeculativeConfig
+
     try:
-        value = json.loads(text) if text is not None else None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--speculative-config must be JSON (or null), got {text!r}: {e}") from None
-    if value is not None:
-        # Recording settings that change nothing would label plain decoding as speculative.
-        raise ValueError(f"--speculative-config {text}: speculative decoding is not implemented yet; "
-                         f"only null is accepted")
-    return value
+        value = SpeculativeConfig.parse(text)
+    except ValueError as e:
+        raise ValueError(f"--speculative-config: {e}") from None
+    return dataclasses.asdict(value) if value is not None else None
 
 
 def resolve_workload(args: argparse.Namespace) -> list[int]:
@@ -124,7 +122,7 @@ def resolve_workload(args: argparse.Namespace) -> list[int]:
         raise ValueError(f"--num-threads must be >= 1, got {args.num_threads}")
     if not math.isfinite(args.temperature) or args.temperature < 0:
         raise ValueError(f"--temperature must be a finite number >= 0, got {args.temperature}")
-    args.speculative_config_value = parse_speculative_config(args.speculative_config)
+    args.speculative_config_value = parse_speculative_config(getattr(args, "speculative_config", None))
     if args.max_model_len is not None:
         check_fits(args, args.max_model_len, "--max-model-len")
     return batches

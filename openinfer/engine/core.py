@@ -12,9 +12,10 @@ replicas whose layers meet in collectives (expert-parallel MoE) stepping in lock
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from openinfer.config import EngineConfig
 from openinfer.engine.core_io import EngineCoreOutput, EngineCoreRequest
@@ -22,6 +23,7 @@ from openinfer.engine.kv_cache_manager import KVCacheManager
 from openinfer.engine.kv_plan import plan_kv_blocks
 from openinfer.engine.request import Request, RequestStatus
 from openinfer.engine.scheduler import Scheduler
+from openinfer.engine.spec_stats import SpecDecodeStats
 from openinfer.executor.abstract import Executor, ExecutorFailed
 from openinfer.kv_cache_interface import bytes_per_token, kv_startup_message
 from openinfer.step_io import ExpertLoadStats, ModelRunnerOutput, SchedulerOutput
@@ -48,6 +50,8 @@ class EngineStats:
     eplb_rebalances: int = 0
     eplb_imbalance_served: float = 1.0
     eplb_imbalance_rebalanced: float = 1.0
+    # Speculative decoding, summed over replicas (vLLM's spec_decode_* counters).
+    spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
 
 
 class EngineCore:
@@ -185,6 +189,7 @@ class EngineCore:
             eplb_rebalances=self.expert_load.num_rebalances,
             eplb_imbalance_served=self.expert_load.imbalance_served,
             eplb_imbalance_rebalanced=self.expert_load.imbalance_rebalanced,
+            spec_decode=functools.reduce(SpecDecodeStats.merge, (s.spec_stats for s in self.schedulers)),
         )
 
     def reset_prefix_cache(self) -> int:

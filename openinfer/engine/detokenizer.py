@@ -18,8 +18,19 @@ class IncrementalDetokenizer:
         self.include_stop = include_stop_str_in_output
         self.max_stop_len = max((len(s) for s in stop), default=0)
 
-    def add(self, token_ids: list[int]) -> str | None:
-        """Append tokens; returns the stop string if one now appears (text is then cut at it)."""
+    def add(self, token_ids: list[int]) -> tuple[str | None, int]:
+        """Append tokens; returns (the stop string if one now appears - text is then cut at it -, how many of
+        ``token_ids`` were taken). Several tokens in one step (speculative decoding) with stop strings go one at
+        a time: the tokens after the one that completed a stop string are not part of the output."""
+        if self.stop and len(token_ids) > 1:
+            for i, t in enumerate(token_ids):
+                hit, _ = self.add([t])
+                if hit is not None:
+                    return hit, i + 1
+            return None, len(token_ids)
+        return self._add(token_ids), len(token_ids)
+
+    def _add(self, token_ids: list[int]) -> str | None:
         before = len(self.text)
         self.tokens.extend(token_ids)
         decode = self.tokenizer.decode

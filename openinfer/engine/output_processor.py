@@ -106,12 +106,16 @@ class OutputProcessor:
                     parent.prompt_logprobs.extend(o.new_prompt_logprobs)
             child.num_preemptions = o.num_preemptions
             if o.new_token_ids:
+                hit, taken = child.detok.add(o.new_token_ids) if child.detok is not None else (None, 0)
+                if hit is not None:  # tokens after the stop string's are dropped (several per step: speculation)
+                    o.new_token_ids = o.new_token_ids[:taken]
+                    o.new_logprobs = o.new_logprobs[:taken] if o.new_logprobs else o.new_logprobs
                 self._add_tokens(child, o)
-                if child.detok is not None:
-                    hit = child.detok.add(o.new_token_ids)
-                    if hit is not None and o.finish_reason is None and child.finish_reason is None:
-                        child.finish_reason, child.stop_reason = "stop", hit
-                        child.finished_s = o.timestamp_s
+                if hit is not None and child.finish_reason is None:
+                    # The stop string ended the text at a token no later than whatever finished the request.
+                    child.finish_reason, child.stop_reason = "stop", hit
+                    child.finished_s = o.timestamp_s
+                    if o.finish_reason is None:
                         to_stop.append(o.request_id)
             if o.finish_reason is not None and child.finish_reason is None:
                 child.finish_reason, child.stop_reason = o.finish_reason, o.stop_reason

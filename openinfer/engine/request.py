@@ -56,6 +56,7 @@ class Request:
         arrival_s: float | None = None,
     ) -> None:
         self.request_id = request_id
+        self.max_model_len = max_model_len
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.all_token_ids: list[int] = list(prompt_token_ids)
@@ -67,6 +68,9 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.block_hashes: list[int] = []  # chain hashes of full blocks, filled lazily by the KV manager
+        # Speculative decoding: drafts proposed after the last step, verified by the next one. Never part of the
+        # token list (nor hashed) until accepted.
+        self.spec_token_ids: list[int] = []
         self.times = RequestTimes()
         if arrival_s is not None:
             self.times.arrival_s = arrival_s

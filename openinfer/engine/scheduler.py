@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from openinfer.engine.core_io import EngineCoreOutput
 from openinfer.engine.kv_cache_manager import KVCacheManager
 from openinfer.engine.request import Request, RequestStatus
+from openinfer.engine.spec_stats import SpecDecodeStats
 from openinfer.step_io import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 
 if TYPE_CHECKING:  # the scheduler stays importable without torch
@@ -28,6 +29,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.spec_stats = SpecDecodeStats()
         # Ended or preempted since the last schedule(): the workers drop their state for these.
         self._finished_ids: list[str] = []
 
@@ -75,11 +77,16 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            known = req.num_tokens - req.num_computed_tokens
+            spec = self._drafts_to_verify(req, known, budget)
+            num_new = min(known + len(spec), budget)
             if num_new <= 0:
                 i += 1
                 continue
             while (blocks := self.kv.allocate_slots(req, num_new)) is None:
+                if spec:  # short of blocks: verify no drafts this step rather than preempt anyone for them
+                    num_new, spec = num_new - len(spec), []
+                    continue
                 # Newest admitted goes first. Requests are visited in order, so the tail was not scheduled yet
                 # this step (or it is ``req`` itself).
                 victim = self.running.pop()
@@ -92,6 +99,8 @@ class Scheduler:
                 break
             cached.append((req, blocks.block_ids()))
             out.num_scheduled_tokens[req.request_id] = num_new
+            if spec:
+                out.scheduled_spec_tokens[req.request_id] = spec
             budget -= num_new
             i += 1
 
@@ -123,8 +132,20 @@ class Scheduler:
         out.finished_req_ids, self._finished_ids = self._finished_ids, []
         return out
 
+    def _drafts_to_verify(self, req: Request, known: int, budget: int) -> list[int]:
+        """The drafts ``req`` verifies this step: only once its known tokens all fit this step, and never more than
+        the budget, the context or its remaining tokens allow (every accepted draft is an output token, plus one
+        more sampled after them)."""
+        spec = req.spec_token_ids
+        if not spec or known > budget:
+            return []
+        room = min(budget - known, req.max_tokens - req.num_output_tokens - 1,
+                   req.max_model_len - req.num_tokens - 1)
+        return spec[:max(room, 0)]
+
     def _preempt(self, req: Request) -> None:
         """Preemption by recompute: drop the KV, keep the tokens, go back to the front of the queue."""
+        req.spec_token_ids = []
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
@@ -140,25 +161,37 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # finished or preempted meanwhile
-            req.num_computed_tokens += n
-            self.kv.release_stale_blocks(req)
-            prompt_lp = result.prompt_logprobs.get(rid)
+            drafts = sched.scheduled_spec_tokens.get(rid, [])
             sampled = result.sampled.get(rid)
-            if sampled is None:
+            # Computed this step: the known tokens, and the drafts that were accepted (the tokens sampled after
+            # them match the drafts); a rejected draft's KV is simply overwritten when its position is computed.
+            accepted = len(sampled) - 1 if sampled and drafts else 0
+            req.num_computed_tokens += n - len(drafts) + accepted
+            self.kv.release_stale_blocks(req)
+            if drafts:
+                self.spec_stats.record(len(drafts), accepted)
+            req.spec_token_ids = result.spec_token_ids.get(rid, [])
+            prompt_lp = result.prompt_logprobs.get(rid)
+            if not sampled:
                 if prompt_lp:
                     outputs.append(self._output(req, [], None, prompt_lp, None, now))
                 continue
-            req.append_output_token(sampled.token_id)
             if req.times.first_token_s is None:
                 req.times.first_token_s = now
-            status = self._check_stop(req, sampled.token_id)
-            lp = None
-            if req.sampling_params.logprobs is not None:
-                lp = [sampled.top_logprobs or {sampled.token_id: sampled.logprob}]
+            tokens, lps, status = [], [], None
+            for tok in sampled:  # one at a time: a stop ends the request there, later tokens are dropped
+                req.append_output_token(tok.token_id)
+                tokens.append(tok.token_id)
+                if req.sampling_params.logprobs is not None:
+                    lps.append(tok.top_logprobs or {tok.token_id: tok.logprob})
+                status = self._check_stop(req, tok.token_id)
+                if status is not None:
+                    break
             if status is not None:
                 self.running.remove(req)
                 self._finish(req, status)
-            outputs.append(self._output(req, [sampled.token_id], lp, prompt_lp, status, now))
+            outputs.append(self._output(req, tokens, lps if req.sampling_params.logprobs is not None else None,
+                                        prompt_lp, status, now))
         return outputs
 
     @staticmethod

@@ -227,6 +227,10 @@ class AsyncEngine:
             s.eplb_rebalances,
             s.eplb_imbalance_served,
             s.eplb_imbalance_rebalanced,
+            s.spec_decode.num_drafts,
+            s.spec_decode.num_draft_tokens,
+            s.spec_decode.num_accepted_tokens,
+            list(s.spec_decode.accepted_per_pos),
         )
 
     def _run(self) -> None:

@@ -92,6 +92,10 @@ class StatsSnapshot(msgspec.Struct, frozen=True):
     eplb_rebalances: int = 0
     eplb_imbalance_served: float = 1.0
     eplb_imbalance_rebalanced: float = 1.0
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = []
 
 
 class EngineDead(msgspec.Struct, tag=True, frozen=True):

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from openinfer.engine.spec_stats import SpecDecodeStats
 from openinfer.server.messages import StatsSnapshot
 
 PREFIX = "openinfer:"
@@ -140,6 +141,20 @@ class _EngineStatsCollector(Collector):
                     "load-balancing window (1 = balanced).", s.eplb_imbalance_served)
         yield gauge("eplb_rank_imbalance_rebalanced", "The same window's loads under the placement the last "
                     "rebalance moved to.", s.eplb_imbalance_rebalanced)
+        # Speculative decoding, under vLLM's names (all zero without it).
+        yield counter("spec_decode_num_drafts", "Verifications of speculative drafts (requests x steps).",
+                      s.spec_num_drafts)
+        yield counter("spec_decode_num_draft_tokens", "Speculative tokens proposed.", s.spec_num_draft_tokens)
+        yield counter("spec_decode_num_accepted_tokens", "Speculative tokens accepted.", s.spec_num_accepted_tokens)
+        per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                      "Speculative tokens accepted at each draft position.",
+                                      labels=["model_name", "position"])
+        for pos, n in enumerate(s.spec_accepted_per_pos):
+            per_pos.add_metric([self.model_name, str(pos)], n)
+        yield per_pos
+        yield gauge("spec_decode_mean_accepted_length", "Tokens per verification: accepted drafts + 1 (1 without "
+                    "speculation).", SpecDecodeStats(s.spec_num_drafts, s.spec_num_draft_tokens,
+                                                 s.spec_num_accepted_tokens).mean_accepted_length)
 
 
 class ServerMetrics:

@@ -2,7 +2,7 @@
 inputs built from it (token ids, positions, per-group block tables in the forward context)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,8 +32,9 @@ class ScheduledRow:
 
     state: CachedRequestState
     start: int  # num_computed_tokens before this step
-    num_tokens: int  # computed this step
-    sample: bool  # this step reaches the end of the known tokens: sample the next one
+    num_tokens: int  # computed this step: known tokens, then the drafts
+    sample: bool  # this step reaches the end of the known tokens: sample the next one (and verify the drafts)
+    drafts: list[int] = field(default_factory=list)  # speculative tokens verified this step
 
 
 @dataclass
@@ -74,17 +75,20 @@ class InputBatch:
         for rid, n in sched.num_scheduled_tokens.items():
             st = self.requests[rid]
             start = st.num_computed_tokens
-            rows.append(ScheduledRow(st, start, n, start + n == len(st.token_ids)))
+            drafts = sched.scheduled_spec_tokens.get(rid, [])
+            known = n - len(drafts)
+            rows.append(ScheduledRow(st, start, n, start + known == len(st.token_ids), drafts))
         rows.sort(key=lambda r: r.num_tokens != 1)  # decodes first: attention batches that contiguous slice
         ids: list[int] = []
         for r in rows:
-            ids.extend(r.state.token_ids[r.start:r.start + r.num_tokens])
+            ids.extend(r.state.token_ids[r.start:r.start + r.num_tokens - len(r.drafts)])
+            ids.extend(r.drafts)
         md = AttentionMetadata.build(
             [r.num_tokens for r in rows], [r.start + r.num_tokens for r in rows],
             {name: [r.state.block_ids[g] for r in rows] for g, name in enumerate(self.group_names)},
             self.tokens_per_block, self.block_size, self.device)
         return StepInputs(torch.tensor(ids, dtype=torch.long, device=self.device), md.positions, md, rows)
 
-    def append_sampled(self, row: ScheduledRow, token_id: int) -> None:
-        row.state.token_ids.append(token_id)
-        row.state.output_token_ids.append(token_id)
+    def append_sampled(self, row: ScheduledRow, token_ids: list[int]) -> None:
+        row.state.token_ids.extend(token_ids)
+        row.state.output_token_ids.extend(token_ids)

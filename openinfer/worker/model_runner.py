@@ -19,6 +19,8 @@ from openinfer.kv_cache_interface import KVGroupSpec, blocks_for_tokens, check_g
 from openinfer.sampling_params import SamplingParams
 from openinfer.step_io import ExpertLoadStats, ModelRunnerOutput, NewRequestData, SampledToken, SchedulerOutput
 from openinfer.worker.eplb import ExpertRebalancer
+from openinfer.worker.proposers import make_proposer
+from openinfer.worker.rejection_sampler import verify
 from openinfer.worker.input_batch import InputBatch, ScheduledRow
 from openinfer.worker.loader import load_model
 from openinfer.worker.sampler import SamplingRow, sample, top_logprobs
@@ -37,6 +39,7 @@ class ModelRunner:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(config.seed)
         self.model = None
+        self.proposer = None
         self.load_time_s = 0.0
         self.input_batch: InputBatch | None = None
 
@@ -45,6 +48,7 @@ class ModelRunner:
         self.model = load_model(self.config.model, self.config.attention_backend, self.device)
         prepack_linears(self.model)
         self.rebalancer = ExpertRebalancer(self.model, self.config.parallel.eplb_step_interval)
+        self.proposer = make_proposer(self.config.speculative)
         if (self.device.type == "cpu" and self.config.attention_backend == AttentionBackend.SDPA
                 and any(isinstance(m, Attention) for m in self.model.modules())):
             # Build (first run on a machine: ~7 s) or load the C++ decode kernel now, at start-up, rather than
@@ -101,37 +105,58 @@ class ModelRunner:
         with set_forward_context(inputs.metadata):
             hidden = self.model(inputs.input_ids, inputs.positions)
 
-        # Rows of hidden needed for logits: the last token of each sampling sequence, and every position of
-        # prompts that asked for prompt logprobs.
-        sample_rows: list[int] = []
-        sampled: list[ScheduledRow] = []
+        # Rows of hidden needed for logits: the last known token of each sampling sequence (and each of its
+        # drafts, with speculative decoding), and every position of prompts that asked for prompt logprobs.
+        plain: list[tuple[ScheduledRow, int]] = []  # (row, its logits row)
+        spec: list[tuple[ScheduledRow, int]] = []  # (row, its first of k + 1 logits rows)
+        logit_rows: list[int] = []
         plp: list[tuple[ScheduledRow, int]] = []  # (row, its first hidden row)
         off = 0
         for r in inputs.rows:
             if r.state.sampling_params.prompt_logprobs is not None and r.start < r.state.num_prompt_tokens:
                 plp.append((r, off))
             if r.sample:
-                sample_rows.append(off + r.num_tokens - 1)
-                sampled.append(r)
+                last_known = off + r.num_tokens - 1 - len(r.drafts)
+                (spec if r.drafts else plain).append((r, len(logit_rows)))
+                logit_rows.extend(range(last_known, last_known + len(r.drafts) + 1))
             off += r.num_tokens
         out = ModelRunnerOutput()
-        if sample_rows:
-            logits = self.model.compute_logits(hidden[sample_rows])  # sample() casts to fp32 where it needs
-            rows = [SamplingRow(r.state.sampling_params, r.state.prompt_token_ids, r.state.output_token_ids)
-                    for r in sampled]
-            tokens, raw_lp = sample(logits, rows, self.generator)
-            for i, (r, tok) in enumerate(zip(sampled, tokens.tolist())):
-                k = r.state.sampling_params.logprobs
-                if k is None:
-                    out.sampled[r.state.req_id] = SampledToken(tok)
-                else:
-                    tl = top_logprobs(raw_lp, i, tok, k)
-                    out.sampled[r.state.req_id] = SampledToken(tok, tl[tok], tl)
-                batch.append_sampled(r, tok)
+        if logit_rows:
+            logits = self.model.compute_logits(hidden[logit_rows])  # sample() casts to fp32 where it needs
+            if plain:
+                self._sample_plain(logits, plain, out)
+            for r, first in spec:
+                self._verify(logits[first:first + len(r.drafts) + 1], r, out)
+            if self.proposer is not None:
+                out.spec_token_ids = self.proposer.propose([r for r, _ in plain + spec])
         for r, first in plp:
             out.prompt_logprobs[r.state.req_id] = self._prompt_logprobs(hidden, r, first)
         out.expert_load = self._after_forward()
         return out
+
+    def _sample_plain(self, logits: torch.Tensor, plain: list[tuple[ScheduledRow, int]],
+                      out: ModelRunnerOutput) -> None:
+        rows = [SamplingRow(r.state.sampling_params, r.state.prompt_token_ids, r.state.output_token_ids)
+                for r, _ in plain]
+        tokens, raw_lp = sample(logits[[i for _, i in plain]], rows, self.generator)
+        for i, ((r, _), tok) in enumerate(zip(plain, tokens.tolist())):
+            out.sampled[r.state.req_id] = [self._token(tok, raw_lp, i, r.state.sampling_params.logprobs)]
+            self.input_batch.append_sampled(r, [tok])
+
+    def _verify(self, logits: torch.Tensor, r: ScheduledRow, out: ModelRunnerOutput) -> None:
+        """The drafts of one request against the target's k + 1 distributions (rejection_sampler.py)."""
+        st = r.state
+        tokens, raw_lp = verify(logits, r.drafts, st.sampling_params, st.prompt_token_ids, st.output_token_ids,
+                                self.generator)
+        out.sampled[st.req_id] = [self._token(t, raw_lp, j, st.sampling_params.logprobs) for j, t in enumerate(tokens)]
+        self.input_batch.append_sampled(r, tokens)
+
+    @staticmethod
+    def _token(tok: int, raw_lp: torch.Tensor | None, row: int, num_logprobs: int | None) -> SampledToken:
+        if num_logprobs is None:
+            return SampledToken(tok)
+        tl = top_logprobs(raw_lp, row, tok, num_logprobs)
+        return SampledToken(tok, tl[tok], tl)
 
     def _after_forward(self) -> ExpertLoadStats | None:
         """Expert load balancing counts forwards (every rank runs the same ones) and rebalances between them."""

@@ -80,6 +80,37 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     return logits
 
 
+def adjust_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(fp32 logits after penalties and min_tokens, raw logprobs when a row asked for logprobs, else None). The
+    caller's logits stay raw."""
+    logits = logits.float()
+    need_lp = any(r.params.logprobs is not None for r in rows)
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if need_lp else None
+    if any(r.params.needs_penalties or len(r.output_token_ids) < r.params.min_tokens for r in rows):
+        logits = logits.clone()  # both edit rows in place
+        logits = apply_penalties(logits, rows)
+        logits = apply_min_tokens(logits, rows)
+    return logits, raw_logprobs
+
+
+def sampling_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The distribution a non-greedy row draws from: adjusted logits / temperature, top-k / top-p / min-p."""
+    dev = logits.device
+    temp = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in rows], device=dev)
+    top_k = torch.tensor([r.params.top_k for r in rows], device=dev)
+    top_p = torch.tensor([r.params.top_p for r in rows], device=dev)
+    min_p = torch.tensor([r.params.min_p for r in rows], device=dev)
+    return torch.softmax(filter_logits(logits / temp[:, None], top_k, top_p, min_p), dim=-1)
+
+
+def seeded_generator(seed: int, position: int, device: torch.device, stream: int = 0) -> torch.Generator:
+    """A request's own generator for its output ``position``: its draws do not depend on the batch. ``stream``
+    separates independent draws at one position (speculative verification's acceptance coins)."""
+    g = torch.Generator(device=device)
+    g.manual_seed((seed * _SEED_MIX + position + stream * 0x632BE59BD9B4E019) % (1 << 63))
+    return g
+
+
 def sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None = None,
            ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """logits: [S, V] raw model output, any float dtype. Returns (token ids [S], raw logprobs [S, V] or
@@ -87,30 +118,17 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Gener
     if all(r.params.greedy and r.params.logprobs is None and not r.params.needs_penalties
            and len(r.output_token_ids) >= r.params.min_tokens for r in rows):
         return _argmax(logits), None  # plain greedy: no fp32 copy of the logits (a [256, 32k] one costs ms)
-    logits = logits.float()
-    need_lp = any(r.params.logprobs is not None for r in rows)
-    raw_logprobs = torch.log_softmax(logits, dim=-1) if need_lp else None
-    if any(r.params.needs_penalties or len(r.output_token_ids) < r.params.min_tokens for r in rows):
-        logits = logits.clone()  # both edit rows in place; the caller's logits stay raw
-        logits = apply_penalties(logits, rows)
-        logits = apply_min_tokens(logits, rows)
+    logits, raw_logprobs = adjust_logits(logits, rows)
     greedy = torch.tensor([r.params.greedy for r in rows], device=logits.device)
     tokens = _argmax(logits)
     if bool(greedy.all()):
         return tokens, raw_logprobs
-    dev = logits.device
-    temp = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in rows], device=dev)
-    top_k = torch.tensor([r.params.top_k for r in rows], device=dev)
-    top_p = torch.tensor([r.params.top_p for r in rows], device=dev)
-    min_p = torch.tensor([r.params.min_p for r in rows], device=dev)
-    scaled = filter_logits(logits / temp[:, None], top_k, top_p, min_p)
-    probs = torch.softmax(scaled, dim=-1)
+    probs = sampling_probs(logits, rows)
     q = torch.empty_like(probs).exponential_(generator=generator)
     for i, r in enumerate(rows):
         if r.params.seed is not None and not r.params.greedy:
-            g = torch.Generator(device=dev)
-            g.manual_seed((r.params.seed * _SEED_MIX + len(r.output_token_ids)) % (1 << 63))
-            q[i] = torch.empty(probs.shape[1], device=dev).exponential_(generator=g)
+            g = seeded_generator(r.params.seed, len(r.output_token_ids), probs.device)
+            q[i] = torch.empty(probs.shape[1], device=probs.device).exponential_(generator=g)
     drawn = _argmax(probs / q)
     return torch.where(greedy, tokens, drawn), raw_logprobs
 
