@@ -152,6 +152,8 @@ class SchedulerConfig:
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    # KV slots allocated past each scheduled request's tokens: a drafting model writes its chain of drafts there.
+    num_lookahead_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:
@@ -256,6 +258,31 @@ class SpeculativeConfig:
         if (self.method == "draft_model") != (self.model is not None):
             raise ValueError("speculative_config.model names the draft model: required for method 'draft_model' "
                              "and only for it")
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """Slots past a request's tokens the proposer writes KV into (its chain of drafts); n-gram writes none."""
+        return 0 if self.method == "ngram" else self.num_speculative_tokens
+
+    def check_target(self, model: ModelConfig, parallel: ParallelConfig) -> None:
+        """Start-up checks against the target: the method must have what it needs (MTP layers, a draft with the
+        target's vocabulary)."""
+        if parallel.world_size > 1:
+            raise ValueError("speculative_config with tensor_parallel_size / data_parallel_size > 1 is not supported "
+                             "yet; run speculative decoding in one process")
+        if self.method == "mtp":
+            n = int(model.hf_config.get("num_nextn_predict_layers", 0) or 0)
+            if n < 1:
+                raise ValueError(f"speculative_config.method='mtp': {model.architecture or model.path} has no MTP "
+                                 f"layers (num_nextn_predict_layers={n}); use 'ngram' or 'draft_model'")
+        if self.method == "draft_model":
+            cfg = Path(self.model) / "config.json"
+            if not cfg.is_file():
+                raise ValueError(f"speculative_config.model={self.model!r} has no config.json")
+            vocab = json.loads(cfg.read_text()).get("vocab_size")
+            if vocab != model.vocab_size:
+                raise ValueError(f"speculative_config.model has vocab_size={vocab}, the target {model.vocab_size}: a "
+                                 "draft model must share the target's vocabulary")
 
     @classmethod
     def parse(cls, value: str | dict | SpeculativeConfig | None) -> SpeculativeConfig | None:

@@ -135,6 +135,15 @@ class EngineArgs:
         max_num_batched_tokens = self.max_num_batched_tokens
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max(2048, min(model.max_model_len, 8192))
+        parallel = ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
+                                  data_parallel_size=self.data_parallel_size,
+                                  enable_expert_parallel=self.enable_expert_parallel,
+                                  enable_eplb=self.enable_eplb, num_redundant_experts=self.num_redundant_experts,
+                                  eplb_step_interval=self.eplb_step_interval,
+                                  distributed_executor_backend=self.distributed_executor_backend)
+        speculative = SpeculativeConfig.parse(self.speculative_config)
+        if speculative is not None:
+            speculative.check_target(model, parallel)
         return EngineConfig(
             model=model,
             cache=CacheConfig(
@@ -145,14 +154,10 @@ class EngineArgs:
                 num_kv_blocks=self.num_kv_blocks,
             ),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
-                                      max_num_batched_tokens=max_num_batched_tokens),
-            parallel=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
-                                    data_parallel_size=self.data_parallel_size,
-                                    enable_expert_parallel=self.enable_expert_parallel,
-                                    enable_eplb=self.enable_eplb, num_redundant_experts=self.num_redundant_experts,
-                                    eplb_step_interval=self.eplb_step_interval,
-                                    distributed_executor_backend=self.distributed_executor_backend),
-            speculative=SpeculativeConfig.parse(self.speculative_config),
+                                      max_num_batched_tokens=max_num_batched_tokens,
+                                      num_lookahead_tokens=speculative.num_lookahead_tokens if speculative else 0),
+            parallel=parallel,
+            speculative=speculative,
             seed=self.seed,
             attention_backend=AttentionBackend.parse(self.attention_backend),
         )

@@ -1,5 +1,6 @@
-"""Speculative decoding end to end (n-gram proposer): greedy output identical to plain decoding and to HF through
-every scheduling path; stops, penalties and logprobs unchanged; sampling keeps its distribution; counters reach
+"""Speculative decoding end to end (n-gram and draft-model proposers): greedy output identical to plain decoding
+and to HF through every scheduling path; stops, penalties and logprobs unchanged; sampling keeps its
+distribution; a draft identical to the target accepts everything, a random one what chance gives; counters reach
 the engine stats and /metrics; a method the model cannot serve fails at start-up."""
 from __future__ import annotations
 
@@ -28,11 +29,21 @@ def prompts_for(seed: int) -> list[list[int]]:
     return out
 
 
+def draft_model(path) -> dict:
+    return {"method": "draft_model", "num_speculative_tokens": 3, "model": str(path)}
+
+
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
 def case(request, tmp_path_factory):
     path = make_dense_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
     prompts = prompts_for(7)
     return path, prompts, hf_greedy(path, prompts, NEW_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def small_draft(tmp_path_factory):
+    """A one-layer Llama with other weights and the same vocabulary: a draft that is rarely right."""
+    return make_dense_checkpoint(tmp_path_factory.mktemp("draft"), "llama", seed=5, num_hidden_layers=1)
 
 
 def greedy(llm: LLM, prompts, **kw):
@@ -53,10 +64,14 @@ def accepted(llm: LLM) -> int:
     return spec.num_accepted_tokens
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft-self", "draft-small"])
 @pytest.mark.parametrize("path_kind", ["mixed-batch", "chunked-prefill", "prefix-hits", "preemption"])
-def test_greedy_matches_hf_through_every_scheduling_path(case, path_kind):
+def test_greedy_matches_hf_through_every_scheduling_path(case, small_draft, path_kind, method):
     path, prompts, ref = case
-    kw = dict(dtype="float32", speculative_config=NGRAM, kv_cache_memory_gb=0.05)
+    spec = {"ngram": NGRAM, "draft-self": draft_model(path), "draft-small": draft_model(small_draft)}[method]
+    if method == "draft-small" and "qwen3" in str(path):
+        spec = draft_model(make_dense_checkpoint(path.parent / "qwen3-draft", "qwen3", seed=5, num_hidden_layers=1))
+    kw = dict(dtype="float32", speculative_config=spec, kv_cache_memory_gb=0.05)
     if path_kind == "chunked-prefill":
         kw["max_num_batched_tokens"] = 16  # prompts arrive in chunks while other requests verify drafts
     if path_kind == "preemption":
@@ -73,7 +88,25 @@ def test_greedy_matches_hf_through_every_scheduling_path(case, path_kind):
     if path_kind == "preemption":
         assert stats.num_preemptions > 0
     assert stats.num_free_blocks == stats.num_blocks  # every block back, drafts included
-    assert accepted(llm) > 0
+    assert kv_manager(llm).all_free()  # the draft model's groups too
+    if method != "draft-small":
+        assert accepted(llm) > 0
+
+
+def test_a_draft_identical_to_the_target_accepts_everything_a_random_one_what_chance_gives(llama, small_draft):
+    path, prompts = llama
+    sp = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    rates = {}
+    for name, draft in (("self", path), ("random", small_draft)):
+        llm = LLM(str(path), dtype="float32", kv_cache_memory_gb=0.05, speculative_config=draft_model(draft))
+        llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        s = llm.engine.stats().spec_decode
+        rates[name] = s.num_accepted_tokens / s.num_draft_tokens
+        if name == "self":
+            assert s.accepted_per_pos[0] == s.num_drafts and s.mean_accepted_length > 3.0  # k = 3, all taken
+    assert rates["self"] == 1.0
+    # Chance: a draft that knows nothing matches the target's argmax about 1 time in 256 (the vocabulary).
+    assert rates["random"] < 0.03, rates
 
 
 @pytest.fixture(scope="module")
@@ -131,8 +164,8 @@ def test_sampling_keeps_its_distribution(llama):
     prompt = prompts[2] + greedy(plain, prompts[2:3])[0].outputs[0].token_ids
     n = 1000
 
-    def draws(top_k: int, spec: bool, seed0: int) -> list[tuple[int, ...]]:
-        kw = {"speculative_config": NGRAM} if spec else {}
+    def draws(top_k: int, spec: dict | None, seed0: int) -> list[tuple[int, ...]]:
+        kw = {"speculative_config": spec} if spec else {}
         llm = LLM(str(path), dtype="float32", kv_cache_memory_gb=0.05, **kw)
         sps = [SamplingParams(temperature=1.0, top_k=top_k, max_tokens=4, ignore_eos=True, seed=seed0 + i)
                for i in range(n)]
@@ -142,9 +175,10 @@ def test_sampling_keeps_its_distribution(llama):
         return [tuple(o.outputs[0].token_ids) for o in outs]
 
     # Independent samples (other seeds), as the test assumes.
-    off, on = draws(3, False, 1000), draws(3, True, 1000 + n)
-    assert homogeneity(off, on) > 1e-3
-    assert homogeneity(off, draws(2, False, 1000 + 2 * n)) < 1e-4
+    off = draws(3, None, 1000)
+    assert homogeneity(off, draws(3, NGRAM, 1000 + n)) > 1e-3
+    assert homogeneity(off, draws(3, draft_model(path), 1000 + 2 * n)) > 1e-3
+    assert homogeneity(off, draws(2, None, 1000 + 3 * n)) < 1e-4
 
 
 def test_counters_reach_stats_and_metrics(llama):
@@ -165,11 +199,19 @@ def test_counters_reach_stats_and_metrics(llama):
     assert m["openinfer:spec_decode_mean_accepted_length"] == pytest.approx(1 + acc / drafts)
 
 
-def test_methods_the_model_cannot_serve_fail_at_start_up(llama):
+def test_methods_the_model_cannot_serve_fail_at_start_up(llama, tmp_path):
     path, _ = llama
-    with pytest.raises(ValueError, match="mtp"):
+    with pytest.raises(ValueError, match=r"method='mtp': LlamaForCausalLM has no MTP layers"):
         LLM(str(path), dtype="float32", kv_cache_memory_gb=0.05,
             speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+    other_vocab = make_dense_checkpoint(tmp_path / "v512", "llama", vocab_size=512, num_hidden_layers=1)
+    with pytest.raises(ValueError, match=r"speculative_config.model has vocab_size=512, the target 256"):
+        LLM(str(path), speculative_config=draft_model(other_vocab))
+    short = make_dense_checkpoint(tmp_path / "short", "llama", max_position_embeddings=64, num_hidden_layers=1)
+    with pytest.raises(ValueError, match=r"speculative_config.model: max_model_len=512 exceeds"):
+        LLM(str(path), kv_cache_memory_gb=0.05, speculative_config=draft_model(short))
+    with pytest.raises(ValueError, match="has no config.json"):
+        LLM(str(path), speculative_config=draft_model(tmp_path))
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         LLM(str(path), speculative_config={"method": "ngram", "num_speculative_tokens": 0})
     with pytest.raises(ValueError, match="unknown keys"):

@@ -83,7 +83,7 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            while (blocks := self.kv.allocate_slots(req, num_new)) is None:
+            while (blocks := self.kv.allocate_slots(req, num_new + self.config.num_lookahead_tokens)) is None:
                 if spec:  # short of blocks: verify no drafts this step rather than preempt anyone for them
                     num_new, spec = num_new - len(spec), []
                     continue
@@ -111,7 +111,7 @@ class Scheduler:
             req = self.waiting[0]
             hit, num_hit = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else (None, 0)
             num_new = min(req.num_tokens - req.num_computed_tokens - num_hit, budget)
-            if self.kv.allocate_slots(req, num_new, hit) is None:
+            if self.kv.allocate_slots(req, num_new + self.config.num_lookahead_tokens, hit) is None:
                 break
             self.waiting.popleft()
             if req.num_cached_tokens < 0:

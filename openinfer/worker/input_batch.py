@@ -20,6 +20,7 @@ class CachedRequestState:
     num_computed_tokens: int
     token_ids: list[int]  # prompt + every token generated so far (the worker appends what it samples)
     output_token_ids: list[int]
+    draft_computed: int = 0  # a draft model's KV holds this request's first draft_computed tokens
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -63,7 +64,7 @@ class InputBatch:
             self.requests[r.req_id] = CachedRequestState(
                 r.req_id, r.prompt_token_ids, r.sampling_params, [list(b) for b in r.block_ids],
                 r.num_computed_tokens, list(r.prompt_token_ids) + list(r.output_token_ids),
-                list(r.output_token_ids))
+                list(r.output_token_ids), draft_computed=r.num_computed_tokens)
         for r in sched.cached_requests:
             st = self.requests[r.req_id]
             for table, new in zip(st.block_ids, r.new_block_ids):

@@ -19,7 +19,7 @@ from openinfer.kv_cache_interface import KVGroupSpec, blocks_for_tokens, check_g
 from openinfer.sampling_params import SamplingParams
 from openinfer.step_io import ExpertLoadStats, ModelRunnerOutput, NewRequestData, SampledToken, SchedulerOutput
 from openinfer.worker.eplb import ExpertRebalancer
-from openinfer.worker.proposers import make_proposer
+from openinfer.worker.proposers import ProposeInputs, make_proposer
 from openinfer.worker.rejection_sampler import verify
 from openinfer.worker.input_batch import InputBatch, ScheduledRow
 from openinfer.worker.loader import load_model
@@ -48,7 +48,7 @@ class ModelRunner:
         self.model = load_model(self.config.model, self.config.attention_backend, self.device)
         prepack_linears(self.model)
         self.rebalancer = ExpertRebalancer(self.model, self.config.parallel.eplb_step_interval)
-        self.proposer = make_proposer(self.config.speculative)
+        self.proposer = make_proposer(self.config, self.device)
         if (self.device.type == "cpu" and self.config.attention_backend == AttentionBackend.SDPA
                 and any(isinstance(m, Attention) for m in self.model.modules())):
             # Build (first run on a machine: ~7 s) or load the C++ decode kernel now, at start-up, rather than
@@ -59,7 +59,10 @@ class ModelRunner:
 
     # -- KV cache ----------------------------------------------------------------------------------------
     def kv_cache_spec(self) -> list[KVGroupSpec]:
+        """The target's groups, then a drafting model's (they share the block manager)."""
         specs = list(self.model.kv_cache_spec(self.block_size, self.dtype))
+        if self.proposer is not None:
+            specs += self.proposer.kv_cache_spec(self.block_size, self.dtype)
         check_groups(specs, self.block_size)
         return specs
 
@@ -71,6 +74,8 @@ class ModelRunner:
             num_blocks = {name: n + 1 for name, n in num_blocks.items()}
             self._dummy_blocks = {name: n - 1 for name, n in num_blocks.items()}
         self.model.bind_kv_cache(num_blocks, self.block_size, self.dtype, self.device)
+        if self.proposer is not None:
+            self.proposer.bind_kv_cache(num_blocks, self.block_size, self.dtype, self.device)
         self.input_batch = InputBatch([s.name for s in specs],
                                       {s.name: s.tokens_per_block(self.block_size) for s in specs},
                                       self.block_size, self.device)
@@ -82,12 +87,15 @@ class ModelRunner:
         sc = self.config.scheduler
         n = min(sc.max_num_batched_tokens, self.config.model.max_model_len)
         specs = self.kv_cache_spec()
-        blocks = {s.name: blocks_for_tokens(n, s.tokens_per_block(self.block_size)) for s in specs}
+        slots = n + sc.num_lookahead_tokens  # as the scheduler allocates: a drafting proposer writes past the tokens
+        blocks = {s.name: blocks_for_tokens(slots, s.tokens_per_block(self.block_size)) for s in specs}
         self.initialize_kv_cache(blocks)
         req = NewRequestData(_PROFILE_ID, [0] * n, SamplingParams(temperature=0.0, max_tokens=1),
                              [list(range(blocks[s.name])) for s in specs], 0)
         self.execute_model(SchedulerOutput(new_requests=[req], num_scheduled_tokens={_PROFILE_ID: n}))
         self.model.free_kv_cache()  # the throwaway stores
+        if self.proposer is not None:
+            self.proposer.free_kv_cache()
         self.input_batch = None
         self.rebalancer.reset()  # the warm-up's routing is no one's load
 
@@ -128,7 +136,8 @@ class ModelRunner:
             for r, first in spec:
                 self._verify(logits[first:first + len(r.drafts) + 1], r, out)
             if self.proposer is not None:
-                out.spec_token_ids = self.proposer.propose([r for r, _ in plain + spec])
+                out.spec_token_ids = self.proposer.propose(
+                    ProposeInputs(inputs.rows, [r for r, _ in plain + spec], hidden, batch))
         for r, first in plp:
             out.prompt_logprobs[r.state.req_id] = self._prompt_logprobs(hidden, r, first)
         out.expert_load = self._after_forward()

@@ -1,20 +1,62 @@
 """Speculative-decoding proposers: what drafts the next tokens of each decoding request (config.SpeculativeConfig).
-Each exposes ``propose(rows, ...) -> {request id: drafts}``; the model runner verifies them next step
-(rejection_sampler.py)."""
+
+After the target's forward and sampling, the runner hands a proposer the step (``ProposeInputs``); it returns
+``{request id: drafts}``, which the scheduler sends back for verification next step (rejection_sampler.py). A
+proposer with weights also declares KV groups (``kv_cache_spec``): they live in the engine's block manager beside
+the target's, named with the proposer's prefix, and share the target's block layout (so prefix caching, chunked
+prefill and preemption treat them like any group)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from openinfer.config import SpeculativeConfig
+    import torch
+
+    from openinfer.config import EngineConfig
+    from openinfer.kv_cache_interface import KVGroupSpec
+    from openinfer.worker.input_batch import InputBatch, ScheduledRow
 
 
-def make_proposer(config: SpeculativeConfig | None):
-    """The proposer ``config`` asks for (None without speculative decoding)."""
-    if config is None:
+@dataclass
+class ProposeInputs:
+    """One step, after sampling: every row the target computed (step order), the ones that sampled (their
+    ``state.token_ids`` already end with this step's tokens), and the target's last hidden states [T, H]."""
+
+    rows: list[ScheduledRow]
+    sampled: list[ScheduledRow]
+    hidden: torch.Tensor
+    batch: InputBatch
+
+
+class Proposer:
+    """What the runner calls. A proposer without weights keeps the default (no KV groups)."""
+
+    def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> list[KVGroupSpec]:
+        return []
+
+    def bind_kv_cache(self, num_blocks: dict[str, int], block_size: int, dtype: torch.dtype,
+                      device: torch.device) -> None:
+        pass
+
+    def free_kv_cache(self) -> None:
+        pass
+
+    def propose(self, step: ProposeInputs) -> dict[str, list[int]]:
+        raise NotImplementedError
+
+
+def make_proposer(config: EngineConfig, device: torch.device) -> Proposer | None:
+    """The proposer ``config.speculative`` asks for (None without speculative decoding)."""
+    spec = config.speculative
+    if spec is None:
         return None
-    if config.method == "ngram":
+    if spec.method == "ngram":
         from openinfer.worker.proposers.ngram import NgramProposer
 
-        return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
-    raise ValueError(f"speculative_config.method={config.method!r} is not available yet")
+        return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+    if spec.method == "draft_model":
+        from openinfer.worker.proposers.draft_model import DraftModelProposer
+
+        return DraftModelProposer(config, device)
+    raise ValueError(f"speculative_config.method={spec.method!r} is not available yet")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from openinfer.worker.input_batch import ScheduledRow
+from openinfer.worker.proposers import ProposeInputs, Proposer
 
 
 def ngram_drafts(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
@@ -23,13 +23,13 @@ def ngram_drafts(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]
     return []
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
     def __init__(self, k: int, min_n: int, max_n: int) -> None:
         self.k, self.min_n, self.max_n = k, min_n, max_n
 
-    def propose(self, rows: list[ScheduledRow]) -> dict[str, list[int]]:
+    def propose(self, step: ProposeInputs) -> dict[str, list[int]]:
         out = {}
-        for r in rows:
+        for r in step.sampled:
             drafts = ngram_drafts(r.state.token_ids, self.k, self.min_n, self.max_n)
             if drafts:
                 out[r.state.req_id] = drafts
