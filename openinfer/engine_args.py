@@ -144,6 +144,10 @@ class EngineArgs:
         speculative = SpeculativeConfig.parse(self.speculative_config)
         if speculative is not None:
             speculative.check_target(model, parallel)
+            if speculative.method == "mtp":
+                from openinfer.models.registry import resolve_mtp_class
+
+                resolve_mtp_class(model.architecture)  # the architecture has an MTP layer openinfer can run
         return EngineConfig(
             model=model,
             cache=CacheConfig(

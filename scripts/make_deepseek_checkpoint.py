@@ -76,46 +76,64 @@ def v3_config(size: str = "tiny", overrides: dict[str, Any] | None = None) -> di
 
 
 def v3_tensor_shapes(cfg: dict[str, Any]) -> Iterator[tuple[str, tuple[int, ...]]]:
-    """HF tensor names and shapes, in layer order (so shards hold whole layers where they can)."""
+    """HF tensor names and shapes, in layer order (so shards hold whole layers where they can); then the MTP
+    layers (``num_nextn_predict_layers``) under ``model.layers.{num_hidden_layers + i}``, as DeepSeek releases
+    them: a full decoder block plus enorm / hnorm / eh_proj and their own embedding and shared head."""
+    h, vocab = cfg["hidden_size"], cfg["vocab_size"]
+    yield "model.embed_tokens.weight", (vocab, h)
+    for i in range(cfg["num_hidden_layers"]):
+        yield from _v3_layer_shapes(cfg, i)
+    yield "model.norm.weight", (h,)
+    yield "lm_head.weight", (vocab, h)
+    for i in range(cfg["num_hidden_layers"], cfg["num_hidden_layers"] + cfg.get("num_nextn_predict_layers", 0)):
+        p = f"model.layers.{i}"
+        yield f"{p}.embed_tokens.weight", (vocab, h)
+        yield f"{p}.enorm.weight", (h,)
+        yield f"{p}.hnorm.weight", (h,)
+        yield f"{p}.eh_proj.weight", (h, 2 * h)
+        yield from _v3_layer_shapes(cfg, i)
+        yield f"{p}.shared_head.norm.weight", (h,)
+        yield f"{p}.shared_head.head.weight", (vocab, h)
+
+
+def _v3_layer_shapes(cfg: dict[str, Any], i: int) -> Iterator[tuple[str, tuple[int, ...]]]:
     h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     nope, rope, v = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
     lora_kv, lora_q = cfg["kv_lora_rank"], cfg.get("q_lora_rank")
-    yield "model.embed_tokens.weight", (cfg["vocab_size"], h)
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}"
-        yield f"{p}.input_layernorm.weight", (h,)
-        yield f"{p}.post_attention_layernorm.weight", (h,)
-        if lora_q is None:
-            yield f"{p}.self_attn.q_proj.weight", (heads * (nope + rope), h)
-        else:
-            yield f"{p}.self_attn.q_a_proj.weight", (lora_q, h)
-            yield f"{p}.self_attn.q_a_layernorm.weight", (lora_q,)
-            yield f"{p}.self_attn.q_b_proj.weight", (heads * (nope + rope), lora_q)
-        yield f"{p}.self_attn.kv_a_proj_with_mqa.weight", (lora_kv + rope, h)
-        yield f"{p}.self_attn.kv_a_layernorm.weight", (lora_kv,)
-        yield f"{p}.self_attn.kv_b_proj.weight", (heads * (nope + v), lora_kv)
-        yield f"{p}.self_attn.o_proj.weight", (h, heads * v)
-        if i < cfg["first_k_dense_replace"]:
-            mlps = [(f"{p}.mlp", cfg["intermediate_size"])]
-        else:
-            e, inter = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
-            yield f"{p}.mlp.gate.weight", (e, h)
-            yield f"{p}.mlp.gate.e_score_correction_bias", (e,)
-            mlps = [(f"{p}.mlp.experts.{j}", inter) for j in range(e)]
-            if cfg.get("n_shared_experts"):
-                mlps.append((f"{p}.mlp.shared_experts", inter * cfg["n_shared_experts"]))
-        for mp, inter in mlps:
-            yield f"{mp}.gate_proj.weight", (inter, h)
-            yield f"{mp}.up_proj.weight", (inter, h)
-            yield f"{mp}.down_proj.weight", (h, inter)
-    yield "model.norm.weight", (h,)
-    yield "lm_head.weight", (cfg["vocab_size"], h)
+    p = f"model.layers.{i}"
+    yield f"{p}.input_layernorm.weight", (h,)
+    yield f"{p}.post_attention_layernorm.weight", (h,)
+    if lora_q is None:
+        yield f"{p}.self_attn.q_proj.weight", (heads * (nope + rope), h)
+    else:
+        yield f"{p}.self_attn.q_a_proj.weight", (lora_q, h)
+        yield f"{p}.self_attn.q_a_layernorm.weight", (lora_q,)
+        yield f"{p}.self_attn.q_b_proj.weight", (heads * (nope + rope), lora_q)
+    yield f"{p}.self_attn.kv_a_proj_with_mqa.weight", (lora_kv + rope, h)
+    yield f"{p}.self_attn.kv_a_layernorm.weight", (lora_kv,)
+    yield f"{p}.self_attn.kv_b_proj.weight", (heads * (nope + v), lora_kv)
+    yield f"{p}.self_attn.o_proj.weight", (h, heads * v)
+    if i < cfg["first_k_dense_replace"]:
+        mlps = [(f"{p}.mlp", cfg["intermediate_size"])]
+    else:
+        e, inter = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
+        yield f"{p}.mlp.gate.weight", (e, h)
+        yield f"{p}.mlp.gate.e_score_correction_bias", (e,)
+        mlps = [(f"{p}.mlp.experts.{j}", inter) for j in range(e)]
+        if cfg.get("n_shared_experts"):
+            mlps.append((f"{p}.mlp.shared_experts", inter * cfg["n_shared_experts"]))
+    for mp, inter in mlps:
+        yield f"{mp}.gate_proj.weight", (inter, h)
+        yield f"{mp}.up_proj.weight", (inter, h)
+        yield f"{mp}.down_proj.weight", (h, inter)
 
 
 def _is_fp8_target(name: str, shape: tuple[int, ...]) -> bool:
     # DeepSeek's release quantises every linear inside the blocks except the router; embeddings, lm_head and
     # norms stay in bf16.
-    return len(shape) == 2 and ".layers." in name and not name.endswith("mlp.gate.weight")
+    # The MTP layers' own embedding, eh_proj and shared head stay unquantised too.
+    return len(shape) == 2 and ".layers." in name and not name.endswith(
+        ("mlp.gate.weight", "embed_tokens.weight", "eh_proj.weight", "shared_head.head.weight"))
 
 
 def _random(name: str, shape: tuple[int, ...], std: float, gen: torch.Generator) -> torch.Tensor:

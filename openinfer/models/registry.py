@@ -15,6 +15,20 @@ _MODELS: dict[str, tuple[str, str]] = {
 }
 
 
+# Architecture -> its multi-token-prediction layer (speculative_config method "mtp").
+_MTP: dict[str, tuple[str, str]] = {
+    "DeepseekV3ForCausalLM": ("openinfer.models.deepseek_v3.mtp", "DeepseekV3MTP"),
+}
+
+
+def resolve_mtp_class(architecture: str) -> type[nn.Module]:
+    if architecture not in _MTP:
+        raise ValueError(f"speculative_config.method='mtp' is not available for {architecture!r}; MTP layers are "
+                         f"supported for {', '.join(sorted(_MTP))}")
+    module, cls_name = _MTP[architecture]
+    return getattr(importlib.import_module(module), cls_name)
+
+
 def register_model(architecture: str, module: str, cls_name: str) -> None:
     _MODELS[architecture] = (module, cls_name)
 

@@ -11,7 +11,7 @@ from safetensors import safe_open
 from torch import nn
 
 from openinfer.config import AttentionBackend, ModelConfig
-from openinfer.models.registry import resolve_model_class
+from openinfer.models.registry import resolve_model_class, resolve_mtp_class
 from openinfer.layers.weight_utils import CheckpointTensor, WeightLoadError
 
 logger = logging.getLogger(__name__)
@@ -78,3 +78,22 @@ def load_model(mc: ModelConfig, attention_backend: AttentionBackend = AttentionB
     n = sum(p.numel() for p in model.parameters())
     logger.info("loaded %s (%.1fM params, %s) from %s", mc.architecture, n / 1e6, mc.dtype, mc.path)
     return model
+
+
+def load_mtp_layer(mc: ModelConfig, index: int, attention_backend: AttentionBackend = AttentionBackend.SDPA,
+                   device: torch.device | None = None) -> nn.Module:
+    """The checkpoint's multi-token-prediction layer ``index`` (speculative decoding's drafter), built and filled
+    like a model; only its own tensors are read."""
+    cls = resolve_mtp_class(mc.architecture)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(mc.dtype)
+    try:
+        with torch.device(device or mc.device):
+            layer = cls(mc.hf_config, index, attention_backend=attention_backend)
+    finally:
+        torch.set_default_dtype(prev)
+    layer.load_weights(iterate_weights(mc.path))
+    layer.eval()
+    logger.info("loaded MTP layer %d of %s (%.1fM params)", index, mc.architecture,
+                sum(p.numel() for p in layer.parameters()) / 1e6)
+    return layer

@@ -18,7 +18,7 @@ from openinfer.models.weights import WeightLoadError, copy_into
 logger = logging.getLogger(__name__)
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
-_EXPERT = re.compile(r"(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT = re.compile(r"((?:.+\.)?mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 def checkpoint_tensor_names(model: nn.Module) -> set[str]:
@@ -58,7 +58,7 @@ def load_v3_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
             loaded.add(name)
     dequantizer.finish()
     if mtp:
-        logger.info("ignoring %d MTP tensors (model.layers.%d.*): MTP speculative decoding is not supported",
+        logger.info("skipping %d MTP tensors (model.layers.%d.*): speculative_config method 'mtp' loads them",
                     mtp, args.num_hidden_layers)
     missing = checkpoint_tensor_names(model) - loaded
     if missing:

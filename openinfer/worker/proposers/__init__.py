@@ -59,4 +59,8 @@ def make_proposer(config: EngineConfig, device: torch.device) -> Proposer | None
         from openinfer.worker.proposers.draft_model import DraftModelProposer
 
         return DraftModelProposer(config, device)
-    raise ValueError(f"speculative_config.method={spec.method!r} is not available yet")
+    if spec.method == "mtp":
+        from openinfer.worker.proposers.mtp import MtpProposer
+
+        return MtpProposer(config, device)
+    raise ValueError(f"speculative_config.method={spec.method!r} is not available")

@@ -1,0 +1,125 @@
+"""DeepSeek-V3 MTP speculative decoding: the MTP layer is read from ``model.layers.{num_hidden_layers}.*``; greedy
+output with k = 1, 2, 3 is identical to speculation off and to HF through every scheduling path; the engine's
+drafts equal a whole-sequence recompute of the MTP layer (catch-up and chain over the paged cache are right)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import engine_model, hf_greedy, kv_manager
+from openinfer import LLM, SamplingParams
+from openinfer.config import AttentionBackend, ModelConfig
+from openinfer.forward_context import AttentionMetadata, set_forward_context
+from openinfer.layers.attention import FULL_ATTENTION_GROUP
+from openinfer.worker.loader import load_mtp_layer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from make_deepseek_checkpoint import make_v3  # noqa: E402
+
+NEW_TOKENS = 20
+
+
+def mtp(k: int) -> dict:
+    return {"method": "mtp", "num_speculative_tokens": k}
+
+
+@pytest.fixture(scope="module")
+def v3(tmp_path_factory):
+    path = make_v3(tmp_path_factory.mktemp("v3-mtp"), "tiny", overrides={"num_nextn_predict_layers": 1})
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(6, 256, (n,), generator=g).tolist() for n in (3, 17, 40, 5, 64, 9)]
+    prompts[4][:16] = prompts[1][:16]  # a shared block for prefix caching
+    return path, prompts, hf_greedy(path, prompts, NEW_TOKENS)
+
+
+def greedy(llm, prompts):
+    sp = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("path_kind", ["mixed-batch", "chunked-prefill", "prefix-hits", "preemption"])
+def test_greedy_identical_to_hf_with_mtp(v3, k, path_kind):
+    path, prompts, ref = v3
+    kw = dict(dtype="float32", speculative_config=mtp(k), kv_cache_memory_gb=0.05)
+    if path_kind == "chunked-prefill":
+        kw["max_num_batched_tokens"] = 16
+    if path_kind == "preemption":
+        del kw["kv_cache_memory_gb"]
+        kw["num_kv_blocks"] = 10
+    llm = LLM(str(path), **kw)
+    runs = 2 if path_kind == "prefix-hits" else 1
+    for _ in range(runs):
+        for out, (tokens, lps) in zip(greedy(llm, prompts), ref):
+            got = out.outputs[0]
+            assert got.token_ids == tokens
+            assert max(abs(got.logprobs[i][t] - lp) for i, (t, lp) in enumerate(zip(tokens, lps))) < 1e-3
+    stats = llm.engine.stats()
+    assert stats.spec_decode.num_drafts > 0
+    assert stats.spec_decode.num_draft_tokens > stats.spec_decode.num_drafts or k == 1  # chains of k > 1 ran
+    if path_kind == "preemption":
+        assert stats.num_preemptions > 0
+    if path_kind == "prefix-hits":
+        assert stats.prefix_cache_hits > 0
+    assert kv_manager(llm).all_free()
+    assert any(n.startswith("mtp.") for n in kv_manager(llm).num_blocks)  # the MTP layer's KV is a group
+
+
+@torch.inference_mode()
+def reference_drafts(path: Path, tokens: list[int], k: int) -> list[int]:
+    """The MTP layer over the whole sequence with no cache reuse: position p reads the target's final hidden
+    state at p (HF) and token p + 1; then each draft goes in after the last position with the layer's own
+    output as its hidden state, the whole sequence recomputed every time."""
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    hidden = target.model(torch.tensor([tokens])).last_hidden_state[0]
+    mc = ModelConfig.from_path(path, dtype="float32", device="cpu")
+    layer = load_mtp_layer(mc, 0, AttentionBackend.REFERENCE, torch.device("cpu"))
+    n = len(tokens) - 1 + k
+    blocks = -(-n // 16)
+    layer.bind_kv_cache({FULL_ATTENTION_GROUP: blocks}, 16, torch.float32, torch.device("cpu"))
+    ids, prev, drafts = list(tokens[1:]), hidden[:-1], []
+    for _ in range(k):
+        md = AttentionMetadata.build([len(ids)], [len(ids)], {FULL_ATTENTION_GROUP: [list(range(blocks))]},
+                                     {FULL_ATTENTION_GROUP: 16}, 16, torch.device("cpu"))
+        with set_forward_context(md):
+            out = layer(torch.tensor(ids), md.positions, prev)
+        drafts.append(int(layer.compute_logits(out[-1:]).argmax()))
+        ids, prev = ids + [drafts[-1]], torch.cat([prev, out[-1:]])
+    return drafts
+
+
+def test_engine_drafts_equal_a_whole_sequence_recompute(v3):
+    path, prompts, _ = v3
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_gb=0.05, max_num_batched_tokens=16,
+              speculative_config=mtp(3))
+    proposer = llm.engine.core.executor.driver_worker.model_runner.proposer
+    seen: list[tuple[list[int], list[int]]] = []
+    propose = proposer.propose
+
+    def spy(step):
+        out = propose(step)
+        seen.extend((list(r.state.token_ids), out[r.state.req_id]) for r in step.sampled if r.state.req_id in out)
+        return out
+
+    proposer.propose = spy
+    greedy(llm, prompts[:4])
+    assert len(seen) > 20
+    for tokens, drafts in seen[::7]:  # after prefills, chunked prefills and verified steps alike
+        assert drafts == reference_drafts(path, tokens, 3)[:len(drafts)], len(tokens)
+    assert engine_model(llm) is not proposer.module  # the MTP layer is its own module beside the target
+
+
+def test_mtp_start_up_errors(v3, tmp_path):
+    path, _, _ = v3
+    from helpers import make_dense_checkpoint
+
+    llama = make_dense_checkpoint(tmp_path / "llama", "llama", num_hidden_layers=1)
+    with pytest.raises(ValueError, match="has no MTP layers"):
+        LLM(str(llama), speculative_config=mtp(1))
+    with pytest.raises(ValueError, match=r"num_speculative_tokens must be an integer in \[1, 16\]"):
+        LLM(str(path), speculative_config=mtp(0))
