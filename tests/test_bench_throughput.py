@@ -265,3 +265,16 @@ def test_workload_limits_accepted_at_the_boundary():
     args = parse("--context-len", "20")  # e2e: --context-len sets the prompt length
     resolve_workload(args)
     assert (args.input_len, args.output_len, args.decode_steps) == (20, 128, None)
+
+
+def test_speculative_run_reports_acceptance(ckpt, tmp_path):
+    """--speculative-config runs for real: the JSON records the config and each point's drafts and acceptance (a
+    draft identical to the target accepts every draft)."""
+    spec = json.dumps({"method": "draft_model", "num_speculative_tokens": 2, "model": str(ckpt)})
+    res = run_bench(ckpt, tmp_path / "spec.json", "--batch-sizes", "1,2", "--warmup-iters", "0",
+                    "--speculative-config", spec)
+    assert res["workload"]["speculative_config"]["method"] == "draft_model"
+    for s in res["engines"]["openinfer"]["results"]:
+        check_summary(s, "openinfer", s["batch_size"])
+        assert s["spec_num_drafts"] > 0 and s["spec_num_draft_tokens"] >= s["spec_num_drafts"]
+        assert s["spec_acceptance_rate"] == 1.0 and s["spec_mean_accepted_length"] > 2.0

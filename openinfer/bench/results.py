@@ -102,6 +102,8 @@ class IterationSample:
     num_preemptions: int = 0
     # Decode mode: the fewest and most KV tokens a request held when the timed window started.
     kv_context: tuple[int, int] | None = None
+    # Speculative decoding in this pass: verifications, drafted tokens, accepted tokens (all 0 without it).
+    spec_drafts: tuple[int, int, int] = (0, 0, 0)
 
 
 @dataclass
@@ -159,6 +161,12 @@ class PointResult:
             "context_len": self.context_len,
             "decode_steps": self.decode_steps,
         }
+        drafts, drafted, accepted = (sum(s.spec_drafts[i] for s in self.samples) for i in range(3))
+        if drafts:
+            d["spec_num_drafts"], d["spec_num_draft_tokens"], d["spec_num_accepted_tokens"] = \
+                drafts, drafted, accepted
+            d["spec_acceptance_rate"] = accepted / drafted
+            d["spec_mean_accepted_length"] = 1.0 + accepted / drafts
         kv = [s.kv_context for s in self.samples if s.kv_context is not None]
         if kv:
             d["kv_context_min"] = min(k[0] for k in kv)

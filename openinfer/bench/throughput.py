@@ -118,6 +118,7 @@ class OpenInferRunner:
                                 ignore_eos=True)
         self.engine.reset_prefix_cache()
         preempt0 = self.engine.stats().num_preemptions
+        spec0 = self.engine.stats().spec_decode
         t0 = time.perf_counter()
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         elapsed = time.perf_counter() - t0
@@ -131,6 +132,7 @@ class OpenInferRunner:
             mean_ttft_s=sum(ttfts) / len(ttfts) if ttfts else None,
             cached_prompt_tokens=sum(o.num_cached_tokens for o in outs),
             num_preemptions=self.engine.stats().num_preemptions - preempt0,
+            spec_drafts=_spec_delta(spec0, self.engine.stats().spec_decode),
         )
 
     def run_decode(self, prompts: list[list[int]], decode_steps: int) -> R.IterationSample:
@@ -142,6 +144,11 @@ class OpenInferRunner:
     def close(self) -> None:
         self.engine.shutdown()  # worker processes, when there are any
         del self.engine, self.llm
+
+
+def _spec_delta(before, after) -> tuple[int, int, int]:
+    return (after.num_drafts - before.num_drafts, after.num_draft_tokens - before.num_draft_tokens,
+            after.num_accepted_tokens - before.num_accepted_tokens)
 
 
 def bench_engine_args(args: argparse.Namespace, max_batch: int) -> EngineArgs:
@@ -204,7 +211,9 @@ def sweep(runner, batches: list[int], args: argparse.Namespace, vocab_size: int,
         s = point.summary()
         print(f"[{runner.name}] batch {b}: {s['output_throughput']:.1f} output tok/s "
               f"(min {s['output_throughput_min']:.1f}, max {s['output_throughput_max']:.1f}), "
-              f"{s['total_token_throughput']:.1f} total tok/s, {s['requests_per_second']:.3f} req/s",
+              f"{s['total_token_throughput']:.1f} total tok/s, {s['requests_per_second']:.3f} req/s"
+              + (f", {100 * s['spec_acceptance_rate']:.1f}% of drafts accepted, "
+                 f"{s['spec_mean_accepted_length']:.2f} tokens per verification" if "spec_num_drafts" in s else ""),
               flush=True)
         summaries.append(s)
         last = b
