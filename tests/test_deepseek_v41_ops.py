@@ -206,3 +206,36 @@ def test_malformed_quantization_config_names_the_field():
     bad["quantization_config"] = {**_generator().QUANTIZATION, "expert_dtype": "fp8"}
     with pytest.raises(ValueError, match="quantization_config.expert_dtype='fp8'"):
         DeepseekV41Config.from_hf(bad)
+
+
+# V4.1-Flash's text_config as DeepInfer reads it (spec §7; its 3 DSpark entries appended to compress_ratios,
+# as DeepInfer asserts). Engram tokenizer compression is left out: openinfer refuses it for now.
+V41_FLASH = dict(
+    vocab_size=129280, hidden_size=5120, num_hidden_layers=40, num_attention_heads=64, head_dim=512,
+    qk_rope_head_dim=64, q_lora_rank=1280, o_groups=8, o_lora_rank=1024, n_routed_experts=384,
+    num_experts_per_tok=6, n_shared_experts=1, moe_intermediate_size=2304, scoring_func="sqrtsoftplus",
+    topk_method="noaux_tc", norm_topk_prob=True, routed_scaling_factor=1.5, swiglu_limit=10.0, rms_norm_eps=1e-20,
+    sliding_window=128, compress_ratios=[0, 0] + [2] * 18 + [1] * 20 + [0] * 3, kv_source_layer_ids=[2, 8, 14, 20],
+    index_source_layer_ids=[2, 8, 14, 20, 24, 28, 32, 36], index_n_heads=32, index_head_dim=128, index_topk=512,
+    candidate_source_layer_id=20, candidate_topk_blocks=2048, candidate_block_size=8, hc_mult=4,
+    hc_sinkhorn_iters=20, hc_eps=1e-6, engram_layer_ids=[1, 14], engram_max_ngram_size=4, engram_n_heads=8,
+    engram_head_dim=256, engram_vocab_size=16_000_000, engram_pad_token_id=2, num_nextn_predict_layers=3,
+    dspark_block_size=5, dspark_target_layer_ids=[37, 38, 39], dspark_markov_rank=256, dspark_n_routed_experts=128,
+    dspark_num_experts_per_tok=3, rope_theta=10000, compress_rope_theta=160000, max_position_embeddings=1048576,
+    hidden_act="silu", attention_bias=False, num_key_value_heads=1,
+    rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32,
+                  "beta_slow": 1})
+
+
+def test_v41_flash_kv_bytes_per_token_against_v4_flash():
+    """What the engine logs at start-up (bf16, block 16), from the released configs on the meta device: V4.1
+    holds 3,200 B/token for a sequence's life (C2 sources 2, 8, 14: (512 + 128) / 2 elements per token each;
+    C1 source 20: 512 + 128) against V4-Flash's 6,880 - cross-layer sharing stores 4 layers' entries, not 38."""
+    from tests.test_deepseek_v4 import V4_FLASH, _kv_report
+
+    cfg = {"architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41", "text_config": V41_FLASH,
+           "quantization_config": dict(_generator().QUANTIZATION)}
+    v41 = _kv_report(cfg)
+    assert v41 == ("3200 bytes/token steady state + window group 47112 bytes/token over a 127-token lookback = "
+                   "7537920 bytes per running sequence"), v41  # 40 x 512 + 3 x 1024 elements + 8 B of ids; 10 blocks
+    assert _kv_report(V4_FLASH).startswith("6880 bytes/token")
