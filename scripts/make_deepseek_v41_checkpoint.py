@@ -98,61 +98,72 @@ def _next_primes(text: dict[str, Any]) -> list[int]:
 def tensor_specs(text: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]:
     """DeepInfer HF name -> (shape, kind); kind: fp8 | fp4 | table | bf16 | fp32 | norm | hc_fn | hc_base |
     hc_scale | sink."""
-    d, h, n = text["hidden_size"], text["head_dim"], text["num_hidden_layers"]
-    heads, hc, ql = text["num_attention_heads"], text["hc_mult"], text["q_lora_rank"]
-    g, ol, e, inter = text["o_groups"], text["o_lora_rank"], text["n_routed_experts"], text["moe_intermediate_size"]
-    nih, dih = text["index_n_heads"], text["index_head_dim"]
+    d, n, e = text["hidden_size"], text["num_hidden_layers"], text["n_routed_experts"]
     kv = _sources(text["kv_source_layer_ids"], n)
     idx = _sources(text["index_source_layer_ids"], n)
     idxk = _sources(text.get("index_k_source_layer_ids") or text["kv_source_layer_ids"], n)
     specs: dict[str, tuple[tuple[int, ...], str]] = {
         "embed.weight": ((text["vocab_size"], d), "bf16"), "head.weight": ((text["vocab_size"], d), "bf16"),
         "norm.weight": ((d,), "norm")}
-    mix = (2 + hc) * hc
     engram_rows = dict(zip(text.get("engram_layer_ids") or [], _next_primes(text) if text.get("engram_layer_ids")
                            else []))
     for i in range(n):
-        p = f"layers.{i}."
-        r = text["compress_ratios"][i]
-        s = {"attn_norm.weight": ((d,), "norm"), "ffn_norm.weight": ((d,), "norm"),
-             "attn.attn_sink": ((heads,), "sink"), "attn.wq_a.weight": ((ql, d), "fp8"),
-             "attn.q_norm.weight": ((ql,), "norm"), "attn.wq_b.weight": ((heads * h, ql), "fp8"),
-             "attn.wkv.weight": ((h, d), "fp8"), "attn.kv_norm.weight": ((h,), "norm"),
-             "attn.wo_a.weight": ((g * ol, heads * h // g), "fp8"), "attn.wo_b.weight": ((d, g * ol), "fp8"),
-             "ffn.gate.weight": ((e, d), "bf16"), "ffn.gate.bias": ((e,), "fp32"),
-             "ffn.gate.bias_vl": ((e,), "fp32"),
-             "ffn.shared_experts.w1.weight": ((inter * text["n_shared_experts"], d), "fp8"),
-             "ffn.shared_experts.w3.weight": ((inter * text["n_shared_experts"], d), "fp8"),
-             "ffn.shared_experts.w2.weight": ((d, inter * text["n_shared_experts"]), "fp8")}
-        for sub in ("attn", "ffn"):
-            s.update({f"hc_{sub}_fn": ((mix, hc * d), "hc_fn"), f"hc_{sub}_base": ((mix,), "hc_base"),
-                      f"hc_{sub}_scale": ((3,), "hc_scale")})
-        for x in range(e):
-            s.update({f"ffn.experts.{x}.w1.weight": ((inter, d), "fp4"), f"ffn.experts.{x}.w3.weight": ((inter, d), "fp4"),
-                      f"ffn.experts.{x}.w2.weight": ((d, inter), "fp4")})
-        if r and kv[i] == i:
-            s.update({"attn.compressor.wkv.weight": ((h, d), "bf16"), "attn.compressor.norm.weight": ((h,), "norm")})
-            if r == 2:
-                s["attn.compressor.wgate.weight"] = ((h, d), "bf16")
-        if r and idx[i] == i:
-            s.update({"attn.indexer.wq_b.weight": ((nih * dih, ql), "fp8"),
-                      "attn.indexer.weights_proj.weight": ((nih, d), "bf16")})
-        if r and idxk[i] == i:
-            s.update({"attn.indexer.wk.weight": ((dih, h), "bf16"), "attn.indexer.k_norm.weight": ((dih,), "norm")})
-        if i in engram_rows:
-            edim = (text["engram_max_ngram_size"] - 1) * text["engram_n_heads"] * text["engram_head_dim"]
-            s.update({"engram.embed.weight": ((engram_rows[i], text["engram_head_dim"]), "table"),
-                      "engram.wkv.weight": ((d * (hc + 1), edim), "fp8"), "engram.q_weight": ((hc, d), "norm"),
-                      "engram.k_weight": ((hc, d), "norm")})
-        specs.update({p + k: v for k, v in s.items()})
-    for j in range(text.get("num_nextn_predict_layers", 0)):  # DSpark extras (the drafter is not built yet)
-        targets = len(text["dspark_target_layer_ids"])
-        specs.update({f"mtp.{j}.main_proj.weight": ((d, targets * d), "fp8"), f"mtp.{j}.main_norm.weight": ((d,), "norm"),
-                      f"mtp.{j}.norm.weight": ((d,), "norm"),
-                      f"mtp.{j}.markov_head.embed.weight": ((text["dspark_markov_rank"], text["vocab_size"]), "bf16"),
-                      f"mtp.{j}.markov_head.head.weight": ((text["vocab_size"], text["dspark_markov_rank"]), "bf16"),
-                      f"mtp.{j}.confidence_head.proj.weight": ((1, d), "bf16")})
+        specs.update(_block_specs(text, f"layers.{i}.", e, text["compress_ratios"][i], kv[i] == i, idx[i] == i,
+                                  idxk[i] == i, engram_rows.get(i)))
+    nextn = text.get("num_nextn_predict_layers", 0)
+    for j in range(nextn):  # DSpark draft blocks: sliding-window layers with their own (smaller) MoE
+        p = f"mtp.{j}."
+        specs.update(_block_specs(text, p, text["dspark_n_routed_experts"], 0, False, False, False, None))
+        r = text["dspark_markov_rank"]
+        if j == 0:
+            specs.update({p + "main_proj.weight": ((d, len(text["dspark_target_layer_ids"]) * d), "fp8"),
+                          p + "main_norm.weight": ((d,), "norm")})
+        if j == nextn - 1:
+            specs.update({p + "norm.weight": ((d,), "norm"),
+                          p + "markov_head.embed.weight": ((text["vocab_size"], r), "bf16"),
+                          p + "markov_head.head.weight": ((text["vocab_size"], r), "bf16"),
+                          p + "confidence_head.proj.weight": ((1, d + r), "bf16")})
     return specs
+
+
+def _block_specs(text: dict[str, Any], p: str, e: int, r: int, kv_src: bool, idx_src: bool, idxk_src: bool,
+                 engram_rows: int | None) -> dict[str, tuple[tuple[int, ...], str]]:
+    """One decoder block's tensors (a main layer or a DSpark block), as DeepInfer's builder creates them."""
+    d, h = text["hidden_size"], text["head_dim"]
+    heads, hc, ql = text["num_attention_heads"], text["hc_mult"], text["q_lora_rank"]
+    g, ol, inter = text["o_groups"], text["o_lora_rank"], text["moe_intermediate_size"]
+    nih, dih = text["index_n_heads"], text["index_head_dim"]
+    mix = (2 + hc) * hc
+    s = {"attn_norm.weight": ((d,), "norm"), "ffn_norm.weight": ((d,), "norm"),
+         "attn.attn_sink": ((heads,), "sink"), "attn.wq_a.weight": ((ql, d), "fp8"),
+         "attn.q_norm.weight": ((ql,), "norm"), "attn.wq_b.weight": ((heads * h, ql), "fp8"),
+         "attn.wkv.weight": ((h, d), "fp8"), "attn.kv_norm.weight": ((h,), "norm"),
+         "attn.wo_a.weight": ((g * ol, heads * h // g), "fp8"), "attn.wo_b.weight": ((d, g * ol), "fp8"),
+         "ffn.gate.weight": ((e, d), "bf16"), "ffn.gate.bias": ((e,), "fp32"), "ffn.gate.bias_vl": ((e,), "fp32"),
+         "ffn.shared_experts.w1.weight": ((inter * text["n_shared_experts"], d), "fp8"),
+         "ffn.shared_experts.w3.weight": ((inter * text["n_shared_experts"], d), "fp8"),
+         "ffn.shared_experts.w2.weight": ((d, inter * text["n_shared_experts"]), "fp8")}
+    for sub in ("attn", "ffn"):
+        s.update({f"hc_{sub}_fn": ((mix, hc * d), "hc_fn"), f"hc_{sub}_base": ((mix,), "hc_base"),
+                  f"hc_{sub}_scale": ((3,), "hc_scale")})
+    for x in range(e):
+        s.update({f"ffn.experts.{x}.w1.weight": ((inter, d), "fp4"), f"ffn.experts.{x}.w3.weight": ((inter, d), "fp4"),
+                  f"ffn.experts.{x}.w2.weight": ((d, inter), "fp4")})
+    if r and kv_src:
+        s.update({"attn.compressor.wkv.weight": ((h, d), "bf16"), "attn.compressor.norm.weight": ((h,), "norm")})
+        if r == 2:
+            s["attn.compressor.wgate.weight"] = ((h, d), "bf16")
+    if r and idx_src:
+        s.update({"attn.indexer.wq_b.weight": ((nih * dih, ql), "fp8"),
+                  "attn.indexer.weights_proj.weight": ((nih, d), "bf16")})
+    if r and idxk_src:
+        s.update({"attn.indexer.wk.weight": ((dih, h), "bf16"), "attn.indexer.k_norm.weight": ((dih,), "norm")})
+    if engram_rows is not None:
+        edim = (text["engram_max_ngram_size"] - 1) * text["engram_n_heads"] * text["engram_head_dim"]
+        s.update({"engram.embed.weight": ((engram_rows, text["engram_head_dim"]), "table"),
+                  "engram.wkv.weight": ((d * (hc + 1), edim), "fp8"), "engram.q_weight": ((hc, d), "norm"),
+                  "engram.k_weight": ((hc, d), "norm")})
+    return {p + k: v for k, v in s.items()}
 
 
 def make_checkpoint(out: str | Path, size: str = "tiny", seed: int = 0, std: float | None = None,

@@ -109,7 +109,12 @@ def test_checkpoint_is_in_deepinfer_format_and_loads(ckpt):
     assert f"{llm.engine.kv_bytes_per_token} bytes/token steady state" in llm.engine.startup_message
 
 
-def test_one_mixed_batch_matches_reference(ckpt, prompts):
+@pytest.mark.parametrize("budget", [None, 4096])  # 4096 B: every query its own chunk
+def test_one_mixed_batch_matches_reference(ckpt, prompts, budget, monkeypatch):
+    if budget is not None:
+        from openinfer.models.deepseek_v41 import attention
+
+        monkeypatch.setattr(attention, "GATHER_BUDGET_BYTES", budget)
     llm = LLM(str(ckpt), dtype="float32", max_model_len=128, num_kv_blocks=64)
     outs = _run(llm, prompts)
     _assert_matches_reference(llm, prompts, outs)

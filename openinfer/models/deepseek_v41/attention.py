@@ -27,6 +27,9 @@ from openinfer.models.deepseek_v41.compression import Compressor
 from openinfer.models.deepseek_v41.config import DeepseekV41Config
 from openinfer.models.deepseek_v41.indexer import Indexer, candidate_blocks, candidate_mask, select_topk
 
+# Bytes of gathered index keys / entries per query chunk (as V4's attention).
+GATHER_BUDGET_BYTES = 256 << 20
+
 
 @dataclass
 class StepState:
@@ -93,14 +96,35 @@ class Attention(nn.Module):
         slot_mapping = get_forward_context().group(WINDOW).slot_mapping
         q, q_residual, kv = self.project(x, cos, sin)
         self.cache.flat("kv").index_copy_(0, slot_mapping, kv.to(self.cache.kv.dtype))
-        chosen = None
         if self.ratio:
             if self.compressor is not None:
                 self._emit(x if not self.yoco_consumer else state.shared_hidden, step, slot_mapping, rope, state)
             if self.indexer is not None and self.indexer.wk is not None:
                 self._store_index_keys(step, rope, state)
-            chosen = self._choose(q_residual, x, step, cos, sin, state)
-        return self.project_out(self._attend(q, step, chosen, state), cos, sin)
+        # Queries in chunks: a long prefill's [T, entries, d] gathers would not fit otherwise.
+        out = torch.empty_like(q)
+        t, chunk = x.shape[0], self._query_chunk(step)
+        chosen_parts, candidate_parts = [], []
+        for s in range(0, t, chunk):
+            e = min(t, s + chunk)
+            sub = step.slice(s, e)
+            chosen = None
+            if self.ratio:
+                chosen, cands = self._choose(q_residual[s:e], x[s:e], sub, cos[s:e], sin[s:e], state, s, e)
+                chosen_parts.append(chosen)
+                candidate_parts.append(cands)
+            out[s:e] = self._attend(q[s:e], sub, chosen, state)
+        if self.indexer is not None:
+            state.topk[self.layer] = torch.cat(chosen_parts)
+        if self.is_candidate_source:
+            state.candidates = torch.cat(candidate_parts)
+        return self.project_out(out, cos, sin)
+
+    def _query_chunk(self, step: StepIndex) -> int:
+        entries = int(step.positions.max()) + 1
+        per_query = (entries * (self.cfg.index_head_dim + self.cfg.index_n_heads + self.head_dim)
+                     + self.window * self.head_dim) * 4
+        return max(1, GATHER_BUDGET_BYTES // per_query)
 
     def _emit(self, h: torch.Tensor, step: StepIndex, slot_mapping: torch.Tensor, rope: dict,
               state: StepState) -> None:
@@ -130,30 +154,34 @@ class Attention(nn.Module):
         keys = self.cache.flat("index_keys")
         keys.index_copy_(0, slots, self.indexer.keys(pre, cos, sin).to(keys.dtype))
 
-    def _choose(self, q_residual, x, step: StepIndex, cos, sin, state: StepState) -> torch.Tensor:
+    def _choose(self, q_residual, x, step: StepIndex, cos, sin, state: StepState, s: int,
+                e: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> (chosen entries [t, k] of the queries [s, e), this layer's candidate blocks for them or None)."""
         if self.indexer is None:  # share-index: the source's choice for these very tokens
-            return state.topk[self.index_source]
+            return state.topk[self.index_source][s:e], None
         m, cfg = self.ratio, self.cfg
         visible = (step.positions + 1) // m
         width = int(visible.max())
         if width == 0:
-            chosen = torch.full((x.shape[0], 0), -1, dtype=torch.long, device=x.device)
-        else:
-            q, head_w = self.indexer.query(q_residual, x, cos, sin)
-            src = state.caches[self.index_k_source]
-            windows = torch.arange(width, device=x.device)
-            keys = src.flat("index_keys")[step.entry_slots(step.token_seq[:, None], windows[None, :], m,
-                                                           src.entry_cap)]
-            scores = self.indexer.score(q, head_w, keys)
-            allowed = None
-            if self.is_candidate_source:
-                state.candidates = candidate_blocks(scores, visible, cfg.topology.candidate_block_size,
-                                                    cfg.topology.candidate_topk_blocks)
-            elif self.uses_candidates:
-                allowed = candidate_mask(state.candidates, width, cfg.topology.candidate_block_size)
-            chosen = select_topk(scores, visible, cfg.index_topk, allowed)
-        state.topk[self.layer] = chosen
-        return chosen
+            empty = torch.full((x.shape[0], cfg.index_topk), -1, dtype=torch.long, device=x.device)
+            blocks = torch.full((x.shape[0], cfg.topology.candidate_topk_blocks), -1, dtype=torch.long,
+                                device=x.device)
+            return empty, blocks if self.is_candidate_source else None
+        q, head_w = self.indexer.query(q_residual, x, cos, sin)
+        src = state.caches[self.index_k_source]
+        windows = torch.arange(width, device=x.device)
+        keys = src.flat("index_keys")[step.entry_slots(step.token_seq[:, None], windows[None, :], m, src.entry_cap)]
+        scores = self.indexer.score(q, head_w, keys)
+        allowed = blocks = None
+        if self.is_candidate_source:
+            blocks = candidate_blocks(scores, visible, cfg.topology.candidate_block_size,
+                                      cfg.topology.candidate_topk_blocks)
+        elif self.uses_candidates:
+            allowed = candidate_mask(state.candidates[s:e], width, cfg.topology.candidate_block_size)
+        chosen = select_topk(scores, visible, cfg.index_topk, allowed)
+        if chosen.shape[1] < cfg.index_topk:  # chunks of one step must agree in width
+            chosen = torch.cat([chosen, chosen.new_full((chosen.shape[0], cfg.index_topk - chosen.shape[1]), -1)], 1)
+        return chosen, blocks
 
     def _attend(self, q: torch.Tensor, step: StepIndex, chosen: torch.Tensor | None,
                 state: StepState) -> torch.Tensor:

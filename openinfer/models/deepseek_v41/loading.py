@@ -5,7 +5,8 @@ The leaf names are V4's release names (``layers.N.attn.wq_a``, ``.attn.compresso
 (index-K sources only), ``ffn.gate.bias_vl`` and ``engram.{embed.weight, wkv.weight, q_weight, k_weight}``.
 Quantisation (config's ``quantization_config``): FP8 e4m3 linears with UE8M0 ``.scale`` per 32x32 block, MXFP4
 routed experts, and the Engram tables in FP8 with one UE8M0 scale per 32 values of a row ([rows, dim/32]).
-``mtp.*`` (the DSpark drafter) is not built yet: those tensors are skipped, said once.
+``mtp.*`` (the DSpark draft blocks) builds ``model.mtp`` on first sight; a checkpoint without them loads, and
+drafting is unavailable (said once).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 
 from openinfer.layers.fp8 import FP8_DTYPE, dequantize_fp8_block
 from openinfer.models.deepseek_v4.loading import _copy_shard, _expected, _targets, canonical_name
-from openinfer.models.quantized_weights import Dequantizer, scale_owner
+from openinfer.models.quantized_weights import Dequantizer
 from openinfer.models.weights import WeightLoadError, copy_into
 
 logger = logging.getLogger(__name__)
@@ -36,15 +37,17 @@ class _V41Dequantizer(Dequantizer):
 def load_v41_weights(model, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
     targets = _targets(model)
     loaded: set[str] = set()
-    skipped_mtp = 0
     dequantizer = _V41Dequantizer(model.config.fp8_block, model.config.expert_dtype,
                                   lambda n: canonical_name(n)[0] in targets)
     for raw_name, raw_tensor in weights:
-        if (scale_owner(raw_name) or raw_name).removeprefix("model.").startswith("mtp."):
-            skipped_mtp += 1
-            continue
         for name, tensor in dequantizer.feed(raw_name, raw_tensor):
             pname, shard = canonical_name(name)
+            if pname.startswith("mtp.") and model.mtp is None:
+                if int(pname.split(".")[1]) >= model.config.num_nextn_predict_layers:
+                    raise WeightLoadError(f"checkpoint tensor {name!r}: config has only num_nextn_predict_layers="
+                                          f"{model.config.num_nextn_predict_layers} DSpark blocks")
+                model.build_mtp()
+                targets = _targets(model)
             if model.config.tie_word_embeddings and pname == "lm_head.weight":
                 continue
             if pname not in targets:
@@ -62,6 +65,6 @@ def load_v41_weights(model, weights: Iterable[tuple[str, torch.Tensor]]) -> set[
     missing = sorted(_expected(model, targets) - loaded)
     if missing:
         raise WeightLoadError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
-    if skipped_mtp:
-        logger.info("skipped %d mtp.* tensors: the DSpark drafter is not wired into openinfer yet", skipped_mtp)
+    if model.mtp is None and model.config.num_nextn_predict_layers:
+        logger.info("checkpoint has no DSpark weights (mtp.*): the model runs, drafting is unavailable")
     return loaded

@@ -24,6 +24,7 @@ from openinfer.models.deepseek_v41.attention import Attention, StepState
 from openinfer.models.deepseek_v41.cache import (FULL, WINDOW, LayerCache, StepIndex, bytes_per_block,
                                                  check_block_size, lookback_tokens)
 from openinfer.models.deepseek_v41.config import DeepseekV41Config
+from openinfer.models.deepseek_v41.dspark import DSparkDrafter, target_features
 from openinfer.models.deepseek_v41.engram import Engram, table_sizes
 from openinfer.models.deepseek_v41.hc import ShiftedHyperConnection, apply_pre, first_pre, hc_post
 from openinfer.models.deepseek_v41.moe import MoE
@@ -54,6 +55,9 @@ class DeepseekV41Model(nn.Module):
         self.rotary = nn.ModuleDict({name: RotaryEmbedding(r.rope_dim, r.params())
                                      for name, r in (("main", cfg.main_rope), ("compress", cfg.compress_rope))})
         self.ids_store: torch.Tensor | None = None  # Engram's token ids, window-group blocks
+        # DSpark: when set, forward keeps the target layers' attention inputs ([T, targets*D], dspark.py)
+        self.capture_dspark_features = False
+        self.dspark_features: torch.Tensor | None = None
 
     def rope(self, positions: torch.Tensor) -> dict:
         rope: dict[str, Any] = {name: rot.cos_sin(positions) for name, rot in self.rotary.items()}
@@ -79,9 +83,13 @@ class DeepseekV41Model(nn.Module):
         x = self.embed_tokens(input_ids)
         X = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         pre = first_pre(x.shape[0], self.cfg.hc_mult, x.device)
+        targets = self.cfg.dspark.target_layer_ids if self.capture_dspark_features else ()
+        captured = []
         for i, layer in enumerate(self.layers):
             if layer.engram is not None:
                 X = layer.engram(X, history)
+            if i in targets:
+                captured.append(X)
             nxt, post, comb = layer.attn_hc.mixes(X)
             h = layer.input_layernorm(apply_pre(pre, X))
             if i == self.cfg.topology.n_prefill_layer:
@@ -90,6 +98,8 @@ class DeepseekV41Model(nn.Module):
             nxt, post, comb = layer.ffn_hc.mixes(X)
             y = layer.mlp(layer.post_attention_layernorm(apply_pre(pre, X)))
             X, pre = hc_post(y, X, post, comb), nxt
+        if captured:
+            self.dspark_features = target_features(captured)
         return self.norm(apply_pre(pre, X))
 
 
@@ -102,6 +112,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(self.config.vocab_size, self.config.hidden_size)
         if self.config.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens)
+        # The DSpark draft blocks, built by load_weights when the checkpoint carries mtp.* tensors.
+        self.mtp: DSparkDrafter | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
@@ -111,6 +123,22 @@ class DeepseekV41ForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn for layer in self.model.layers]
+
+    def build_mtp(self) -> DSparkDrafter:
+        ref = self.lm_head.weight
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(ref.dtype)
+        try:
+            with torch.device(ref.device):
+                self.mtp = DSparkDrafter(self.config)
+        finally:
+            torch.set_default_dtype(prev)
+        return self.mtp
+
+    def propose(self, features: torch.Tensor, ctx_pos: torch.Tensor, golden: torch.Tensor):
+        """DSpark drafts after the accepted tokens whose target features are ``features`` (dspark.py)."""
+        return self.mtp.propose(features, ctx_pos, golden, self.model.embed_tokens, self.lm_head,
+                                self.model.rotary["main"])
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         from openinfer.models.deepseek_v41.loading import load_v41_weights

@@ -164,8 +164,9 @@ def _choose(model, i: int, q_res, h, cos, sin, seq: _Sequence) -> list[list[int]
 
 
 @torch.no_grad()
-def reference_logits(model, ids: list[int]) -> torch.Tensor:
-    """Logits [T, vocab] (fp32) of every position of ``ids``, recomputed from scratch."""
+def reference_logits(model, ids: list[int], features: list | None = None) -> torch.Tensor:
+    """Logits [T, vocab] (fp32) of every position of ``ids``, recomputed from scratch. ``features``: appended
+    with the DSpark target features (per target layer, the streams entering its attention, mean over streams)."""
     cfg, m = model.config, model.model
     n = cfg.hc_mult
     x = m.embed_tokens.weight[torch.tensor(ids)]
@@ -176,6 +177,8 @@ def reference_logits(model, ids: list[int]) -> torch.Tensor:
     for i, layer in enumerate(m.layers):
         if layer.engram is not None:
             X = engram_gate(layer.engram, X, ids, cfg.engram.pad_token_id)
+        if features is not None and cfg.dspark is not None and i in cfg.dspark.target_layer_ids:
+            features.append(X.float().mean(dim=1))
         for hc, norm, block in ((layer.attn_hc, layer.input_layernorm, "attn"),
                                 (layer.ffn_hc, layer.post_attention_layernorm, "ffn")):
             nxt, post, comb = mixes(hc, X)
