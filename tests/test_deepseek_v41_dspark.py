@@ -3,9 +3,6 @@ checkpoint's mtp.* tensors; target features, context projection, draft attention
 confidence head against plain references."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -13,16 +10,12 @@ from openinfer import LLM, SamplingParams
 from openinfer.layers.rotary import apply_interleaved
 from openinfer.models.deepseek_v41.reference import reference_logits
 from tests.helpers import engine_model
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.test_deepseek_v41 import _generator
 
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
-    spec = importlib.util.spec_from_file_location("make_v41", ROOT / "scripts" / "make_deepseek_v41_checkpoint.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    path = mod.make_checkpoint(tmp_path_factory.mktemp("v41d") / "tiny", "tiny", seed=3)
+    path = _generator().make_checkpoint(tmp_path_factory.mktemp("v41d") / "tiny", "tiny", seed=3)
     return LLM(str(path), dtype="float32", max_model_len=128, num_kv_blocks=32)
 
 

@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
-import json
-from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -20,14 +16,7 @@ from openinfer.models.deepseek_v41.hc import ShiftedHyperConnection, apply_pre
 from openinfer.models.deepseek_v41.indexer import Indexer, candidate_blocks, candidate_mask, select_topk
 from openinfer.models.deepseek_v41.topology import source_map
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _generator():
-    spec = importlib.util.spec_from_file_location("make_v41", ROOT / "scripts" / "make_deepseek_v41_checkpoint.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from tests.test_deepseek_v41 import _generator
 
 
 def _text() -> dict:
@@ -163,6 +152,15 @@ def _cfg(**changes) -> dict:
     text.update(changes)
     return {"architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41", "text_config": text,
             "quantization_config": dict(_generator().QUANTIZATION)}
+
+
+@pytest.mark.parametrize("size", ["tiny", "bench"])
+def test_generator_configs_parse(size):
+    gen = _generator()
+    text = {**gen.COMMON, **gen.SIZES[size]}
+    cfg = DeepseekV41Config.from_hf({"architectures": ["DeepseekV41ForCausalLM"], "text_config": text,
+                                     "quantization_config": dict(gen.QUANTIZATION)})
+    assert cfg.num_hidden_layers == 8 and cfg.dspark is not None
 
 
 def test_tiny_config_parses():
