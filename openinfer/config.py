@@ -106,6 +106,9 @@ class ModelConfig:
             # ids) stay visible; text_config's own fields win.
             outer = {k: v for k, v in hf_config.items() if k != "text_config"}
             hf_config = {**outer, **hf_config["text_config"], "architectures": hf_config.get("architectures")}
+        # Where the checkpoint lives, for models that read more than config.json (DeepSeek-V4.1's Engram builds
+        # its compressed vocabulary from tokenizer.json).
+        hf_config = {**hf_config, "_checkpoint_dir": str(p)}
         dev = resolve_device(device)
         limit = int(hf_config.get("max_position_embeddings", 2048))
         if max_model_len is None:

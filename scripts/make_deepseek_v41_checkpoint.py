@@ -29,7 +29,7 @@ from openinfer.layers.mxfp4 import quantize_mxfp4  # noqa: E402
 from openinfer.utils.char_tokenizer import write_char_tokenizer  # noqa: E402
 
 SIZES: dict[str, dict[str, Any]] = {
-    # 8 layers: SWA, SWA + Engram, C2 x3 (KV source 2, index sources 2 and 4, Engram on 3), C1 x3 (YOCO from
+    # 8 layers: SWA, SWA + Engram (tokenizer compression: the char tokenizer's 256 ids -> 228), C2 x3 (KV source 2, index sources 2 and 4, Engram on 3), C1 x3 (YOCO from
     # layer 5: KV sources 5 and 7 - 7 compressed from the shared hidden -, index sources 5 and 7, candidate
     # blocks chosen at 5 and used at 7, layer 6 reusing 5's top-k); one DSpark block.
     "tiny": dict(
@@ -40,7 +40,7 @@ SIZES: dict[str, dict[str, Any]] = {
         index_source_layer_ids=[2, 4, 5, 7], candidate_source_layer_id=5, candidate_topk_blocks=8,
         candidate_block_size=2, index_n_heads=8, index_head_dim=32, index_topk=4, engram_layer_ids=[1, 3],
         engram_max_ngram_size=3, engram_n_heads=2, engram_head_dim=32, engram_vocab_size=97,
-        engram_pad_token_id=2, num_nextn_predict_layers=1, dspark_block_size=4, dspark_target_layer_ids=[5, 6, 7],
+        engram_pad_token_id=2, engram_compressed_vocab_size=228, num_nextn_predict_layers=1, dspark_block_size=4, dspark_target_layer_ids=[5, 6, 7],
         dspark_markov_rank=16, dspark_n_routed_experts=4, dspark_num_experts_per_tok=2, dspark_noise_token_id=3,
         max_position_embeddings=1024,
         rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "beta_fast": 32,

@@ -141,6 +141,23 @@ def test_engram_hash_and_gate_match_numpy_reference():
                                rtol=1e-5)
 
 
+def test_engram_tokenizer_compression(tmp_path):
+    """DeepInfer's CompressedVocabulary on the char tokenizer: case and whitespace variants share an id."""
+    from openinfer.models.deepseek_v41.engram import compressed_vocabulary
+    from openinfer.utils.char_tokenizer import write_char_tokenizer
+    from tokenizers import Tokenizer
+
+    write_char_tokenizer(tmp_path, 256)
+    file = str(tmp_path / "tokenizer.json")
+    with pytest.raises(ValueError, match="engram_compressed_vocab_size=200, but .* compresses to 228 tokens"):
+        compressed_vocabulary(file, 200)
+    table = compressed_vocabulary(file, 228)
+    tok = Tokenizer.from_file(file)
+    a, upper_a, b, space, tab = (tok.token_to_id(c) for c in ("a", "A", "b", " ", "\t"))
+    assert table[a] == table[upper_a] != table[b] and table[space] == table[tab]
+    assert sorted(set(table.tolist())) == list(range(228))  # dense, first-seen order
+
+
 def test_source_maps():
     assert source_map([2, 8], 12, "kv_source_layer_ids") == (0, 1, 2, 2, 2, 2, 2, 2, 8, 8, 8, 8)
     with pytest.raises(ValueError, match="kv_source_layer_ids holds unknown layer ids \\[12\\]"):
@@ -151,7 +168,7 @@ def _cfg(**changes) -> dict:
     text = copy.deepcopy(_text())
     text.update(changes)
     return {"architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41", "text_config": text,
-            "quantization_config": dict(_generator().QUANTIZATION)}
+            "quantization_config": dict(_generator().QUANTIZATION), "_checkpoint_dir": "/unused"}
 
 
 @pytest.mark.parametrize("size", ["tiny", "bench"])
@@ -159,7 +176,7 @@ def test_generator_configs_parse(size):
     gen = _generator()
     text = {**gen.COMMON, **gen.SIZES[size]}
     cfg = DeepseekV41Config.from_hf({"architectures": ["DeepseekV41ForCausalLM"], "text_config": text,
-                                     "quantization_config": dict(gen.QUANTIZATION)})
+                                     "quantization_config": dict(gen.QUANTIZATION), "_checkpoint_dir": "/unused"})
     assert cfg.num_hidden_layers == 8 and cfg.dspark is not None
 
 
@@ -186,6 +203,7 @@ def test_tiny_config_parses():
     (dict(engram_layer_ids=[1, 8]), "engram_layer_ids holds unknown layer ids \\[8\\]"),
     (dict(engram_n_heads=None), "engram_n_heads must be a positive int"),
     (dict(engram_pad_token_id=None), "engram_pad_token_id=None"),
+    (dict(engram_compressed_vocab_size=-3), "engram_compressed_vocab_size=-3"),
     (dict(dspark_target_layer_ids=[5, 6, 8]), "dspark_target_layer_ids"),
     (dict(num_hash_layers=3), "num_hash_layers"),
     (dict(vision_config={"hidden_size": 1024}), "vision_config"),

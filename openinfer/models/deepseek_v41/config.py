@@ -9,6 +9,7 @@ candidate blocks; Engram tables; no hash-routed MoE layers; the ``num_nextn_pred
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from openinfer.layers.deepseek_moe import RouterConfig
@@ -29,7 +30,10 @@ class EngramConfig:
     head_dim: int  # table width
     vocab_size: int  # per n-gram order; each head's table size is a distinct prime >= it
     pad_token_id: int  # stands in for the tokens before the sequence start
-    tokenizer_vocab_size: int  # bounds the hash multipliers
+    tokenizer_vocab_size: int  # bounds the hash multipliers (the compressed vocabulary's size when compressing)
+    # Tokenizer compression (``engram_compressed_vocab_size``): ids are first mapped to a normalised vocabulary
+    # built from the checkpoint's tokenizer.json (engram.py).
+    tokenizer_file: str | None = None
 
     @property
     def embed_dim(self) -> int:
@@ -196,8 +200,15 @@ def _engram(cfg: dict[str, Any], n: int, vocab: int) -> EngramConfig | None:
     bad = [i for i in layer_ids if not isinstance(i, int) or not 0 <= i < n]
     if bad:
         raise ValueError(f"engram_layer_ids holds unknown layer ids {bad}: layers are 0..{n - 1}")
-    if cfg.get("engram_compressed_vocab_size"):
-        raise ValueError("engram_compressed_vocab_size: Engram tokenizer compression is not supported yet")
+    compressed = cfg.get("engram_compressed_vocab_size")
+    tokenizer_file = None
+    if compressed:
+        if not isinstance(compressed, int) or compressed <= 0:
+            raise ValueError(f"engram_compressed_vocab_size={compressed!r} must be a positive int")
+        if not cfg.get("_checkpoint_dir"):
+            raise ValueError("engram_compressed_vocab_size: Engram tokenizer compression needs the checkpoint's "
+                             "tokenizer.json (load the model from its directory)")
+        tokenizer_file = str(Path(cfg["_checkpoint_dir"]) / "tokenizer.json")
     size = _positive(cfg, "engram_max_ngram_size")
     if size < 2:
         raise ValueError(f"engram_max_ngram_size={size} must be >= 2 (n-grams of 2.. tokens)")
@@ -205,7 +216,7 @@ def _engram(cfg: dict[str, Any], n: int, vocab: int) -> EngramConfig | None:
     if not isinstance(pad, int) or not 0 <= pad < vocab:
         raise ValueError(f"engram_pad_token_id={pad!r} must be a token id in [0, vocab_size={vocab})")
     return EngramConfig(tuple(layer_ids), size, _positive(cfg, "engram_n_heads"), _positive(cfg, "engram_head_dim"),
-                        _positive(cfg, "engram_vocab_size"), pad, vocab)
+                        _positive(cfg, "engram_vocab_size"), pad, compressed or vocab, tokenizer_file)
 
 
 def _dspark(cfg: dict[str, Any], n: int) -> DSparkConfig:

@@ -12,8 +12,11 @@ Hashing, per Engram layer, of the tokens ids[p], ids[p-1], ... (positions before
 Gate (per stream j; keys are the first hc_mult rows of wkv(e), the value the last):
   g_j = <RMSNorm(X_j) * q_weight_j, RMSNorm(key_j) * k_weight_j> / sqrt(D)
   X_j += sigmoid(sign(g_j) * sqrt(max(|g_j|, 1e-6))) * value
-Not done: DeepInfer's tokenizer compression (``engram_compressed_vocab_size``) and its sentence-level mask (whose
-definition is in its C++ engine, not in the published source); config parsing refuses the former.
+With ``engram_compressed_vocab_size`` the ids are first mapped to a compressed vocabulary (``compressed_vocabulary``:
+each token decoded alone, NFKC / NFD / accents stripped / lower-cased / whitespace collapsed; tokens with the same
+key share an id), the pad id too, and B is bounded by the compressed size.
+Not done: DeepInfer's sentence-level mask (bos / eos), whose definition is in its C++ engine, not in the published
+source.
 """
 from __future__ import annotations
 
@@ -53,6 +56,30 @@ def multipliers(cfg: EngramConfig, layer: int, seed: int = 0) -> np.ndarray:
     return rng.integers(0, bound, size=(cfg.max_ngram_size,), dtype=np.int64) * 2 + 1
 
 
+def compressed_vocabulary(tokenizer_file: str, expected_size: int) -> torch.Tensor:
+    """old id -> compressed id [vocab] (DeepInfer ``CompressedVocabulary``); raises ValueError naming
+    ``engram_compressed_vocab_size`` when the tokenizer gives another size."""
+    from tokenizers import Regex, Tokenizer, normalizers
+
+    tok = Tokenizer.from_file(tokenizer_file)
+    sentinel = "\ue000"
+    norm = normalizers.Sequence([
+        normalizers.NFKC(), normalizers.NFD(), normalizers.StripAccents(), normalizers.Lowercase(),
+        normalizers.Replace(Regex(r"[ \t\r\n]+"), " "), normalizers.Replace(Regex(r"^ $"), sentinel),
+        normalizers.Strip(), normalizers.Replace(sentinel, " ")])
+    ids: dict[str, int] = {}
+    table = []
+    for token_id in range(tok.get_vocab_size()):
+        text = tok.decode([token_id], skip_special_tokens=False)
+        # undecodable byte pieces keep their raw spelling so that distinct pieces never collapse
+        key = tok.id_to_token(token_id) if "\ufffd" in text else (norm.normalize_str(text) or text)
+        table.append(ids.setdefault(key, len(ids)))
+    if len(ids) != expected_size:
+        raise ValueError(f"engram_compressed_vocab_size={expected_size}, but {tokenizer_file} compresses to "
+                         f"{len(ids)} tokens")
+    return torch.tensor(table, dtype=torch.long)
+
+
 class EngramTable(nn.Module):
     """Holds ``weight`` under the checkpoint's ``engram.embed.weight``."""
 
@@ -63,7 +90,7 @@ class EngramTable(nn.Module):
 
 class Engram(nn.Module):
     def __init__(self, cfg: EngramConfig, layer: int, hidden_size: int, hc_mult: int, eps: float,
-                 sizes: list[int]) -> None:
+                 sizes: list[int], lookup: torch.Tensor | None = None) -> None:
         super().__init__()
         self.hc_mult, self.hidden_size, self.eps = hc_mult, hidden_size, eps
         self.head_dim = cfg.head_dim
@@ -76,11 +103,15 @@ class Engram(nn.Module):
                              persistent=False)
         self.register_buffer("mult", torch.from_numpy(multipliers(cfg, layer)), persistent=False)
         self.max_ngram_size, self.n_heads = cfg.max_ngram_size, cfg.n_heads
+        self.register_buffer("lookup", lookup, persistent=False)  # tokenizer compression, or None
+
+    def compress(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids if self.lookup is None else self.lookup[ids]
 
     def hashes(self, history: torch.Tensor) -> torch.Tensor:
         """history [T, N] int64: column k = the id k positions back (pad before the start) -> rows [T, (N-1)*H]
         into the table (offsets added)."""
-        prod = history.long() * self.mult  # int64 multiply wraps like numpy's
+        prod = self.compress(history.long()) * self.mult  # int64 multiply wraps like numpy's
         cols = []
         mix = prod[:, 0]
         for n in range(2, self.max_ngram_size + 1):

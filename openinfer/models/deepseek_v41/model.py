@@ -25,13 +25,14 @@ from openinfer.models.deepseek_v41.cache import (FULL, WINDOW, LayerCache, StepI
                                                  check_block_size, lookback_tokens)
 from openinfer.models.deepseek_v41.config import DeepseekV41Config
 from openinfer.models.deepseek_v41.dspark import DSparkDrafter, target_features
-from openinfer.models.deepseek_v41.engram import Engram, table_sizes
+from openinfer.models.deepseek_v41.engram import Engram, compressed_vocabulary, table_sizes
 from openinfer.models.deepseek_v41.hc import ShiftedHyperConnection, apply_pre, first_pre, hc_post
 from openinfer.models.deepseek_v41.moe import MoE
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DeepseekV41Config, layer: int, engram_sizes: list[int] | None) -> None:
+    def __init__(self, cfg: DeepseekV41Config, layer: int, engram_sizes: list[int] | None,
+                 lookup: torch.Tensor | None = None) -> None:
         super().__init__()
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.self_attn = Attention(cfg, layer)
@@ -40,7 +41,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, eps, torch.float32)
         self.attn_hc = ShiftedHyperConnection(cfg.hc_mult, h, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
         self.ffn_hc = ShiftedHyperConnection(cfg.hc_mult, h, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
-        self.engram = (Engram(cfg.engram, layer, h, cfg.hc_mult, eps, engram_sizes)
+        self.engram = (Engram(cfg.engram, layer, h, cfg.hc_mult, eps, engram_sizes, lookup)
                        if engram_sizes is not None else None)
 
 
@@ -50,7 +51,11 @@ class DeepseekV41Model(nn.Module):
         self.cfg = cfg
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         sizes = table_sizes(cfg.engram) if cfg.engram is not None else {}
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, sizes.get(i)) for i in range(cfg.num_hidden_layers))
+        lookup = None
+        if cfg.engram is not None and cfg.engram.tokenizer_file is not None:
+            lookup = compressed_vocabulary(cfg.engram.tokenizer_file, cfg.engram.tokenizer_vocab_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, sizes.get(i), lookup)
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, torch.float32)
         self.rotary = nn.ModuleDict({name: RotaryEmbedding(r.rope_dim, r.params())
                                      for name, r in (("main", cfg.main_rope), ("compress", cfg.compress_rope))})

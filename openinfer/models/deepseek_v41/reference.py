@@ -40,6 +40,8 @@ def post_mix(y: torch.Tensor, X: torch.Tensor, post: torch.Tensor, comb: torch.T
 def engram_hashes(engram, ids: list[int], pad: int) -> np.ndarray:
     """[T, (N-1)*H] table rows, numpy int64 (wrapping) arithmetic as DeepSeek's Engram demo."""
     x = np.asarray(ids, dtype=np.int64)[None]
+    if engram.lookup is not None:  # tokenizer compression, the pad id too
+        x, pad = engram.lookup.numpy()[x], int(engram.lookup[pad])
     n_max = engram.max_ngram_size
     mult = engram.mult.numpy()
     shifts = [x] + [np.pad(x, ((0, 0), (k, 0)), constant_values=pad)[:, :x.shape[1]] for k in range(1, n_max)]
