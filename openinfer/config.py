@@ -102,7 +102,13 @@ class ModelConfig:
             raise ValueError(f"{cfg_file} is not valid JSON: {e}") from None
         if "text_config" in hf_config and "vocab_size" not in hf_config:
             # Multimodal wrappers nest the language model's fields.
-            hf_config = {**hf_config["text_config"], "architectures": hf_config.get("architectures")}
+            # Wrapper-level fields the language model needs (DeepSeek-V4.1's quantization_config, dtype, token
+            # ids) stay visible; text_config's own fields win.
+            outer = {k: v for k, v in hf_config.items() if k != "text_config"}
+            hf_config = {**outer, **hf_config["text_config"], "architectures": hf_config.get("architectures")}
+        # Where the checkpoint lives, for models that read more than config.json (DeepSeek-V4.1's Engram builds
+        # its compressed vocabulary from tokenizer.json).
+        hf_config = {**hf_config, "_checkpoint_dir": str(p)}
         dev = resolve_device(device)
         limit = int(hf_config.get("max_position_embeddings", 2048))
         if max_model_len is None:

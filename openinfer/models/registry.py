@@ -11,6 +11,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen2ForCausalLM": ("openinfer.models.llama", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("openinfer.models.llama", "Qwen3ForCausalLM"),
     "DeepseekV4ForCausalLM": ("openinfer.models.deepseek_v4", "DeepseekV4ForCausalLM"),
+    "DeepseekV41ForCausalLM": ("openinfer.models.deepseek_v41", "DeepseekV41ForCausalLM"),
     "DeepseekV3ForCausalLM": ("openinfer.models.deepseek_v3", "DeepseekV3ForCausalLM"),
 }
 

@@ -52,7 +52,8 @@ class HyperConnection(nn.Module):
             return out
         return self._activate_torch(mixes, X)
 
-    def _activate_torch(self, mixes: torch.Tensor, X: torch.Tensor):
+    def split_mixes(self, mixes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The normed projection [T, (2+n)n] -> (pre [T, n], post [T, n], comb [T, n, n]), all fp32."""
         n = self.hc_mult
         pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
         pre_b, post_b, comb_b = self.base.split([n, n, n * n])
@@ -60,6 +61,10 @@ class HyperConnection(nn.Module):
         pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.hc_eps
         post = 2 * torch.sigmoid(post_w * post_s + post_b)
         comb = sinkhorn((comb_w * comb_s).view(-1, n, n) + comb_b.view(n, n), self.sinkhorn_iters, self.hc_eps)
+        return pre, post, comb
+
+    def _activate_torch(self, mixes: torch.Tensor, X: torch.Tensor):
+        pre, post, comb = self.split_mixes(mixes)
         x_in = (pre.unsqueeze(-1) * X).sum(dim=1).to(X.dtype)
         return x_in, post, comb
 

@@ -1,0 +1,140 @@
+"""DSpark drafter (spec §7.8, DeepInfer ``mtp/dflash.py`` + ``v4_modules/heads.py``): the
+``num_nextn_predict_layers`` draft blocks of V4.1, standalone (not wired into speculative decoding yet).
+
+Context: for every target token p, the target layers' attention inputs (the mHC streams entering each of
+``dspark_target_layer_ids``, averaged over the streams) are concatenated and projected once:
+  main_p = main_norm(main_proj(concat_l mean_j X_l[p, j]))                       (mtp.0.main_proj / main_norm)
+and every draft block b keys its sliding window with them: k_{b,p} = RoPE(kv_norm_b(wkv_b(main_p)), p).
+Draft step after the target accepted position a (golden = the token the target just sampled, at a + 1):
+  the block's inputs are embed([golden, noise x (block_size - 1)]) at positions a+1 .. a+block_size; each draft
+  block is a shifted-mHC decoder layer whose queries attend the window keys k_{b, a-W+1..a} plus all the block's
+  own keys (bidirectional inside the block), with sinks, then its MoE; the last block's pre mix collapses the
+  streams to h_i (no hc_head), and
+  logits_i = lm_head(norm(h_i)) + markov_head(markov_embed[t_{i-1}])            (Markov correction, t_{-1} = golden)
+  conf_i   = sigmoid([h_i, markov_embed[t_{i-1}]] . confidence_w / T)           (predicted acceptance)
+  t_i      = argmax logits_i  (greedy)
+Draft position i proposes the token at a + 2 + i.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from openinfer.layers.linear import CheckpointLinear
+from openinfer.layers.norm import RMSNorm
+from openinfer.layers.rotary import apply_interleaved
+from openinfer.models.deepseek_v4.attention import sink_attention
+from openinfer.models.deepseek_v41.attention import Attention
+from openinfer.models.deepseek_v41.config import DeepseekV41Config
+from openinfer.models.deepseek_v41.hc import ShiftedHyperConnection, apply_pre, first_pre, hc_post
+from openinfer.models.deepseek_v41.moe import MoE
+
+
+def target_features(streams: list[torch.Tensor]) -> torch.Tensor:
+    """The mHC streams [T, n, D] entering each target layer -> [T, targets * D] (mean over the streams)."""
+    return torch.cat([X.float().mean(dim=1).to(X.dtype) for X in streams], dim=-1)
+
+
+class DraftAttention(Attention):
+    """Sliding-window attention (main RoPE) over the projected context keys plus the draft block's own keys."""
+
+    def draft(self, x: torch.Tensor, main: torch.Tensor, ctx_pos: torch.Tensor, draft_pos: torch.Tensor,
+              rotary) -> torch.Tensor:
+        """x [B*S, D] draft inputs; main [B, W, D] projected context (rows with ctx_pos < 0 are padding);
+        ctx_pos [B, W]; draft_pos [B, S] -> [B*S, D]."""
+        b, w = ctx_pos.shape
+        s = draft_pos.shape[1]
+        cos, sin = rotary.cos_sin(draft_pos.reshape(-1))
+        q, _, kv = self.project(x, cos, sin)
+        c_cos, c_sin = rotary._compute(ctx_pos.clamp(min=0).reshape(-1))
+        main_k = apply_interleaved(self.kv_norm(self.kv_proj(main.reshape(b * w, -1))), c_cos, c_sin)
+        keys = torch.cat([main_k.view(b, w, -1), kv.view(b, s, -1)], dim=1)  # [B, W + S, d]
+        valid = torch.cat([ctx_pos >= 0, torch.ones(b, s, dtype=torch.bool, device=x.device)], dim=1)
+        keys = keys.repeat_interleave(s, dim=0)
+        valid = valid.repeat_interleave(s, dim=0)
+        return self.project_out(sink_attention(q, keys, valid, self.sinks, self.scale), cos, sin)
+
+
+class MarkovHead(nn.Module):
+    def __init__(self, vocab_size: int, rank: int) -> None:
+        super().__init__()
+        self.embed = nn.Module()
+        self.embed.weight = nn.Parameter(torch.zeros(vocab_size, rank), requires_grad=False)
+        self.head = CheckpointLinear(rank, vocab_size, bias=False)
+
+
+class ConfidenceHead(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.proj = CheckpointLinear(dim, 1, bias=False)
+
+
+class DraftBlock(nn.Module):
+    """One ``mtp.{i}`` block; the first holds main_proj / main_norm, the last the heads."""
+
+    def __init__(self, cfg: DeepseekV41Config, index: int) -> None:
+        super().__init__()
+        h, eps, ds = cfg.hidden_size, cfg.rms_norm_eps, cfg.dspark
+        self.self_attn = DraftAttention(cfg, cfg.num_hidden_layers + index)
+        self.mlp = MoE(cfg, ds.n_routed_experts, ds.num_experts_per_tok)
+        self.input_layernorm = RMSNorm(h, eps, torch.float32)
+        self.post_attention_layernorm = RMSNorm(h, eps, torch.float32)
+        self.attn_hc = ShiftedHyperConnection(cfg.hc_mult, h, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
+        self.ffn_hc = ShiftedHyperConnection(cfg.hc_mult, h, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
+        if index == 0:
+            self.main_proj = CheckpointLinear(len(ds.target_layer_ids) * h, h, bias=False)
+            self.main_norm = RMSNorm(h, eps, torch.float32)
+        if index == cfg.num_nextn_predict_layers - 1:
+            self.norm = RMSNorm(h, eps, torch.float32)
+            self.markov_head = MarkovHead(cfg.vocab_size, ds.markov_rank)
+            self.confidence_head = ConfidenceHead(h + ds.markov_rank)
+
+
+class DSparkDrafter(nn.ModuleList):
+    """The draft blocks, held by the model as ``mtp`` so the checkpoint's ``mtp.{i}.*`` names map directly."""
+
+    def __init__(self, cfg: DeepseekV41Config) -> None:
+        super().__init__(DraftBlock(cfg, i) for i in range(cfg.num_nextn_predict_layers))
+        self.cfg = cfg
+
+    def project_context(self, features: torch.Tensor) -> torch.Tensor:
+        first = self[0]
+        return first.main_norm(first.main_proj(features))
+
+    @torch.no_grad()
+    def propose(self, features: torch.Tensor, ctx_pos: torch.Tensor, golden: torch.Tensor, embed: nn.Module,
+                lm_head: nn.Module, rotary, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """features [B, W, targets*D] of the last W accepted tokens (ctx_pos [B, W], -1 = none; the last column
+        is the accepted position a); golden [B] -> (draft tokens [B, S], confidences [B, S]), S = block size."""
+        cfg, ds = self.cfg, self.cfg.dspark
+        b, s = golden.shape[0], ds.block_size
+        main = self.project_context(features)
+        draft_pos = ctx_pos[:, -1:] + 1 + torch.arange(s, device=golden.device)
+        ids = torch.full((b, s), ds.noise_token_id, dtype=torch.long, device=golden.device)
+        ids[:, 0] = golden
+        x = embed(ids.reshape(-1))
+        X = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
+        pre = first_pre(x.shape[0], cfg.hc_mult, x.device)
+        for blk in self:
+            nxt, post, comb = blk.attn_hc.mixes(X)
+            y = blk.self_attn.draft(blk.input_layernorm(apply_pre(pre, X)), main, ctx_pos, draft_pos, rotary)
+            X, pre = hc_post(y, X, post, comb), nxt
+            nxt, post, comb = blk.ffn_hc.mixes(X)
+            X, pre = hc_post(blk.mlp(blk.post_attention_layernorm(apply_pre(pre, X))), X, post, comb), nxt
+        hidden = apply_pre(pre, X).view(b, s, -1)
+        return self.sample(hidden, golden, lm_head, temperature)
+
+    def sample(self, hidden: torch.Tensor, golden: torch.Tensor, lm_head: nn.Module,
+               temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [B, S, D] before the norm -> greedy drafts with the Markov correction and their confidences."""
+        last = self[-1]
+        logits = lm_head(last.norm(hidden)).float()
+        prev, tokens, confidence = golden, [], []
+        for i in range(hidden.shape[1]):
+            m = last.markov_head.embed.weight[prev]
+            step = logits[:, i] + last.markov_head.head(m).float()
+            z = last.confidence_head.proj(torch.cat([hidden[:, i], m.to(hidden.dtype)], dim=-1)).float()
+            confidence.append(torch.sigmoid((z[:, 0] / temperature).clamp(-60, 60)))
+            prev = step.argmax(dim=-1)
+            tokens.append(prev)
+        return torch.stack(tokens, dim=1), torch.stack(confidence, dim=1)

@@ -1,0 +1,70 @@
+"""DeepInfer's V4.1 checkpoint names (``deepinfer/hugging_face/names.py``) -> DeepseekV41ForCausalLM parameters.
+
+The leaf names are V4's release names (``layers.N.attn.wq_a``, ``.attn.compressor.wkv``, ``.hc_attn_fn``,
+``.ffn.experts.E.w1`` ...), so V4's ``canonical_name`` maps them; V4.1 adds ``attn.indexer.wk`` / ``k_norm``
+(index-K sources only), ``ffn.gate.bias_vl`` and ``engram.{embed.weight, wkv.weight, q_weight, k_weight}``.
+Quantisation (config's ``quantization_config``): FP8 e4m3 linears with UE8M0 ``.scale`` per 32x32 block, MXFP4
+routed experts, and the Engram tables in FP8 with one UE8M0 scale per 32 values of a row ([rows, dim/32]).
+``mtp.*`` (the DSpark draft blocks) builds ``model.mtp`` on first sight; a checkpoint without them loads, and
+drafting is unavailable (said once).
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import torch
+
+from openinfer.layers.fp8 import FP8_DTYPE, dequantize_fp8_block
+from openinfer.models.deepseek_v4.loading import _copy_shard, _expected, _targets, canonical_name
+from openinfer.models.quantized_weights import Dequantizer
+from openinfer.models.weights import WeightLoadError, copy_into
+
+logger = logging.getLogger(__name__)
+ENGRAM_TABLE = "engram.embed.weight"
+
+
+class _V41Dequantizer(Dequantizer):
+    def _dequantize(self, name: str, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        if name.endswith(ENGRAM_TABLE) and weight.dtype == FP8_DTYPE:
+            try:  # a scale per 32 values of each row
+                return dequantize_fp8_block(weight, scale, (1, 32), torch.float32)
+            except ValueError as e:
+                raise WeightLoadError(f"tensor {name!r}: {e}") from None
+        return super()._dequantize(name, weight, scale)
+
+
+def load_v41_weights(model, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    targets = _targets(model)
+    loaded: set[str] = set()
+    dequantizer = _V41Dequantizer(model.config.fp8_block, model.config.expert_dtype,
+                                  lambda n: canonical_name(n)[0] in targets)
+    for raw_name, raw_tensor in weights:
+        for name, tensor in dequantizer.feed(raw_name, raw_tensor):
+            pname, shard = canonical_name(name)
+            if pname.startswith("mtp.") and model.mtp is None:
+                if int(pname.split(".")[1]) >= model.config.num_nextn_predict_layers:
+                    raise WeightLoadError(f"checkpoint tensor {name!r}: config has only num_nextn_predict_layers="
+                                          f"{model.config.num_nextn_predict_layers} DSpark blocks")
+                model.build_mtp()
+                targets = _targets(model)
+            if model.config.tie_word_embeddings and pname == "lm_head.weight":
+                continue
+            if pname not in targets:
+                raise WeightLoadError(f"checkpoint tensor {name!r} does not belong to this model "
+                                      f"(mapped to {pname!r}; see kv_source_layer_ids / index_source_layer_ids "
+                                      f"/ engram_layer_ids in config.json)")
+            param = targets[pname]
+            if shard is None:
+                copy_into(param, tensor, name)
+                loaded.add(pname)
+            else:
+                _copy_shard(model, pname, param, tensor, name, shard)
+                loaded.add(f"{pname}#{shard}")
+    dequantizer.finish()
+    missing = sorted(_expected(model, targets) - loaded)
+    if missing:
+        raise WeightLoadError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
+    if model.mtp is None and model.config.num_nextn_predict_layers:
+        logger.info("checkpoint has no DSpark weights (mtp.*): the model runs, drafting is unavailable")
+    return loaded

@@ -1,0 +1,171 @@
+"""DeepSeek-V4.1 decoder over a flat token batch (spec §7), HF-shaped:
+
+  X = embed(ids) on hc_mult streams; pre = one-hot stream 0
+  per layer: [Engram gate on X]; (pre', post, comb) = attn_hc.mixes(X); x = attn_norm(apply(pre, X));
+             X = hc_post(attn(x), X, post, comb); pre = pre'; the same around the MoE with ffn_hc
+  hidden = norm(apply(pre, X)); logits = head(hidden)          (shifted mHC: no hc_head)
+``forward`` returns the normed hidden states; ``compute_logits`` applies the head to the rows that need it.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from openinfer.config import AttentionBackend
+from openinfer.forward_context import get_forward_context
+from openinfer.kv_cache_interface import KVGroupSpec
+from openinfer.layers.norm import RMSNorm
+from openinfer.layers.rotary import RotaryEmbedding
+from openinfer.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from openinfer.models.deepseek_v41.attention import Attention, StepState
+from openinfer.models.deepseek_v41.cache import (FULL, WINDOW, LayerCache, StepIndex, bytes_per_block,
+                                                 check_block_size, lookback_tokens)
+from openinfer.models.deepseek_v41.config import DeepseekV41Config
+from openinfer.models.deepseek_v41.dspark import DSparkDrafter, target_features
+from openinfer.models.deepseek_v41.engram import Engram, compressed_vocabulary, table_sizes
+from openinfer.models.deepseek_v41.hc import ShiftedHyperConnection, apply_pre, first_pre, hc_post
+from openinfer.models.deepseek_v41.moe import MoE
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DeepseekV41Config, layer: int, engram_sizes: list[int] | None,
+                 lookup: torch.Tensor | None = None) -> None:
+        super().__init__()
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = MoE(cfg)
+        self.input_layernorm = RMSNorm(h, eps, torch.float32)
+        self.post_attention_layernorm = RMSNorm(h, eps, torch.float32)
+        self.attn_hc = ShiftedHyperConnection(cfg.hc_mult, h, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
+        self.ffn_hc = ShiftedHyperConnection(cfg.hc_mult, h, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
+        self.engram = (Engram(cfg.engram, layer, h, cfg.hc_mult, eps, engram_sizes, lookup)
+                       if engram_sizes is not None else None)
+
+
+class DeepseekV41Model(nn.Module):
+    def __init__(self, cfg: DeepseekV41Config) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        sizes = table_sizes(cfg.engram) if cfg.engram is not None else {}
+        lookup = None
+        if cfg.engram is not None and cfg.engram.tokenizer_file is not None:
+            lookup = compressed_vocabulary(cfg.engram.tokenizer_file, cfg.engram.tokenizer_vocab_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, sizes.get(i), lookup)
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, torch.float32)
+        self.rotary = nn.ModuleDict({name: RotaryEmbedding(r.rope_dim, r.params())
+                                     for name, r in (("main", cfg.main_rope), ("compress", cfg.compress_rope))})
+        self.ids_store: torch.Tensor | None = None  # Engram's token ids, window-group blocks
+        # DSpark: when set, forward keeps the target layers' attention inputs ([T, targets*D], dspark.py)
+        self.capture_dspark_features = False
+        self.dspark_features: torch.Tensor | None = None
+
+    def rope(self, positions: torch.Tensor) -> dict:
+        rope: dict[str, Any] = {name: rot.cos_sin(positions) for name, rot in self.rotary.items()}
+        rope.update({f"{name}_fn": rot._compute for name, rot in self.rotary.items()})
+        return rope
+
+    def history(self, input_ids: torch.Tensor, step: StepIndex) -> torch.Tensor | None:
+        """[T, N] ids: column k = the id k positions back (Engram's pad before the start), via the id store."""
+        if self.cfg.engram is None:
+            return None
+        slot_mapping = get_forward_context().group(WINDOW).slot_mapping
+        flat = self.ids_store.view(-1)
+        flat.index_copy_(0, slot_mapping, input_ids.long())
+        back = step.positions[:, None] - torch.arange(self.cfg.engram.max_ngram_size, device=input_ids.device)
+        ids = flat[step.token_slots(step.token_seq[:, None], back)]
+        return torch.where(back >= 0, ids, self.cfg.engram.pad_token_id)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        step = StepIndex.build(get_forward_context(), positions)
+        rope = self.rope(positions)
+        history = self.history(input_ids, step)
+        state = StepState([layer.self_attn.cache for layer in self.layers])
+        x = self.embed_tokens(input_ids)
+        X = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+        pre = first_pre(x.shape[0], self.cfg.hc_mult, x.device)
+        targets = self.cfg.dspark.target_layer_ids if self.capture_dspark_features else ()
+        captured = []
+        for i, layer in enumerate(self.layers):
+            if layer.engram is not None:
+                X = layer.engram(X, history)
+            if i in targets:
+                captured.append(X)
+            nxt, post, comb = layer.attn_hc.mixes(X)
+            h = layer.input_layernorm(apply_pre(pre, X))
+            if i == self.cfg.topology.n_prefill_layer:
+                state.shared_hidden = h
+            X, pre = hc_post(layer.self_attn(h, step, rope, state), X, post, comb), nxt
+            nxt, post, comb = layer.ffn_hc.mixes(X)
+            y = layer.mlp(layer.post_attention_layernorm(apply_pre(pre, X)))
+            X, pre = hc_post(y, X, post, comb), nxt
+        if captured:
+            self.dspark_features = target_features(captured)
+        return self.norm(apply_pre(pre, X))
+
+
+class DeepseekV41ForCausalLM(nn.Module):
+    def __init__(self, hf_config: dict[str, Any], *,
+                 attention_backend: AttentionBackend = AttentionBackend.SDPA) -> None:
+        super().__init__()
+        self.config = DeepseekV41Config.from_hf(hf_config)
+        self.model = DeepseekV41Model(self.config)
+        self.lm_head = ParallelLMHead(self.config.vocab_size, self.config.hidden_size)
+        if self.config.tie_word_embeddings:
+            self.lm_head.tie(self.model.embed_tokens)
+        # The DSpark draft blocks, built by load_weights when the checkpoint carries mtp.* tensors.
+        self.mtp: DSparkDrafter | None = None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn for layer in self.model.layers]
+
+    def build_mtp(self) -> DSparkDrafter:
+        ref = self.lm_head.weight
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(ref.dtype)
+        try:
+            with torch.device(ref.device):
+                self.mtp = DSparkDrafter(self.config)
+        finally:
+            torch.set_default_dtype(prev)
+        return self.mtp
+
+    def propose(self, features: torch.Tensor, ctx_pos: torch.Tensor, golden: torch.Tensor):
+        """DSpark drafts after the accepted tokens whose target features are ``features`` (dspark.py)."""
+        return self.mtp.propose(features, ctx_pos, golden, self.model.embed_tokens, self.lm_head,
+                                self.model.rotary["main"])
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        from openinfer.models.deepseek_v41.loading import load_v41_weights
+
+        return load_v41_weights(self, weights)
+
+    # -- KV cache hooks (cache.py) -----------------------------------------------------------------------
+    def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> list[KVGroupSpec]:
+        """Entries and index keys (whole life) in the full group; windows, C2 rows and Engram ids (read within
+        ``lookback_tokens``) in the window group. Exact bytes per block."""
+        check_block_size(self.config, block_size)
+        window, full = bytes_per_block(self.config, block_size, torch.empty((), dtype=dtype).element_size())
+        return [KVGroupSpec(FULL, full), KVGroupSpec(WINDOW, window, lookback_tokens=lookback_tokens(self.config))]
+
+    def bind_kv_cache(self, num_blocks: Mapping[str, int], block_size: int, dtype: torch.dtype,
+                      device: torch.device) -> None:
+        for i, attn in enumerate(self.attention_layers()):
+            attn.cache = LayerCache(self.config, i, dict(num_blocks), block_size, dtype, device)
+        if self.config.engram is not None:
+            self.model.ids_store = torch.zeros(num_blocks[WINDOW], block_size, dtype=torch.long, device=device)
+
+    def free_kv_cache(self) -> None:
+        for attn in self.attention_layers():
+            attn.cache = None
+        self.model.ids_store = None
