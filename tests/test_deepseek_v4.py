@@ -407,14 +407,9 @@ def _deepseek_style_config(hf: dict) -> dict:
     return ds
 
 
-def test_deepseek_release_names_and_mtp(ckpt, prompts, hf_ref, tmp_path, caplog):
-    """The same weights in DeepSeek's release layout (unprefixed names, compress_ratios config, an mtp.0 block)
-    give the same tokens; the MTP block loads into ``model.mtp``; without it a single log line says so."""
-    with caplog.at_level(logging.INFO, logger="openinfer.models.deepseek_v4.loading"):
-        hf_llm = LLM(str(ckpt), dtype="float32", max_model_len=128, num_kv_blocks=32)
-    assert engine_model(hf_llm).mtp is None
-    assert sum("no MTP weights" in r.message for r in caplog.records) == 1
-
+def write_release_with_mtp(ckpt: Path, ds_dir: Path) -> dict[str, torch.Tensor]:
+    """``ckpt``'s weights in DeepSeek's release layout (unprefixed names, compress_ratios config) plus a random
+    mtp.0 block (layer 0's shapes: sliding window, non-hash gate, its own heads); returns the tensors."""
     sd = load_file(str(ckpt / "model.safetensors"))
     out = {}
     for name, t in sd.items():
@@ -431,7 +426,6 @@ def test_deepseek_release_names_and_mtp(ckpt, prompts, hf_ref, tmp_path, caplog)
                         "hnorm.weight": (h,), "norm.weight": (h,), "hc_head_fn": (n, n * h),
                         "hc_head_base": (n,), "hc_head_scale": (1,)}.items():
         out[f"mtp.0.{leaf}"] = torch.randn(shape, generator=g)
-    ds_dir = tmp_path / "release"
     ds_dir.mkdir()
     save_file(out, str(ds_dir / "model.safetensors"))
     cfg = _deepseek_style_config(json.loads((ckpt / "config.json").read_text()))
@@ -439,6 +433,19 @@ def test_deepseek_release_names_and_mtp(ckpt, prompts, hf_ref, tmp_path, caplog)
     for f in ckpt.iterdir():
         if f.name not in ("config.json", "model.safetensors"):
             (ds_dir / f.name).write_bytes(f.read_bytes())
+    return out
+
+
+def test_deepseek_release_names_and_mtp(ckpt, prompts, hf_ref, tmp_path, caplog):
+    """The same weights in DeepSeek's release layout (unprefixed names, compress_ratios config, an mtp.0 block)
+    give the same tokens; the MTP block loads into ``model.mtp``; without it a single log line says so."""
+    with caplog.at_level(logging.INFO, logger="openinfer.models.deepseek_v4.loading"):
+        hf_llm = LLM(str(ckpt), dtype="float32", max_model_len=128, num_kv_blocks=32)
+    assert engine_model(hf_llm).mtp is None
+    assert sum("no MTP weights" in r.message for r in caplog.records) == 1
+
+    ds_dir = tmp_path / "release"
+    out = write_release_with_mtp(ckpt, ds_dir)
     # tokenizer from the HF-style dir: transformers' AutoTokenizer parses config.json, and its DeepseekV4Config
     # only maps compress_ratios values 0/4/128 (this tiny model uses 16).
     llm = LLM(str(ds_dir), tokenizer=str(ckpt), dtype="float32", max_model_len=128, num_kv_blocks=32)

@@ -123,3 +123,48 @@ def test_mtp_start_up_errors(v3, tmp_path):
         LLM(str(llama), speculative_config=mtp(1))
     with pytest.raises(ValueError, match=r"num_speculative_tokens must be an integer in \[1, 16\]"):
         LLM(str(path), speculative_config=mtp(0))
+
+
+# -- DeepSeek-V4: the mtp.{i} block loaded with the target ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def v4(tmp_path_factory):
+    from test_deepseek_v4 import _generator, _prompts, write_release_with_mtp
+
+    base = tmp_path_factory.mktemp("v4-mtp")
+    hf_style = _generator().make_checkpoint(base / "tiny", "tiny", seed=0)
+    write_release_with_mtp(hf_style, base / "release")
+    prompts = _prompts(1, [3, 17, 33, 40, 52, 64])
+    prompts = [p[:len(p) // 2] * 2 + p for p in prompts]  # some repetition: the MTP layer sees varied inputs
+    llm = LLM(str(base / "release"), tokenizer=str(hf_style), dtype="float32", max_model_len=256, num_kv_blocks=96)
+    return base / "release", hf_style, prompts, greedy(llm, prompts)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("path_kind", ["mixed-batch", "chunked-prefill", "prefix-hits", "preemption"])
+def test_v4_greedy_identical_with_mtp(v4, k, path_kind):
+    path, tok, prompts, ref = v4
+    kw = dict(dtype="float32", max_model_len=256, speculative_config=mtp(k), num_kv_blocks=96)
+    if path_kind == "chunked-prefill":
+        kw["max_num_batched_tokens"] = 8
+    if path_kind == "preemption":
+        kw.update(num_kv_blocks=12, max_num_batched_tokens=64)  # the longest prompts alone need 8 blocks each
+    llm = LLM(str(path), tokenizer=str(tok), **kw)
+    for _ in range(2 if path_kind == "prefix-hits" else 1):
+        for out, want in zip(greedy(llm, prompts), ref):
+            assert out.outputs[0].token_ids == want.outputs[0].token_ids
+            assert max(abs(a[t] - b[t]) for a, b, t in zip(out.outputs[0].logprobs, want.outputs[0].logprobs,
+                                                           want.outputs[0].token_ids)) < 1e-4
+    stats = llm.engine.stats()
+    assert stats.spec_decode.num_drafts > 0
+    if path_kind == "preemption":
+        assert stats.num_preemptions > 0
+    if path_kind == "prefix-hits":
+        assert stats.prefix_cache_hits > 0
+    assert kv_manager(llm).all_free()
+    assert any(n.startswith("mtp.") for n in kv_manager(llm).num_blocks)
+
+
+def test_v4_without_mtp_weights_is_a_start_up_error(v4):
+    _, hf_style, _, _ = v4
+    with pytest.raises(ValueError, match=r"no MTP layer mtp\.0\.\*"):
+        LLM(str(hf_style), dtype="float32", max_model_len=256, num_kv_blocks=96, speculative_config=mtp(1))

@@ -19,6 +19,7 @@ _MODELS: dict[str, tuple[str, str]] = {
 # Architecture -> its multi-token-prediction layer (speculative_config method "mtp").
 _MTP: dict[str, tuple[str, str]] = {
     "DeepseekV3ForCausalLM": ("openinfer.models.deepseek_v3.mtp", "DeepseekV3MTP"),
+    "DeepseekV4ForCausalLM": ("openinfer.models.deepseek_v4.mtp", "DeepseekV4MTP"),
 }
 
 

@@ -81,10 +81,13 @@ def load_model(mc: ModelConfig, attention_backend: AttentionBackend = AttentionB
 
 
 def load_mtp_layer(mc: ModelConfig, index: int, attention_backend: AttentionBackend = AttentionBackend.SDPA,
-                   device: torch.device | None = None) -> nn.Module:
+                   device: torch.device | None = None, target: nn.Module | None = None) -> nn.Module:
     """The checkpoint's multi-token-prediction layer ``index`` (speculative decoding's drafter), built and filled
-    like a model; only its own tensors are read."""
+    like a model (only its own tensors are read), or, for families that load it with the target (V4), taken
+    from the loaded ``target``."""
     cls = resolve_mtp_class(mc.architecture)
+    if getattr(cls, "shares_target", False):
+        return cls(target, index)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(mc.dtype)
     try:

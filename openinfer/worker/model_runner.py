@@ -48,7 +48,7 @@ class ModelRunner:
         self.model = load_model(self.config.model, self.config.attention_backend, self.device)
         prepack_linears(self.model)
         self.rebalancer = ExpertRebalancer(self.model, self.config.parallel.eplb_step_interval)
-        self.proposer = make_proposer(self.config, self.device)
+        self.proposer = make_proposer(self.config, self.device, self.model)
         if (self.device.type == "cpu" and self.config.attention_backend == AttentionBackend.SDPA
                 and any(isinstance(m, Attention) for m in self.model.modules())):
             # Build (first run on a machine: ~7 s) or load the C++ decode kernel now, at start-up, rather than

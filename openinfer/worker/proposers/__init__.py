@@ -46,8 +46,9 @@ class Proposer:
         raise NotImplementedError
 
 
-def make_proposer(config: EngineConfig, device: torch.device) -> Proposer | None:
-    """The proposer ``config.speculative`` asks for (None without speculative decoding)."""
+def make_proposer(config: EngineConfig, device: torch.device, target: torch.nn.Module) -> Proposer | None:
+    """The proposer ``config.speculative`` asks for (None without speculative decoding); ``target`` is the loaded
+    target model (a family whose MTP layers load with it shares them)."""
     spec = config.speculative
     if spec is None:
         return None
@@ -62,5 +63,5 @@ def make_proposer(config: EngineConfig, device: torch.device) -> Proposer | None
     if spec.method == "mtp":
         from openinfer.worker.proposers.mtp import MtpProposer
 
-        return MtpProposer(config, device)
+        return MtpProposer(config, device, target)
     raise ValueError(f"speculative_config.method={spec.method!r} is not available")

@@ -32,9 +32,10 @@ from openinfer.worker.proposers.drafting import DraftingModel
 class MtpProposer(DraftingModel):
     prefix = "mtp."
 
-    def __init__(self, config: EngineConfig, device: torch.device) -> None:
-        layer = load_mtp_layer(config.model, 0, config.attention_backend, device)
-        prepack_linears(layer)
+    def __init__(self, config: EngineConfig, device: torch.device, target: torch.nn.Module) -> None:
+        layer = load_mtp_layer(config.model, 0, config.attention_backend, device, target)
+        if not getattr(layer, "shares_target", False):  # a shared layer was prepacked with the target
+            prepack_linears(layer)
         super().__init__(layer, config.speculative.num_speculative_tokens, config.model.max_model_len,
                          config.cache.block_size, device)
 
