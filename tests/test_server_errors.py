@@ -111,7 +111,8 @@ CASES = [
         "only text content parts",
         None,
     ),
-    ("logit-bias", _cmpl(logit_bias={"5": 10}), 400, "logit_bias is not supported", "logit_bias"),
+    ("logit-bias-range", _cmpl(logit_bias={"5": 500}), 400, "logit_bias must be", "logit_bias"),
+    ("logit-bias-key", _cmpl(logit_bias={"five": 1}), 400, "logit_bias keys must be token ids", "logit_bias"),
     ("suffix", _cmpl(suffix="tail"), 400, "suffix is not supported", "suffix"),
     ("tools", _chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tool calling", "tools"),
     (

@@ -94,14 +94,16 @@ class LLMEngine:
         for this request follows ``params.output_kind``."""
         params = params or SamplingParams()
         params.validate()
+        params.check_token_ids(self.config.model.vocab_size)
         text, ids = self.tokenize_prompt(prompt)
         self.validate_prompt_ids(ids)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         arrival_s = time.monotonic() if arrival_s is None else arrival_s
-        parent = ParentRequest(request_id, ids, params.clone(eos_token_ids=self.eos_token_ids), arrival_s,
-                               share_prefix=self.config.cache.enable_prefix_caching)
+        parent = ParentRequest(request_id, ids, params.clone(eos_token_ids=self.eos_token_ids,
+                                                             bad_words_token_ids=self._bad_words_ids(params)),
+                               arrival_s, share_prefix=self.config.cache.enable_prefix_caching)
         initial = parent.initial()
         self.core.add_request(initial[0])  # raises if it can never fit; nothing is registered yet
         self.output_processor.add(parent, text, arrival_s)
@@ -127,6 +129,17 @@ class LLMEngine:
                 if out is not None:
                     outs.append(out)
         return outs
+
+    def _bad_words_ids(self, params: SamplingParams) -> list[list[int]]:
+        """Each bad word as token sequences, alone and after a space (vLLM's rule: a word mid-text usually
+        tokenizes with its leading space)."""
+        out: list[list[int]] = []
+        for word in params.bad_words or []:
+            for text in (word, " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
 
     # -- the step ----------------------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
