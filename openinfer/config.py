@@ -291,11 +291,15 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     seed: int = 0
     attention_backend: AttentionBackend = AttentionBackend.SDPA
+    structured_outputs_backend: str = "auto"  # auto | llguidance | xgrammar
 
     def __post_init__(self) -> None:
         if not isinstance(self.attention_backend, AttentionBackend):
             raise ValueError(f"attention_backend must be an AttentionBackend, got {self.attention_backend!r} "
                              f"(AttentionBackend.parse reads 'auto', 'sdpa', 'reference')")
+        if self.structured_outputs_backend not in ("auto", "llguidance", "xgrammar"):
+            raise ValueError(f"structured_outputs_backend={self.structured_outputs_backend!r}; choose one of auto, "
+                             f"llguidance, xgrammar")
 
 
 def engine_config_to_json(config: EngineConfig) -> str:
@@ -307,6 +311,7 @@ def engine_config_to_json(config: EngineConfig) -> str:
         "cache": asdict(config.cache), "scheduler": asdict(config.scheduler), "parallel": asdict(config.parallel),
         "speculative": asdict(config.speculative) if config.speculative else None,
         "seed": config.seed, "attention_backend": config.attention_backend.value,
+        "structured_outputs_backend": config.structured_outputs_backend,
     })
 
 
@@ -321,4 +326,5 @@ def engine_config_from_json(text: str) -> EngineConfig:
     return EngineConfig(model=model, cache=CacheConfig(**d["cache"]), scheduler=SchedulerConfig(**d["scheduler"]),
                         parallel=ParallelConfig(**d["parallel"]),
                         speculative=SpeculativeConfig.parse(d.get("speculative")), seed=d["seed"],
-                        attention_backend=AttentionBackend(d["attention_backend"]))
+                        attention_backend=AttentionBackend(d["attention_backend"]),
+                        structured_outputs_backend=d.get("structured_outputs_backend", "auto"))

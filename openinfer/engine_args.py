@@ -67,6 +67,8 @@ class EngineArgs:
                                                      "process per rank) | ray (a Ray actor per rank, over a Ray "
                                                      "cluster) | external_launcher (one engine per rank, started "
                                                      "by torchrun)")
+    structured_outputs_backend: str = _arg("auto", "grammar backend of structured outputs: auto | llguidance | "
+                                                   "xgrammar (an optional extra: pip install 'openinfer[xgrammar]')")
     chat_template: str | None = _arg(None, "a jinja2 chat template, as a string or a file "
                                            "(default: the tokenizer's)")
 
@@ -155,6 +157,7 @@ class EngineArgs:
             speculative=SpeculativeConfig.parse(self.speculative_config),
             seed=self.seed,
             attention_backend=AttentionBackend.parse(self.attention_backend),
+            structured_outputs_backend=self.structured_outputs_backend,
         )
 
 

@@ -51,6 +51,8 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling_params")
+        for params in params_list:  # a bad grammar raises here, before any request is added
+            self.engine.check_structured_outputs(params)
         ids = []
         try:
             for prompt, params in zip(prompts, params_list):

@@ -24,7 +24,9 @@ from openinfer.server.errors import APIError, validation_message
 from openinfer.server.messages import AddRequest, RequestUpdate
 from openinfer.server.metrics import ServerMetrics
 from openinfer.server.protocol import GenerationRequest, StreamOptions
+from openinfer.server.reasoning import make_reasoning_parser
 from openinfer.server.tokenizer_service import TokenizerService
+from openinfer.server.tool_parsers import get_tool_parser
 
 M = TypeVar("M", bound=BaseModel)
 DONE = b"data: [DONE]\n\n"
@@ -38,6 +40,8 @@ class ServerSettings:
     max_queue: int = 1024
     max_body_bytes: int = 8 * 1024 * 1024
     drain_timeout_s: float = 30.0
+    tool_call_parser: str | None = "hermes"  # tool_parsers/: how tool calls look in this model's output
+    reasoning_parser: str | None = None  # reasoning/: split <think> ... </think> into reasoning_content
 
 
 class ServingContext:
@@ -61,6 +65,8 @@ class ServingContext:
         self.kv_capacity_tokens = engine.kv_capacity_tokens
         self.defaults = engine.default_sampling_params()
         self.created = int(time.time())
+        self.tool_parser = get_tool_parser(settings.tool_call_parser) if settings.tool_call_parser else None
+        make_reasoning_parser(settings.reasoning_parser)  # a bad name fails at start-up, not per request
 
     # -- validation ------------------------------------------------------------------------------
     @staticmethod
@@ -167,7 +173,7 @@ class ServingContext:
                 logit_bias=req.logit_bias,
                 allowed_token_ids=req.allowed_token_ids,
                 bad_words=req.bad_words,
-                structured_outputs=structured_outputs if structured_outputs is not None else req.structured_outputs,
+                structured_outputs=structured_outputs,
             )
             params.check_token_ids(self.vocab_size)
             return params

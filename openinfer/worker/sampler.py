@@ -65,6 +65,17 @@ def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
     return logits
 
 
+def unpack_bitmask(data: bytes, num_rows: int, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """Grammar mask rows (one bit per token id, 32-bit little-endian words) -> bool [num_rows, vocab_size]; ids
+    past the mask's width are not allowed."""
+    words = torch.frombuffer(bytearray(data), dtype=torch.int32).view(num_rows, -1)
+    bits = (words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+    allowed = bits.view(num_rows, -1).bool()[:, :vocab_size]
+    if allowed.shape[1] < vocab_size:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]), value=False)
+    return allowed.to(device)
+
+
 def apply_token_constraints(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """logit_bias, allowed_token_ids, bad_words (a word's last token is banned once the output ends with the
     tokens before it), then the grammar mask. A row the grammar allows something for never ends up all -inf:
