@@ -25,6 +25,7 @@ from openinfer.server.protocol import DetokenizeRequest, TokenizeRequest
 from openinfer.server.serving import ServerSettings, ServingContext, json_bytes
 from openinfer.server.serving_chat import create_chat_completion, messages_to_dicts
 from openinfer.server.serving_completion import create_completion
+from openinfer.server.serving_messages import count_tokens, create_message
 from openinfer.server.tokenizer_service import TokenizerService
 
 logger = logging.getLogger(__name__)
@@ -120,6 +121,14 @@ def build_app(engine: LLMEngine, settings: ServerSettings, chat_template: str | 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(ctx, request, await read_body(request, settings.max_body_bytes))
+
+    @app.post("/v1/messages")
+    async def anthropic_messages(request: Request) -> Response:
+        return await create_message(ctx, request, await read_body(request, settings.max_body_bytes))
+
+    @app.post("/v1/messages/count_tokens")
+    async def anthropic_count_tokens(request: Request) -> Response:
+        return await count_tokens(ctx, await read_body(request, settings.max_body_bytes))
 
     @app.get("/v1/models")
     async def models() -> Response:

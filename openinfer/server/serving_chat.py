@@ -13,7 +13,8 @@ from starlette.responses import Response
 from openinfer.server.errors import APIError, error_body
 from openinfer.server.messages import AddRequest, RequestUpdate
 from openinfer.server.protocol import ChatCompletionRequest, ChatMessage
-from openinfer.server.chat_tools import ChoiceParser, check_tools
+from openinfer.sampling_params import SamplingParams
+from openinfer.server.chat_tools import ChoiceParser, ToolPlan, check_tools
 from openinfer.server.structured import compile_or_400, from_body
 from openinfer.server.serving import (
     DONE,
@@ -97,10 +98,48 @@ async def _chat_logprobs(
     return content
 
 
+@dataclass
+class PreparedChat:
+    """A checked chat request, ready to admit: its tools plan, prompt ids and sampling params."""
+
+    plan: ToolPlan | None
+    messages: list[dict[str, Any]]
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
 async def create_chat_completion(ctx: ServingContext, request: Request, body: bytes) -> Response:
     arrival_s = time.monotonic()
     req = ctx.parse(ChatCompletionRequest, body)
     model = ctx.check_model(req.model)
+    prep = await prepare_chat(ctx, req)
+    plan, messages, ids, params = prep.plan, prep.messages, prep.prompt_ids, prep.params
+    rid = ctx.new_id("chatcmpl")
+    echo = ""
+    if req.echo and messages[-1]["role"] == "assistant":
+        echo = messages[-1]["content"] or ""
+    stream, buffered = await ctx.start([AddRequest(rid, ids, params, None, arrival_s)])
+    created = int(time.time())
+    top_n = req.top_logprobs or 0
+    parsers = {i: ChoiceParser(ctx.tool_parser, plan, ctx.settings.reasoning_parser) for i in range(req.n)}
+    if req.stream:
+        return EngineStreamingResponse(
+            _stream(ctx, req, model, rid, created, ids, echo, top_n, stream, buffered, parsers), stream
+        )
+    try:
+        result = await cancel_on_disconnect(
+            request,
+            _collect(ctx, req, model, rid, created, ids, echo, top_n, stream, buffered, parsers),
+            stream,
+        )
+    except ClientDisconnected:
+        return Response(status_code=499)
+    return Response(json_bytes(result), media_type="application/json")
+
+
+async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> PreparedChat:
+    """Everything between parsing and admission, shared by /v1/chat/completions and /v1/messages: every client
+    mistake is a 400 here, before the engine sees the request."""
     ctx.check_common(req)
     plan = check_tools(req.tools, req.tool_choice, req.parallel_tool_calls, ctx.tool_parser)
     constraint = from_body(req.structured_outputs, req.response_format)
@@ -153,27 +192,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request, body: by
     max_tokens = ctx.resolve_max_tokens(requested, len(ids), param, "messages")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = ctx.sampling_params(req, max_tokens, logprobs, req.prompt_logprobs, constraint)
-    rid = ctx.new_id("chatcmpl")
-    echo = ""
-    if req.echo and messages[-1]["role"] == "assistant":
-        echo = messages[-1]["content"] or ""
-    stream, buffered = await ctx.start([AddRequest(rid, ids, params, None, arrival_s)])
-    created = int(time.time())
-    top_n = req.top_logprobs or 0
-    parsers = {i: ChoiceParser(ctx.tool_parser, plan, ctx.settings.reasoning_parser) for i in range(req.n)}
-    if req.stream:
-        return EngineStreamingResponse(
-            _stream(ctx, req, model, rid, created, ids, echo, top_n, stream, buffered, parsers), stream
-        )
-    try:
-        result = await cancel_on_disconnect(
-            request,
-            _collect(ctx, req, model, rid, created, ids, echo, top_n, stream, buffered, parsers),
-            stream,
-        )
-    except ClientDisconnected:
-        return Response(status_code=499)
-    return Response(json_bytes(result), media_type="application/json")
+    return PreparedChat(plan, messages, ids, params)
 
 
 async def _collect(
