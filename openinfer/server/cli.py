@@ -54,7 +54,8 @@ def add_parser(sub) -> None:
     g.add_argument(
         "--tool-call-parser",
         default="hermes",
-        help="how this model writes tool calls: hermes (= qwen: <tool_call>{json}</tool_call>), or 'none' to "
+        help="how this model writes tool calls: hermes (= qwen: <tool_call>{json}</tool_call>), deepseek_v3, "
+        "deepseek_v32 / deepseek_v4 (DSML), or 'none' to "
         "answer requests with tools as plain text (default: hermes)",
     )
     g.add_argument(

@@ -5,11 +5,19 @@ forces that format when ``tool_choice`` is ``required`` or names a function."""
 from __future__ import annotations
 
 from openinfer.server.tool_parsers.base import ParsedToolCall, ToolParser, ToolParserOutput
+from openinfer.server.tool_parsers.deepseek import DeepSeekV3ToolParser, DeepSeekV4ToolParser, DeepSeekV32ToolParser
 from openinfer.server.tool_parsers.hermes import HermesToolParser
 
-TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesToolParser, "qwen": HermesToolParser}
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    "hermes": HermesToolParser,
+    "qwen": HermesToolParser,
+    "deepseek_v3": DeepSeekV3ToolParser,
+    "deepseek_v32": DeepSeekV32ToolParser,
+    "deepseek_v4": DeepSeekV4ToolParser,
+}
 
-__all__ = ["TOOL_PARSERS", "ParsedToolCall", "ToolParser", "ToolParserOutput", "get_tool_parser"]
+__all__ = ["TOOL_PARSERS", "HermesToolParser", "DeepSeekV3ToolParser", "DeepSeekV32ToolParser",
+           "DeepSeekV4ToolParser", "ParsedToolCall", "ToolParser", "ToolParserOutput", "get_tool_parser"]
 
 
 def get_tool_parser(name: str) -> type[ToolParser]:
