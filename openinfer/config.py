@@ -292,6 +292,7 @@ class EngineConfig:
     seed: int = 0
     attention_backend: AttentionBackend = AttentionBackend.SDPA
     structured_outputs_backend: str = "auto"  # auto | llguidance | xgrammar
+    tokenizer_mode: str = "auto"  # auto (the chat template) | deepseek_v4 (chat_encoding/deepseek_v4.py)
 
     def __post_init__(self) -> None:
         if not isinstance(self.attention_backend, AttentionBackend):
@@ -300,6 +301,8 @@ class EngineConfig:
         if self.structured_outputs_backend not in ("auto", "llguidance", "xgrammar"):
             raise ValueError(f"structured_outputs_backend={self.structured_outputs_backend!r}; choose one of auto, "
                              f"llguidance, xgrammar")
+        if self.tokenizer_mode not in ("auto", "deepseek_v4"):
+            raise ValueError(f"tokenizer_mode={self.tokenizer_mode!r}; choose one of auto, deepseek_v4")
 
 
 def engine_config_to_json(config: EngineConfig) -> str:
@@ -311,7 +314,7 @@ def engine_config_to_json(config: EngineConfig) -> str:
         "cache": asdict(config.cache), "scheduler": asdict(config.scheduler), "parallel": asdict(config.parallel),
         "speculative": asdict(config.speculative) if config.speculative else None,
         "seed": config.seed, "attention_backend": config.attention_backend.value,
-        "structured_outputs_backend": config.structured_outputs_backend,
+        "structured_outputs_backend": config.structured_outputs_backend, "tokenizer_mode": config.tokenizer_mode,
     })
 
 
@@ -327,4 +330,5 @@ def engine_config_from_json(text: str) -> EngineConfig:
                         parallel=ParallelConfig(**d["parallel"]),
                         speculative=SpeculativeConfig.parse(d.get("speculative")), seed=d["seed"],
                         attention_backend=AttentionBackend(d["attention_backend"]),
-                        structured_outputs_backend=d.get("structured_outputs_backend", "auto"))
+                        structured_outputs_backend=d.get("structured_outputs_backend", "auto"),
+                        tokenizer_mode=d.get("tokenizer_mode", "auto"))

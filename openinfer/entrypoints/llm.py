@@ -78,7 +78,7 @@ class LLM:
         conversations = [messages] if isinstance(messages[0], dict) else messages
         prompts = [
             {"prompt_token_ids": apply_chat_template(self.engine.tokenizer, conv, add_generation_prompt,
-                                                     chat_template)}
+                                                     chat_template, self.engine.config.tokenizer_mode)}
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)

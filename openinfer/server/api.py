@@ -92,7 +92,7 @@ def build_app(engine: LLMEngine, settings: ServerSettings, chat_template: str | 
     metrics = ServerMetrics(settings.served_model_names[0], lambda: holder["engine"].stats)
     async_engine = AsyncEngine(engine, settings.max_queue, metrics)
     holder["engine"] = async_engine
-    tokenizers = TokenizerService(engine.config.model.tokenizer_path, chat_template)
+    tokenizers = TokenizerService(engine.config.model.tokenizer_path, chat_template, engine.config.tokenizer_mode)
     ctx = ServingContext(engine, async_engine, tokenizers, settings, metrics)
 
     @asynccontextmanager

@@ -137,12 +137,13 @@ class ModelRunner:
 
     def _sample_plain(self, logits: torch.Tensor, plain: list[tuple[ScheduledRow, int]],
                       out: ModelRunnerOutput, masks: dict[str, bytes]) -> None:
-        v = logits.shape[1]
-        rows = []
-        for r, _ in plain:
-            mask = self._masks(masks.get(r.state.req_id), 1, v)
-            rows.append(SamplingRow(r.state.sampling_params, r.state.prompt_token_ids, r.state.output_token_ids,
-                                    None if mask is None else mask[0]))
+        # The grammar rows of all constrained requests unpacked in one go (one row each here).
+        constrained = [i for i, (r, _) in enumerate(plain) if r.state.req_id in masks]
+        unpacked = self._masks(b"".join(masks[plain[i][0].state.req_id] for i in constrained), len(constrained),
+                               logits.shape[1]) if constrained else None
+        row_mask = dict(zip(constrained, range(len(constrained))))
+        rows = [SamplingRow(r.state.sampling_params, r.state.prompt_token_ids, r.state.output_token_ids,
+                            unpacked[row_mask[i]] if i in row_mask else None) for i, (r, _) in enumerate(plain)]
         tokens, raw_lp = sample(logits[[i for _, i in plain]], rows, self.generator)
         for i, ((r, _), tok) in enumerate(zip(plain, tokens.tolist())):
             out.sampled[r.state.req_id] = [self._token(tok, raw_lp, i, r.state.sampling_params.logprobs)]

@@ -78,12 +78,12 @@ def unpack_bitmask(data: bytes, num_rows: int, vocab_size: int, device: torch.de
 
 def apply_token_constraints(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """logit_bias, allowed_token_ids, bad_words (a word's last token is banned once the output ends with the
-    tokens before it), then the grammar mask. A row the grammar allows something for never ends up all -inf:
-    where the other rules ban every token the grammar allows, the grammar wins (its mask alone decides)."""
+    tokens before it), then the grammar masks (all rows at once). A row the grammar allows something for never
+    ends up all -inf: where the other rules ban every token the grammar allows, the grammar alone decides."""
     v = logits.shape[1]
     for i, r in enumerate(rows):
         p = r.params
-        if not (p.needs_token_constraints or r.allowed_mask is not None):
+        if not p.needs_token_constraints:
             continue
         row = logits[i]
         if p.logit_bias:
@@ -97,11 +97,14 @@ def apply_token_constraints(logits: torch.Tensor, rows: list[SamplingRow]) -> to
             *prefix, last = word
             if not prefix or r.output_token_ids[len(r.output_token_ids) - len(prefix):] == prefix:
                 row[last] = float("-inf")
-        if r.allowed_mask is not None:
-            constrained = row.masked_fill(~r.allowed_mask, float("-inf"))
-            if bool(torch.isinf(constrained).all()) and bool(r.allowed_mask.any()):
-                constrained = logits[i].new_zeros(v).masked_fill(~r.allowed_mask, float("-inf"))
-            logits[i] = constrained
+    idx = [i for i, r in enumerate(rows) if r.allowed_mask is not None]
+    if idx:
+        allowed = torch.stack([rows[i].allowed_mask for i in idx])
+        constrained = logits[idx].masked_fill(~allowed, float("-inf"))
+        dead = torch.isinf(constrained).all(dim=-1) & allowed.any(dim=-1)
+        if bool(dead.any()):
+            constrained[dead] = torch.zeros_like(constrained[dead]).masked_fill(~allowed[dead], float("-inf"))
+        logits[idx] = constrained
     return logits
 
 
