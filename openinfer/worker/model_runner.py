@@ -144,7 +144,9 @@ class ModelRunner:
         row_mask = dict(zip(constrained, range(len(constrained))))
         rows = [SamplingRow(r.state.sampling_params, r.state.prompt_token_ids, r.state.output_token_ids,
                             unpacked[row_mask[i]] if i in row_mask else None) for i, (r, _) in enumerate(plain)]
-        tokens, raw_lp = sample(logits[[i for _, i in plain]], rows, self.generator)
+        # index_select, not logits[list]: list indexing of [S, 32k] logits took ~8 ms on CPU (index_select ~6 us)
+        at = torch.tensor([i for _, i in plain], device=logits.device)
+        tokens, raw_lp = sample(logits.index_select(0, at), rows, self.generator)
         for i, ((r, _), tok) in enumerate(zip(plain, tokens.tolist())):
             out.sampled[r.state.req_id] = [self._token(tok, raw_lp, i, r.state.sampling_params.logprobs)]
             self.input_batch.append_sampled(r, [tok])

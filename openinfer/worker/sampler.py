@@ -99,12 +99,15 @@ def apply_token_constraints(logits: torch.Tensor, rows: list[SamplingRow]) -> to
                 row[last] = float("-inf")
     idx = [i for i, r in enumerate(rows) if r.allowed_mask is not None]
     if idx:
+        # index_select / index_copy_, not logits[list]: list indexing of a [S, 32k] tensor took ~8 ms on CPU
+        # (index_select: ~6 us).
+        at = torch.tensor(idx, device=logits.device)
         allowed = torch.stack([rows[i].allowed_mask for i in idx])
-        constrained = logits[idx].masked_fill(~allowed, float("-inf"))
+        constrained = logits.index_select(0, at).masked_fill_(~allowed, float("-inf"))
         dead = torch.isinf(constrained).all(dim=-1) & allowed.any(dim=-1)
         if bool(dead.any()):
             constrained[dead] = torch.zeros_like(constrained[dead]).masked_fill(~allowed[dead], float("-inf"))
-        logits[idx] = constrained
+        logits.index_copy_(0, at, constrained)
     return logits
 
 
