@@ -301,8 +301,8 @@ class EngineConfig:
         if self.structured_outputs_backend not in ("auto", "llguidance", "xgrammar"):
             raise ValueError(f"structured_outputs_backend={self.structured_outputs_backend!r}; choose one of auto, "
                              f"llguidance, xgrammar")
-        if self.tokenizer_mode not in ("auto", "deepseek_v4"):
-            raise ValueError(f"tokenizer_mode={self.tokenizer_mode!r}; choose one of auto, deepseek_v4")
+        if self.tokenizer_mode not in ("auto", "deepseek_v4", "deepseek_v32"):
+            raise ValueError(f"tokenizer_mode={self.tokenizer_mode!r}; choose one of auto, deepseek_v4, deepseek_v32")
 
 
 def engine_config_to_json(config: EngineConfig) -> str:

@@ -70,7 +70,7 @@ class EngineArgs:
     structured_outputs_backend: str = _arg("auto", "grammar backend of structured outputs: auto | llguidance | "
                                                    "xgrammar (an optional extra: pip install 'openinfer[xgrammar]')")
     tokenizer_mode: str = _arg("auto", "how chat messages become a prompt: auto (the tokenizer's chat template) | "
-                                       "deepseek_v4 (DeepSeek-V4's own encoder: DSML tools, thinking modes)")
+                                       "deepseek_v4 / deepseek_v32 (DeepSeek's own encoders: DSML tools, thinking modes)")
     chat_template: str | None = _arg(None, "a jinja2 chat template, as a string or a file "
                                            "(default: the tokenizer's)")
 

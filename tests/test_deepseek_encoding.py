@@ -8,11 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from openinfer.chat_encoding import deepseek_v32
 from openinfer.chat_encoding.deepseek_v4 import encode_messages
 from openinfer.tokenizer import apply_chat_template, load_tokenizer
 
 FIXTURES = Path(__file__).parent / "data" / "deepseek_v4_encoding"
 CASES = sorted(p.stem for p in FIXTURES.glob("*.json"))
+FIXTURES_V32 = Path(__file__).parent / "data" / "deepseek_v32_encoding"
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -20,6 +22,13 @@ def test_byte_identical_to_the_reference(name):
     case = json.loads((FIXTURES / f"{name}.json").read_text())
     assert encode_messages(case["messages"], **case["kwargs"]) == (FIXTURES / f"{name}.txt").read_text(
         encoding="utf-8")
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in FIXTURES_V32.glob("*.json")))
+def test_v32_byte_identical_to_the_reference(name):
+    case = json.loads((FIXTURES_V32 / f"{name}.json").read_text())
+    assert deepseek_v32.encode_messages(case["messages"], **case["kwargs"]) == (
+        FIXTURES_V32 / f"{name}.txt").read_text(encoding="utf-8")
 
 
 def test_fixtures_cover_what_the_issue_asks():
@@ -72,3 +81,13 @@ def test_the_server_uses_the_encoder(tmp_path):
         assert r.status_code == 200, r.text
         assert r.json()["prompt_token_ids"] == tok.encode(encode_messages(msgs, thinking_mode="thinking"),
                                                           add_special_tokens=False)
+
+
+def test_tokenizer_mode_deepseek_v32(tmp_path):
+    from openinfer.utils.char_tokenizer import write_char_tokenizer
+
+    write_char_tokenizer(tmp_path, 256)
+    tok = load_tokenizer(str(tmp_path))
+    msgs = [{"role": "user", "content": "hi"}]
+    ids = apply_chat_template(tok, msgs, True, tokenizer_mode="deepseek_v32", thinking=True)
+    assert ids == tok.encode(deepseek_v32.encode_messages(msgs, thinking_mode="thinking"), add_special_tokens=False)

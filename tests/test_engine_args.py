@@ -225,7 +225,7 @@ def test_max_model_len_has_one_home(ckpt):
      r"num_speculative_tokens must be an integer in \[1, 16\], got 0"),
     (dict(speculative_config='{"method": "ngram", "k": 2}'), r"speculative_config has unknown keys \['k'\]"),
     (dict(structured_outputs_backend="outlines"), r"structured_outputs_backend='outlines'; choose one of"),
-    (dict(tokenizer_mode="mistral"), r"tokenizer_mode='mistral'; choose one of auto, deepseek_v4"),
+    (dict(tokenizer_mode="mistral"), r"tokenizer_mode='mistral'; choose one of auto, deepseek_v4, deepseek_v32"),
 ])
 def test_bad_value_names_the_field_and_limit(ckpt, bad, message):
     with pytest.raises(ValueError, match=message):
