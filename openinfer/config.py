@@ -324,11 +324,18 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     seed: int = 0
     attention_backend: AttentionBackend = AttentionBackend.SDPA
+    structured_outputs_backend: str = "auto"  # auto | llguidance | xgrammar
+    tokenizer_mode: str = "auto"  # auto (the chat template) | deepseek_v4 (chat_encoding/deepseek_v4.py)
 
     def __post_init__(self) -> None:
         if not isinstance(self.attention_backend, AttentionBackend):
             raise ValueError(f"attention_backend must be an AttentionBackend, got {self.attention_backend!r} "
                              f"(AttentionBackend.parse reads 'auto', 'sdpa', 'reference')")
+        if self.structured_outputs_backend not in ("auto", "llguidance", "xgrammar"):
+            raise ValueError(f"structured_outputs_backend={self.structured_outputs_backend!r}; choose one of auto, "
+                             f"llguidance, xgrammar")
+        if self.tokenizer_mode not in ("auto", "deepseek_v4", "deepseek_v32"):
+            raise ValueError(f"tokenizer_mode={self.tokenizer_mode!r}; choose one of auto, deepseek_v4, deepseek_v32")
 
 
 def engine_config_to_json(config: EngineConfig) -> str:
@@ -340,6 +347,7 @@ def engine_config_to_json(config: EngineConfig) -> str:
         "cache": asdict(config.cache), "scheduler": asdict(config.scheduler), "parallel": asdict(config.parallel),
         "speculative": asdict(config.speculative) if config.speculative else None,
         "seed": config.seed, "attention_backend": config.attention_backend.value,
+        "structured_outputs_backend": config.structured_outputs_backend, "tokenizer_mode": config.tokenizer_mode,
     })
 
 
@@ -354,4 +362,6 @@ def engine_config_from_json(text: str) -> EngineConfig:
     return EngineConfig(model=model, cache=CacheConfig(**d["cache"]), scheduler=SchedulerConfig(**d["scheduler"]),
                         parallel=ParallelConfig(**d["parallel"]),
                         speculative=SpeculativeConfig.parse(d.get("speculative")), seed=d["seed"],
-                        attention_backend=AttentionBackend(d["attention_backend"]))
+                        attention_backend=AttentionBackend(d["attention_backend"]),
+                        structured_outputs_backend=d.get("structured_outputs_backend", "auto"),
+                        tokenizer_mode=d.get("tokenizer_mode", "auto"))

@@ -67,6 +67,10 @@ class EngineArgs:
                                                      "process per rank) | ray (a Ray actor per rank, over a Ray "
                                                      "cluster) | external_launcher (one engine per rank, started "
                                                      "by torchrun)")
+    structured_outputs_backend: str = _arg("auto", "grammar backend of structured outputs: auto | llguidance | "
+                                                   "xgrammar (an optional extra: pip install 'openinfer[xgrammar]')")
+    tokenizer_mode: str = _arg("auto", "how chat messages become a prompt: auto (the tokenizer's chat template) | "
+                                       "deepseek_v4 / deepseek_v32 (DeepSeek's own encoders: DSML tools, thinking modes)")
     chat_template: str | None = _arg(None, "a jinja2 chat template, as a string or a file "
                                            "(default: the tokenizer's)")
 
@@ -164,6 +168,8 @@ class EngineArgs:
             speculative=speculative,
             seed=self.seed,
             attention_backend=AttentionBackend.parse(self.attention_backend),
+            structured_outputs_backend=self.structured_outputs_backend,
+            tokenizer_mode=self.tokenizer_mode,
         )
 
 

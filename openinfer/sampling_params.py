@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import enum
+import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 _MAX_LOGPROBS = 20
 
@@ -16,6 +18,63 @@ class RequestOutputKind(enum.Enum):
     CUMULATIVE = 0
     DELTA = 1
     FINAL_ONLY = 2
+
+
+_MAX_LOGIT_BIAS = 100.0
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output (vLLM's ``StructuredOutputsParams``): exactly one of a JSON schema (``json``, a dict or
+    its JSON text), any JSON object (``json_object``), a ``regex``, one of the strings in ``choice``, a ``grammar``
+    (Lark, or EBNF / GBNF), or a ``structural_tag`` (llguidance's / xgrammar's JSON format)."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    structural_tag: str | dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        given = [k for k in ("json", "regex", "choice", "grammar", "structural_tag") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs must set exactly one of json, regex, choice, grammar, "
+                             f"json_object, structural_tag; got {given or 'none'}")
+        for name in ("json", "structural_tag"):
+            v = getattr(self, name)
+            if isinstance(v, str):
+                try:
+                    json.loads(v)
+                except ValueError as e:
+                    raise ValueError(f"structured_outputs.{name} is not valid JSON: {e}") from None
+            elif v is not None and not isinstance(v, dict):
+                raise ValueError(f"structured_outputs.{name} must be a JSON object or its text, got "
+                                 f"{type(v).__name__}")
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise ValueError(f"structured_outputs.regex must be a string, got {type(self.regex).__name__}")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
+            raise ValueError("structured_outputs.grammar must be a non-empty string")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or any(not isinstance(c, str) or not c for c in self.choice)):
+            raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings, "
+                             f"got {self.choice!r}")
+
+    @property
+    def kind(self) -> str:
+        for k in ("json", "regex", "choice", "grammar", "structural_tag"):
+            if getattr(self, k) is not None:
+                return k
+        return "json_object"
+
+    def key(self) -> tuple[str, str]:
+        """(kind, canonical text): what compiled grammars are cached by."""
+        v = {"json_object": None}.get(self.kind, getattr(self, self.kind))
+        return self.kind, v if isinstance(v, str) else json.dumps(v, sort_keys=True)
 
 
 @dataclass
@@ -39,8 +98,14 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # token id -> bias added to its logit, in [-100, 100] (OpenAI's logit_bias)
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] | None = None  # never generated (as words: with and without a leading space)
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine from the tokenizer / generation_config; not user-facing.
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -49,6 +114,17 @@ class SamplingParams:
         self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            known = {"json", "regex", "choice", "grammar", "json_object", "structural_tag"}
+            unknown = sorted(set(self.structured_outputs) - known)
+            if unknown:
+                raise ValueError(f"structured_outputs has unknown keys {unknown}; known: {sorted(known)}")
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if isinstance(self.logit_bias, dict):
+            try:  # JSON object keys are strings; OpenAI sends token ids that way
+                self.logit_bias = {int(k): v for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError):
+                raise ValueError(f"logit_bias keys must be token ids, got {list(self.logit_bias)!r}") from None
         self.validate()
 
     def validate(self) -> None:
@@ -98,10 +174,43 @@ class SamplingParams:
             raise bad("output_kind", self.output_kind, "a RequestOutputKind")
         if any(t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", self.stop_token_ids, "non-negative token ids")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise bad("logit_bias", self.logit_bias, "a mapping of token id -> bias")
+            for k, v in self.logit_bias.items():
+                if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+                    raise bad("logit_bias", self.logit_bias, "keyed by non-negative token ids")
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not -_MAX_LOGIT_BIAS <= v <= _MAX_LOGIT_BIAS:
+                    raise bad("logit_bias", self.logit_bias, f"biases in [-{_MAX_LOGIT_BIAS:g}, {_MAX_LOGIT_BIAS:g}]")
+        if self.allowed_token_ids is not None and (
+                not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
+                or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)):
+            raise bad("allowed_token_ids", self.allowed_token_ids, "a non-empty list of non-negative token ids")
+        if self.bad_words is not None and (not isinstance(self.bad_words, list)
+                                           or any(not isinstance(w, str) or not w for w in self.bad_words)):
+            raise bad("bad_words", self.bad_words, "a list of non-empty strings")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise bad("structured_outputs", self.structured_outputs, "a StructuredOutputsParams")
+            self.structured_outputs.validate()
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Token ids the user named must exist in the model's vocabulary (known only to the engine)."""
+        for name, ids in (("logit_bias", list(self.logit_bias or ())),
+                          ("allowed_token_ids", self.allowed_token_ids or [])):
+            bad_ids = [t for t in ids if t >= vocab_size]
+            if bad_ids:
+                raise ValueError(f"{name} has token ids outside the vocabulary [0, {vocab_size}): {bad_ids[:5]}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+    @property
+    def needs_token_constraints(self) -> bool:
+        """logit_bias, allowed_token_ids or bad_words change this request's logits (the grammar mask is separate:
+        it depends on the engine's matcher state, not on the params)."""
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids)
 
     @property
     def needs_penalties(self) -> bool:

@@ -40,6 +40,10 @@ class SchedulerOutput(msgspec.Struct):
     # Speculative decoding: the draft tokens each request verifies this step, after its last known token. They are
     # counted in num_scheduled_tokens (the known tokens computed this step + these).
     scheduled_spec_tokens: dict[str, list[int]] = {}
+    # Structured outputs: for each constrained request that samples this step, the tokens its grammar allows at
+    # each sampling position (1 + its drafts), one bit per token id in 32-bit little-endian words, rows
+    # concatenated (structured_outputs/backend.py).
+    grammar_bitmask: dict[str, bytes] = {}
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -60,13 +60,36 @@ def default_sampling_params(model_path: str):
     return SamplingParams(**kw)
 
 
+TOKENIZER_MODES = ("auto", "deepseek_v4", "deepseek_v32")
+
+
 def apply_chat_template(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                        chat_template: str | None = None, **kwargs: Any) -> list[int]:
+                        chat_template: str | None = None, tokenizer_mode: str = "auto", **kwargs: Any) -> list[int]:
     if not messages:
         raise ValueError("messages must be a non-empty list")
+    if tokenizer_mode in ("deepseek_v4", "deepseek_v32"):
+        return tokenizer.encode(_deepseek_prompt(tokenizer_mode, messages, **kwargs), add_special_tokens=False)
     if not (chat_template or getattr(tokenizer, "chat_template", None)):
         raise ValueError("this tokenizer has no chat template; pass chat_template=")
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                          chat_template=chat_template, **kwargs)
     # The template already wrote any BOS it wants.
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _deepseek_prompt(mode: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                     thinking: bool = False, reasoning_effort: str | None = None, **_: Any) -> str:
+    """DeepSeek-V4 and V3.2 ship a Python encoder, not a Jinja template. Tools ride on the system message (one is added
+    when there is none); ``thinking`` (chat_template_kwargs, as DeepSeek's API names it) picks thinking mode.
+    The encoder always ends with the assistant's turn opened: there is no add_generation_prompt=False form."""
+    from openinfer.chat_encoding import deepseek_v4, deepseek_v32
+
+    msgs = [dict(m) for m in messages]
+    if tools:
+        if not msgs or msgs[0].get("role") != "system":
+            msgs.insert(0, {"role": "system", "content": ""})
+        msgs[0]["tools"] = tools
+    mode_kw = {"thinking_mode": "thinking" if thinking else "chat"}
+    if mode == "deepseek_v32":
+        return deepseek_v32.encode_messages(msgs, **mode_kw)
+    return deepseek_v4.encode_messages(msgs, reasoning_effort=reasoning_effort, **mode_kw)

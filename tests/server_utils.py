@@ -156,6 +156,7 @@ class InProcessServer(_Endpoint):
         api_key: str | None = None,
         max_queue: int = 1024,
         max_body_bytes: int = 8 * 1024 * 1024,
+        server_kw: dict | None = None,
         **engine_kw,
     ) -> None:
         import uvicorn
@@ -167,7 +168,7 @@ class InProcessServer(_Endpoint):
 
         self.api_key = api_key
         self.engine = build_engine(EngineArgs.from_kwargs("InProcessServer()", model=str(model), **engine_kw))
-        settings = ServerSettings(list(served_model_names), api_key, max_queue, max_body_bytes)
+        settings = ServerSettings(list(served_model_names), api_key, max_queue, max_body_bytes, **(server_kw or {}))
         self.app = build_app(self.engine, settings)
         self.port = free_port()
         config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")

@@ -165,7 +165,8 @@ def valid_values(ckpt_copy: Path) -> dict[str, typing.Any]:
                 seed=1, attention_backend="reference", chat_template="{{ messages }}", tensor_parallel_size=2,
                 data_parallel_size=2, enable_expert_parallel=True, distributed_executor_backend="mp",
                 enable_eplb=True, num_redundant_experts=2, eplb_step_interval=10,
-                speculative_config='{"method": "ngram", "num_speculative_tokens": 2}')
+                speculative_config='{"method": "ngram", "num_speculative_tokens": 2}',
+                structured_outputs_backend="llguidance", tokenizer_mode="deepseek_v4")
 
 
 COMPANIONS = {name: {"enable_expert_parallel": True} for name in
@@ -223,6 +224,8 @@ def test_max_model_len_has_one_home(ckpt):
     (dict(speculative_config='{"method": "ngram", "num_speculative_tokens": 0}'),
      r"num_speculative_tokens must be an integer in \[1, 16\], got 0"),
     (dict(speculative_config='{"method": "ngram", "k": 2}'), r"speculative_config has unknown keys \['k'\]"),
+    (dict(structured_outputs_backend="outlines"), r"structured_outputs_backend='outlines'; choose one of"),
+    (dict(tokenizer_mode="mistral"), r"tokenizer_mode='mistral'; choose one of auto, deepseek_v4, deepseek_v32"),
 ])
 def test_bad_value_names_the_field_and_limit(ckpt, bad, message):
     with pytest.raises(ValueError, match=message):

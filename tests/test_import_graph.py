@@ -27,6 +27,8 @@ FORBIDDEN = {
 FORBIDDEN.update({n: set(PACKAGES) for n in NEUTRAL})
 # Process groups and collectives sit just above the neutral modules: layers use them, they use nothing above.
 FORBIDDEN["distributed"] = set(PACKAGES)
+# Grammar backends and matchers: the engine core uses them, so no torch and nothing above them (masks are bytes).
+FORBIDDEN["structured_outputs"] = set(PACKAGES) | {"torch"}
 
 
 def imported_modules(path: Path) -> list[tuple[int, str]]:
@@ -89,6 +91,7 @@ def test_imports_point_down():
     ("models/x.py", "from openinfer.executor import abstract\n", "openinfer.executor"),
     ("worker/x.py", "from openinfer.server.api import app\n", "openinfer.server.api"),
     ("forward_context.py", "from openinfer import engine\n", "openinfer.engine"),
+    ("structured_outputs/x.py", "import torch\n", "torch"),
 ])
 def test_the_checker_catches_upward_imports(tmp_path, monkeypatch, where, source, culprit):
     """The check above could pass vacuously if the parser saw nothing: each of these must be reported."""

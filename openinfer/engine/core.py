@@ -27,6 +27,7 @@ from openinfer.engine.spec_stats import SpecDecodeStats
 from openinfer.executor.abstract import Executor, ExecutorFailed
 from openinfer.kv_cache_interface import bytes_per_token, kv_startup_message
 from openinfer.step_io import ExpertLoadStats, ModelRunnerOutput, SchedulerOutput
+from openinfer.structured_outputs.manager import GrammarCompiler, RequestGrammar
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +56,10 @@ class EngineStats:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, executor_class: type[Executor] | None = None) -> None:
+    def __init__(self, config: EngineConfig, executor_class: type[Executor] | None = None,
+                 grammar_compiler: GrammarCompiler | None = None) -> None:
         self.config = config
+        self.grammar_compiler = grammar_compiler
         self.max_model_len = config.model.max_model_len
         self.dead_reason: str | None = None
         self.expert_load = ExpertLoadStats()
@@ -96,6 +99,12 @@ class EngineCore:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         req = Request(request.request_id, request.prompt_token_ids, request.sampling_params, self.max_model_len,
                       request.arrival_s)
+        spec = request.sampling_params.structured_outputs
+        if spec is not None:
+            if self.grammar_compiler is None:
+                raise ValueError("structured_outputs needs an engine built with a grammar backend")
+            # Compiles on the compiler's threads (or is already cached); the scheduler admits it once ready.
+            req.grammar = RequestGrammar(self.grammar_compiler.submit(spec))
         end = req.num_prompt_tokens + req.max_tokens
         for name, need in self.kv.blocks_needed(end).items():
             have = self.kv.num_blocks[name]
@@ -129,11 +138,14 @@ class EngineCore:
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         scheds = [s.schedule() for s in self.schedulers]
+        failed = [o for s in self.schedulers for o in s.take_error_outputs()]  # grammars that did not compile
+        for o in failed:
+            self._replica_of.pop(o.request_id, None)
         try:
             if all(s.empty for s in scheds):
                 if any(s.finished_req_ids for s in scheds):  # workers still drop the state of what ended
                     self.executor.execute_model(scheds)
-                return []
+                return failed
             results = self.executor.execute_model(scheds)
         except ExecutorFailed as e:
             self._die(str(e))
@@ -144,7 +156,7 @@ class EngineCore:
             ids = [rid for s in scheds for rid in s.num_scheduled_tokens]
             logger.exception("model step failed; finishing %d requests with an error", len(ids))
             return self._end_with_error(ids)
-        outputs: list[EngineCoreOutput] = []
+        outputs: list[EngineCoreOutput] = failed
         for result in results:
             if result is not None and result.expert_load is not None:
                 self.expert_load = result.expert_load

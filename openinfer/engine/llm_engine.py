@@ -20,6 +20,8 @@ from openinfer.engine.request import RequestStatus
 from openinfer.logging_utils import init_logging
 from openinfer.outputs import RequestOutput
 from openinfer.sampling_params import SamplingParams
+from openinfer.structured_outputs.backend import make_backend
+from openinfer.structured_outputs.manager import GrammarCompiler
 from openinfer.tokenizer import default_sampling_params, eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -34,7 +36,10 @@ class LLMEngine:
         mc = config.model
         self.tokenizer = load_tokenizer(mc.tokenizer_path, chat_template)
         self.eos_token_ids = eos_token_ids(self.tokenizer, mc.path)
-        self.core = EngineCore(config)
+        backend = make_backend(config.structured_outputs_backend, self.tokenizer, mc.vocab_size,
+                               sorted(self.eos_token_ids))
+        self.grammar_compiler = GrammarCompiler(backend)
+        self.core = EngineCore(config, grammar_compiler=self.grammar_compiler)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._held: dict[str, ParentRequest] = {}  # first child id -> its parent, while siblings are held back
         self._ids = itertools.count()
@@ -94,14 +99,16 @@ class LLMEngine:
         for this request follows ``params.output_kind``."""
         params = params or SamplingParams()
         params.validate()
+        params.check_token_ids(self.config.model.vocab_size)
         text, ids = self.tokenize_prompt(prompt)
         self.validate_prompt_ids(ids)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.output_processor.parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         arrival_s = time.monotonic() if arrival_s is None else arrival_s
-        parent = ParentRequest(request_id, ids, params.clone(eos_token_ids=self.eos_token_ids), arrival_s,
-                               share_prefix=self.config.cache.enable_prefix_caching)
+        parent = ParentRequest(request_id, ids, params.clone(eos_token_ids=self.eos_token_ids,
+                                                             bad_words_token_ids=self._bad_words_ids(params)),
+                               arrival_s, share_prefix=self.config.cache.enable_prefix_caching)
         initial = parent.initial()
         self.core.add_request(initial[0])  # raises if it can never fit; nothing is registered yet
         self.output_processor.add(parent, text, arrival_s)
@@ -127,6 +134,24 @@ class LLMEngine:
                 if out is not None:
                     outs.append(out)
         return outs
+
+    def check_structured_outputs(self, params: SamplingParams) -> None:
+        """Compile (or find cached) the request's grammar now, blocking; ValueError naming the field when it
+        cannot be used. The offline entrypoint calls it so a bad grammar raises instead of ending the request
+        with an error; the server awaits ``grammar_compiler.submit`` off its event loop instead."""
+        if params.structured_outputs is not None:
+            self.grammar_compiler.compile(params.structured_outputs)
+
+    def _bad_words_ids(self, params: SamplingParams) -> list[list[int]]:
+        """Each bad word as token sequences, alone and after a space (vLLM's rule: a word mid-text usually
+        tokenizes with its leading space)."""
+        out: list[list[int]] = []
+        for word in params.bad_words or []:
+            for text in (word, " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
 
     # -- the step ----------------------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
@@ -175,3 +200,4 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.core.shutdown()
+        self.grammar_compiler.shutdown()

@@ -4,8 +4,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from openinfer.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from openinfer.structured_outputs.manager import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -71,6 +75,8 @@ class Request:
         # Speculative decoding: drafts proposed after the last step, verified by the next one. Never part of the
         # token list (nor hashed) until accepted.
         self.spec_token_ids: list[int] = []
+        # Structured outputs: the matcher (compiled off the loop; the request waits until it is ready).
+        self.grammar: RequestGrammar | None = None
         self.times = RequestTimes()
         if arrival_s is not None:
             self.times.arrival_s = arrival_s

@@ -32,6 +32,8 @@ class Scheduler:
         self.spec_stats = SpecDecodeStats()
         # Ended or preempted since the last schedule(): the workers drop their state for these.
         self._finished_ids: list[str] = []
+        # Requests ended inside schedule() (a grammar that failed to compile): reported by the next step.
+        self._error_outputs: list[EngineCoreOutput] = []
 
     # -- intake ------------------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -104,11 +106,22 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        # 2) waiting requests, in order, while the budget, the seat count and the blocks allow
+        # 2) waiting requests, in order, while the budget, the seat count and the blocks allow. One whose grammar
+        # is still compiling keeps its place but does not hold back those behind it.
+        compiling: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             if out.preempted_req_ids:
                 break  # memory is short this step; admitting more would only thrash
             req = self.waiting[0]
+            if req.grammar is not None and not req.grammar.ready:
+                self.waiting.popleft()
+                if req.grammar.error is None:
+                    compiling.append(req)
+                else:
+                    self._finish(req, RequestStatus.FINISHED_ERROR)
+                    self._error_outputs.append(self._output(req, [], None, None, RequestStatus.FINISHED_ERROR,
+                                                            time.monotonic()))
+                continue
             hit, num_hit = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else (None, 0)
             num_new = min(req.num_tokens - req.num_computed_tokens - num_hit, budget)
             if self.kv.allocate_slots(req, num_new + self.config.num_lookahead_tokens, hit) is None:
@@ -124,13 +137,30 @@ class Scheduler:
             new_reqs.append(req)
             out.num_scheduled_tokens[req.request_id] = num_new
             budget -= num_new
+        self.waiting.extendleft(reversed(compiling))
 
+        self._fill_grammar_bitmasks(out)
         out.new_requests = [NewRequestData(r.request_id, r.prompt_token_ids, r.sampling_params,
                                            self.kv.block_ids(r.request_id), r.num_computed_tokens,
                                            list(r.output_token_ids)) for r in new_reqs]
         out.cached_requests = [CachedRequestData(r.request_id, ids, r.num_computed_tokens) for r, ids in cached]
         out.finished_req_ids, self._finished_ids = self._finished_ids, []
         return out
+
+    def _fill_grammar_bitmasks(self, out: SchedulerOutput) -> None:
+        """The mask rows of every constrained request that samples this step (after its known tokens, and after
+        each draft it verifies)."""
+        for rid, n in out.num_scheduled_tokens.items():
+            req = self.requests[rid]
+            if req.grammar is None:
+                continue
+            drafts = out.scheduled_spec_tokens.get(rid, [])
+            if req.num_computed_tokens + n - len(drafts) == req.num_tokens:
+                out.grammar_bitmask[rid] = req.grammar.step_bitmask(drafts)
+
+    def take_error_outputs(self) -> list[EngineCoreOutput]:
+        outputs, self._error_outputs = self._error_outputs, []
+        return outputs
 
     def _drafts_to_verify(self, req: Request, known: int, budget: int) -> list[int]:
         """The drafts ``req`` verifies this step: only once its known tokens all fit this step, and never more than
@@ -139,6 +169,8 @@ class Scheduler:
         spec = req.spec_token_ids
         if not spec or known > budget:
             return []
+        if req.grammar is not None:
+            spec = req.grammar.valid_drafts(spec)
         room = min(budget - known, req.max_tokens - req.num_output_tokens - 1,
                    req.max_model_len - req.num_tokens - 1)
         return spec[:max(room, 0)]
@@ -185,6 +217,8 @@ class Scheduler:
                 if req.sampling_params.logprobs is not None:
                     lps.append(tok.top_logprobs or {tok.token_id: tok.logprob})
                 status = self._check_stop(req, tok.token_id)
+                if req.grammar is not None and status is None:
+                    status = self._advance_grammar(req, tok.token_id)
                 if status is not None:
                     break
             if status is not None:
@@ -201,6 +235,14 @@ class Scheduler:
             req.request_id, tokens, lp, prompt_lp, status.finish_reason if status else None,
             req.stop_reason if status else None, max(req.num_cached_tokens, 0), req.num_preemptions,
             req.times.first_scheduled_s, now)
+
+    @staticmethod
+    def _advance_grammar(req: Request, token_id: int) -> RequestStatus | None:
+        """A complete grammar ends the request (nothing but EOS could follow); a token the grammar refuses cannot
+        come from a masked step, so it is an engine fault."""
+        if not req.grammar.accept(token_id):
+            return RequestStatus.FINISHED_ERROR
+        return RequestStatus.FINISHED_STOPPED if req.grammar.is_terminated else None
 
     def _check_stop(self, req: Request, token_id: int) -> RequestStatus | None:
         sp = req.sampling_params

@@ -51,6 +51,8 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling_params")
+        for params in params_list:  # a bad grammar raises here, before any request is added
+            self.engine.check_structured_outputs(params)
         ids = []
         try:
             for prompt, params in zip(prompts, params_list):
@@ -76,7 +78,7 @@ class LLM:
         conversations = [messages] if isinstance(messages[0], dict) else messages
         prompts = [
             {"prompt_token_ids": apply_chat_template(self.engine.tokenizer, conv, add_generation_prompt,
-                                                     chat_template)}
+                                                     chat_template, self.engine.config.tokenizer_mode)}
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)

@@ -25,6 +25,7 @@ from openinfer.server.protocol import DetokenizeRequest, TokenizeRequest
 from openinfer.server.serving import ServerSettings, ServingContext, json_bytes
 from openinfer.server.serving_chat import create_chat_completion, messages_to_dicts
 from openinfer.server.serving_completion import create_completion
+from openinfer.server.serving_messages import count_tokens, create_message
 from openinfer.server.tokenizer_service import TokenizerService
 
 logger = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ def build_app(engine: LLMEngine, settings: ServerSettings, chat_template: str | 
     metrics = ServerMetrics(settings.served_model_names[0], lambda: holder["engine"].stats)
     async_engine = AsyncEngine(engine, settings.max_queue, metrics)
     holder["engine"] = async_engine
-    tokenizers = TokenizerService(engine.config.model.tokenizer_path, chat_template)
+    tokenizers = TokenizerService(engine.config.model.tokenizer_path, chat_template, engine.config.tokenizer_mode)
     ctx = ServingContext(engine, async_engine, tokenizers, settings, metrics)
 
     @asynccontextmanager
@@ -120,6 +121,14 @@ def build_app(engine: LLMEngine, settings: ServerSettings, chat_template: str | 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(ctx, request, await read_body(request, settings.max_body_bytes))
+
+    @app.post("/v1/messages")
+    async def anthropic_messages(request: Request) -> Response:
+        return await create_message(ctx, request, await read_body(request, settings.max_body_bytes))
+
+    @app.post("/v1/messages/count_tokens")
+    async def anthropic_count_tokens(request: Request) -> Response:
+        return await count_tokens(ctx, await read_body(request, settings.max_body_bytes))
 
     @app.get("/v1/models")
     async def models() -> Response:

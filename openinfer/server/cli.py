@@ -51,6 +51,19 @@ def add_parser(sub) -> None:
         default=30.0,
         help="on SIGTERM, how long running requests may take to finish before they are aborted",
     )
+    g.add_argument(
+        "--tool-call-parser",
+        default="hermes",
+        help="how this model writes tool calls: hermes (= qwen: <tool_call>{json}</tool_call>), deepseek_v3, "
+        "deepseek_v32 / deepseek_v4 (DSML), or 'none' to "
+        "answer requests with tools as plain text (default: hermes)",
+    )
+    g.add_argument(
+        "--reasoning-parser",
+        default=None,
+        help="split thinking out of the answer into reasoning_content: deepseek_r1 / deepseek_v3 (the output "
+        "starts inside <think>), qwen3 / think (only when the output opens <think>)",
+    )
     g.add_argument("--uvicorn-log-level", default="warning")
     g.add_argument("--access-log", action="store_true", help="log every HTTP request")
     p.set_defaults(func=run)
@@ -78,6 +91,8 @@ def run(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
         max_body_bytes=args.max_body_bytes,
         drain_timeout_s=args.drain_timeout_s,
+        tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
     app = build_app(engine, settings, engine_args.chat_template)
     uv_config = uvicorn.Config(

@@ -76,6 +76,18 @@ def error_response(
     )
 
 
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                    413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def anthropic_error_response(exc: APIError) -> Response:
+    """``{"type": "error", "error": {"type", "message"}}``; the field a 400 is about leads the message."""
+    message = exc.message if not exc.param or exc.param in exc.message else f"{exc.param}: {exc.message}"
+    body = {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(exc.status, "api_error"), "message": message}}
+    return Response(msgspec.json.encode(body), status_code=exc.status, media_type="application/json",
+                    headers=exc.headers)
+
+
 def validation_message(e: ValidationError | RequestValidationError) -> tuple[str, str | None]:
     """A one-line message naming the offending fields, and the first one as ``param``."""
     errors = e.errors()
@@ -104,6 +116,8 @@ def validation_message(e: ValidationError | RequestValidationError) -> tuple[str
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> Response:
+        if request.url.path.startswith("/v1/messages"):  # Anthropic clients read their own error shape
+            return anthropic_error_response(exc)
         return error_response(exc.message, exc.status, exc.param, exc.code, exc.headers)
 
     @app.exception_handler(RequestValidationError)

@@ -37,7 +37,7 @@ class GenerationRequest(_Strict):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a JSON key) -> bias in [-100, 100]
     user: str | None = None
     echo: bool = False
     # extras (vLLM names)
@@ -51,6 +51,10 @@ class GenerationRequest(_Strict):
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None
     return_token_ids: bool = False  # vLLM extension: token ids in choices (and prompt ids)
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    # vLLM's {json | regex | choice | grammar | json_object | structural_tag}
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(GenerationRequest):
@@ -80,6 +84,7 @@ class ChatCompletionRequest(GenerationRequest):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False

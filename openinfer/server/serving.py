@@ -18,13 +18,15 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from openinfer.engine.llm_engine import LLMEngine
-from openinfer.sampling_params import SamplingParams
+from openinfer.sampling_params import SamplingParams, StructuredOutputsParams
 from openinfer.server.async_engine import AsyncEngine, EngineOverloaded, EngineUnavailable, RequestStream
 from openinfer.server.errors import APIError, validation_message
 from openinfer.server.messages import AddRequest, RequestUpdate
 from openinfer.server.metrics import ServerMetrics
 from openinfer.server.protocol import GenerationRequest, StreamOptions
+from openinfer.server.reasoning import make_reasoning_parser
 from openinfer.server.tokenizer_service import TokenizerService
+from openinfer.server.tool_parsers import get_tool_parser
 
 M = TypeVar("M", bound=BaseModel)
 DONE = b"data: [DONE]\n\n"
@@ -38,6 +40,8 @@ class ServerSettings:
     max_queue: int = 1024
     max_body_bytes: int = 8 * 1024 * 1024
     drain_timeout_s: float = 30.0
+    tool_call_parser: str | None = "hermes"  # tool_parsers/: how tool calls look in this model's output
+    reasoning_parser: str | None = None  # reasoning/: split <think> ... </think> into reasoning_content
 
 
 class ServingContext:
@@ -61,6 +65,8 @@ class ServingContext:
         self.kv_capacity_tokens = engine.kv_capacity_tokens
         self.defaults = engine.default_sampling_params()
         self.created = int(time.time())
+        self.tool_parser = get_tool_parser(settings.tool_call_parser) if settings.tool_call_parser else None
+        make_reasoning_parser(settings.reasoning_parser)  # a bad name fails at start-up, not per request
 
     # -- validation ------------------------------------------------------------------------------
     @staticmethod
@@ -120,8 +126,6 @@ class ServingContext:
         return requested
 
     def check_common(self, req: GenerationRequest) -> None:
-        if req.logit_bias:
-            raise APIError("logit_bias is not supported by this server", 400, "logit_bias")
         if req.best_of is not None and req.best_of != req.n:
             raise APIError("best_of is not supported (use n)", 400, "best_of")
         if not isinstance(req.n, int) or req.n < 1:
@@ -134,7 +138,12 @@ class ServingContext:
             )
 
     def sampling_params(
-        self, req: GenerationRequest, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None
+        self,
+        req: GenerationRequest,
+        max_tokens: int,
+        logprobs: int | None,
+        prompt_logprobs: int | None,
+        structured_outputs: StructuredOutputsParams | dict | None = None,
     ) -> SamplingParams:
         d = self.defaults
 
@@ -142,7 +151,7 @@ class ServingContext:
             return default if value is None else value
 
         try:
-            return SamplingParams(
+            params = SamplingParams(
                 n=req.n,
                 temperature=pick(req.temperature, d.temperature),
                 top_p=pick(req.top_p, d.top_p),
@@ -161,10 +170,19 @@ class ServingContext:
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=req.skip_special_tokens,
+                logit_bias=req.logit_bias,
+                allowed_token_ids=req.allowed_token_ids,
+                bad_words=req.bad_words,
+                structured_outputs=structured_outputs,
             )
+            params.check_token_ids(self.vocab_size)
+            return params
         except (ValueError, TypeError) as e:
             msg = str(e)
-            raise APIError(msg, 400, msg.split(" ", 1)[0] if msg else None) from None
+            param = msg.split(" ", 1)[0] if msg else None
+            if param and "." in param:  # structured_outputs.json: keep the field path, drop punctuation
+                param = param.rstrip(":,")
+            raise APIError(msg, 400, param) from None
 
     # -- admission -------------------------------------------------------------------------------
     async def start(self, adds: list[AddRequest]) -> tuple[RequestStream, list[RequestUpdate]]:

@@ -13,6 +13,9 @@ from starlette.responses import Response
 from openinfer.server.errors import APIError, error_body
 from openinfer.server.messages import AddRequest, RequestUpdate
 from openinfer.server.protocol import ChatCompletionRequest, ChatMessage
+from openinfer.sampling_params import SamplingParams
+from openinfer.server.chat_tools import ChoiceParser, ToolPlan, check_tools
+from openinfer.server.structured import compile_or_400, from_body
 from openinfer.server.serving import (
     DONE,
     MAX_LOGPROBS,
@@ -95,17 +98,66 @@ async def _chat_logprobs(
     return content
 
 
+@dataclass
+class PreparedChat:
+    """A checked chat request, ready to admit: its tools plan, prompt ids and sampling params."""
+
+    plan: ToolPlan | None
+    messages: list[dict[str, Any]]
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
 async def create_chat_completion(ctx: ServingContext, request: Request, body: bytes) -> Response:
     arrival_s = time.monotonic()
     req = ctx.parse(ChatCompletionRequest, body)
     model = ctx.check_model(req.model)
-    ctx.check_common(req)
-    if req.tools and req.tool_choice != "none":
-        raise APIError(
-            "tool calling is not supported by this server (send tool_choice='none' or no tools)", 400, "tools"
+    prep = await prepare_chat(ctx, req)
+    plan, messages, ids, params = prep.plan, prep.messages, prep.prompt_ids, prep.params
+    rid = ctx.new_id("chatcmpl")
+    echo = ""
+    if req.echo and messages[-1]["role"] == "assistant":
+        echo = messages[-1]["content"] or ""
+    stream, buffered = await ctx.start([AddRequest(rid, ids, params, None, arrival_s)])
+    created = int(time.time())
+    top_n = req.top_logprobs or 0
+    parsers = {i: ChoiceParser(ctx.tool_parser, plan, ctx.settings.reasoning_parser) for i in range(req.n)}
+    if req.stream:
+        return EngineStreamingResponse(
+            _stream(ctx, req, model, rid, created, ids, echo, top_n, stream, buffered, parsers), stream
         )
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise APIError("response_format other than {'type': 'text'} is not supported", 400, "response_format")
+    try:
+        result = await cancel_on_disconnect(
+            request,
+            _collect(ctx, req, model, rid, created, ids, echo, top_n, stream, buffered, parsers),
+            stream,
+        )
+    except ClientDisconnected:
+        return Response(status_code=499)
+    return Response(json_bytes(result), media_type="application/json")
+
+
+async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> PreparedChat:
+    """Everything between parsing and admission, shared by /v1/chat/completions and /v1/messages: every client
+    mistake is a 400 here, before the engine sees the request."""
+    ctx.check_common(req)
+    plan = check_tools(req.tools, req.tool_choice, req.parallel_tool_calls, ctx.tool_parser)
+    constraint = from_body(req.structured_outputs, req.response_format)
+    if plan is not None and plan.constraint is not None:
+        if constraint is not None:
+            raise APIError(
+                "tool_choice 'required' or a named function cannot be combined with a response format",
+                400,
+                "tool_choice",
+            )
+        constraint = plan.constraint
+        await compile_or_400(ctx.engine.grammar_compiler, constraint, "tools")
+    else:
+        await compile_or_400(
+            ctx.engine.grammar_compiler,
+            constraint,
+            "structured_outputs" if req.structured_outputs is not None else "response_format",
+        )
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise APIError("top_logprobs requires logprobs=true", 400, "top_logprobs")
@@ -120,12 +172,15 @@ async def create_chat_completion(ctx: ServingContext, request: Request, body: by
             "continue_final_message",
         )
     messages = messages_to_dicts(req.messages)
+    template_kwargs = dict(req.chat_template_kwargs or {})
+    if plan is not None:
+        template_kwargs.setdefault("tools", plan.tools)
     try:
         ids = await ctx.tokenizers.apply_chat_template(
             messages,
             req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
-            **(req.chat_template_kwargs or {}),
+            **template_kwargs,
         )
     except APIError:
         raise
@@ -136,25 +191,8 @@ async def create_chat_completion(ctx: ServingContext, request: Request, body: by
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = ctx.resolve_max_tokens(requested, len(ids), param, "messages")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = ctx.sampling_params(req, max_tokens, logprobs, req.prompt_logprobs)
-    rid = ctx.new_id("chatcmpl")
-    echo = ""
-    if req.echo and messages[-1]["role"] == "assistant":
-        echo = messages[-1]["content"] or ""
-    stream, buffered = await ctx.start([AddRequest(rid, ids, params, None, arrival_s)])
-    created = int(time.time())
-    top_n = req.top_logprobs or 0
-    if req.stream:
-        return EngineStreamingResponse(
-            _stream(ctx, req, model, rid, created, ids, echo, top_n, stream, buffered), stream
-        )
-    try:
-        result = await cancel_on_disconnect(
-            request, _collect(ctx, req, model, rid, created, ids, echo, top_n, stream, buffered), stream
-        )
-    except ClientDisconnected:
-        return Response(status_code=499)
-    return Response(json_bytes(result), media_type="application/json")
+    params = ctx.sampling_params(req, max_tokens, logprobs, req.prompt_logprobs, constraint)
+    return PreparedChat(plan, messages, ids, params)
 
 
 async def _collect(
@@ -168,6 +206,7 @@ async def _collect(
     top_n: int,
     stream,
     buffered,
+    parsers: dict[int, ChoiceParser],
 ) -> dict:
     usage = UsageTracker()
     choices: dict[int, _Choice] = {}
@@ -191,11 +230,26 @@ async def _collect(
         logprobs = None
         if req.logprobs:
             logprobs = {"content": await _chat_logprobs(ctx, c.token_ids, c.logprobs, top_n)}
+        message: dict[str, Any] = {"role": "assistant", "content": echo + "".join(c.text)}
+        finish_reason = c.finish_reason
+        parser = parsers[i]
+        if parser.active:
+            parsed = parser.feed("".join(c.text))
+            rest = parser.finish()
+            content = parsed.content + rest.content
+            tool_calls = parsed.tool_calls + rest.tool_calls
+            message["content"] = echo + content if (content or not tool_calls) else None
+            if parser.reasoning is not None:
+                message["reasoning_content"] = (parsed.reasoning + rest.reasoning) or None
+            if tool_calls:
+                message["tool_calls"] = tool_calls
+                if finish_reason == "stop":
+                    finish_reason = "tool_calls"
         choice = {
             "index": i,
-            "message": {"role": "assistant", "content": echo + "".join(c.text)},
+            "message": message,
             "logprobs": logprobs,
-            "finish_reason": c.finish_reason,
+            "finish_reason": finish_reason,
             "stop_reason": c.stop_reason,
         }
         if req.return_token_ids:
@@ -225,6 +279,7 @@ async def _stream(
     top_n: int,
     stream,
     buffered: list[RequestUpdate],
+    parsers: dict[int, ChoiceParser],
 ) -> AsyncIterator[bytes]:
     include_usage, continuous = stream_flags(req.stream_options)
     usage = UsageTracker()
@@ -240,17 +295,33 @@ async def _stream(
                 break
             for d in u.outputs:
                 delta: dict[str, Any] = {}
+                text, finish_reason = d.text, d.finish_reason
+                parser = parsers[d.index]
+                if parser.active:
+                    parsed = parser.feed(d.text)
+                    if d.finish_reason is not None:
+                        rest = parser.finish()
+                        parsed.content += rest.content
+                        parsed.reasoning += rest.reasoning
+                        parsed.tool_calls += rest.tool_calls
+                    text = parsed.content
+                    if parsed.reasoning:
+                        delta["reasoning_content"] = parsed.reasoning
+                    if parsed.tool_calls:
+                        delta["tool_calls"] = parsed.tool_calls
+                    if finish_reason == "stop" and parser.num_calls:
+                        finish_reason = "tool_calls"
                 if d.index not in started:
                     started.add(d.index)
                     delta["role"] = "assistant"
-                    delta["content"] = echo + d.text
-                else:
-                    delta["content"] = d.text
+                    delta["content"] = echo + text
+                elif text or not parser.active:
+                    delta["content"] = text
                 choice: dict[str, Any] = {
                     "index": d.index,
                     "delta": delta,
                     "logprobs": None,
-                    "finish_reason": d.finish_reason,
+                    "finish_reason": finish_reason,
                     "stop_reason": d.stop_reason,
                 }
                 if req.logprobs and d.logprobs:

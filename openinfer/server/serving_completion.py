@@ -12,6 +12,7 @@ from starlette.responses import Response
 from openinfer.server.errors import APIError, error_body
 from openinfer.server.messages import AddRequest, RequestUpdate
 from openinfer.server.protocol import CompletionRequest
+from openinfer.server.structured import compile_or_400, from_body
 from openinfer.server.serving import (
     DONE,
     MAX_LOGPROBS,
@@ -91,6 +92,8 @@ async def create_completion(ctx: ServingContext, request: Request, body: bytes) 
         raise APIError("suffix is not supported", 400, "suffix")
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
         raise APIError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}", 400, "logprobs")
+    constraint = from_body(req.structured_outputs, None)
+    await compile_or_400(ctx.engine.grammar_compiler, constraint)
     raw_prompts = _normalize_prompts(req.prompt)
     rid = ctx.new_id("cmpl")
     prompts: list[_Prompt] = []
@@ -110,7 +113,7 @@ async def create_completion(ctx: ServingContext, request: Request, body: bytes) 
     for p in prompts:
         ctx.check_prompt_ids(p.ids)
         max_tokens = ctx.resolve_max_tokens(req.max_tokens, len(p.ids))
-        params = ctx.sampling_params(req, max_tokens, req.logprobs, prompt_logprobs)
+        params = ctx.sampling_params(req, max_tokens, req.logprobs, prompt_logprobs, constraint)
         adds.append(AddRequest(p.request_id, p.ids, params, p.text, arrival_s))
     echo_texts: dict[str, str] = {}
     if req.echo:

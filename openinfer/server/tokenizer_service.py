@@ -15,8 +15,9 @@ from openinfer.tokenizer import apply_chat_template, load_tokenizer
 
 
 class TokenizerService:
-    def __init__(self, tokenizer_path: str, chat_template: str | None) -> None:
+    def __init__(self, tokenizer_path: str, chat_template: str | None, tokenizer_mode: str = "auto") -> None:
         self.tokenizer = load_tokenizer(tokenizer_path, chat_template)
+        self.tokenizer_mode = tokenizer_mode
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="api-tokenizer")
         self._token_strs: dict[int, str] = {}
 
@@ -34,7 +35,13 @@ class TokenizerService:
         self, messages: list[dict[str, Any]], add_generation_prompt: bool, **kwargs: Any
     ) -> list[int]:
         return await self._run(
-            apply_chat_template, self.tokenizer, messages, add_generation_prompt, None, **kwargs
+            apply_chat_template,
+            self.tokenizer,
+            messages,
+            add_generation_prompt,
+            None,
+            tokenizer_mode=self.tokenizer_mode,
+            **kwargs,
         )
 
     async def token_strs(self, ids: list[int]) -> list[str]:

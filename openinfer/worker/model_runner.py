@@ -23,7 +23,7 @@ from openinfer.worker.proposers import ProposeInputs, make_proposer
 from openinfer.worker.rejection_sampler import verify
 from openinfer.worker.input_batch import InputBatch, ScheduledRow
 from openinfer.worker.loader import load_model
-from openinfer.worker.sampler import SamplingRow, sample, top_logprobs
+from openinfer.worker.sampler import SamplingRow, sample, top_logprobs, unpack_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -131,10 +131,11 @@ class ModelRunner:
         out = ModelRunnerOutput()
         if logit_rows:
             logits = self.model.compute_logits(hidden[logit_rows])  # sample() casts to fp32 where it needs
+            masks = sched.grammar_bitmask
             if plain:
-                self._sample_plain(logits, plain, out)
+                self._sample_plain(logits, plain, out, masks)
             for r, first in spec:
-                self._verify(logits[first:first + len(r.drafts) + 1], r, out)
+                self._verify(logits[first:first + len(r.drafts) + 1], r, out, masks.get(r.state.req_id))
             if self.proposer is not None:
                 out.spec_token_ids = self.proposer.propose(
                     ProposeInputs(inputs.rows, [r for r, _ in plain + spec], hidden, batch))
@@ -144,21 +145,33 @@ class ModelRunner:
         return out
 
     def _sample_plain(self, logits: torch.Tensor, plain: list[tuple[ScheduledRow, int]],
-                      out: ModelRunnerOutput) -> None:
-        rows = [SamplingRow(r.state.sampling_params, r.state.prompt_token_ids, r.state.output_token_ids)
-                for r, _ in plain]
-        tokens, raw_lp = sample(logits[[i for _, i in plain]], rows, self.generator)
+                      out: ModelRunnerOutput, masks: dict[str, bytes]) -> None:
+        # The grammar rows of all constrained requests unpacked in one go (one row each here).
+        constrained = [i for i, (r, _) in enumerate(plain) if r.state.req_id in masks]
+        unpacked = self._masks(b"".join(masks[plain[i][0].state.req_id] for i in constrained), len(constrained),
+                               logits.shape[1]) if constrained else None
+        row_mask = dict(zip(constrained, range(len(constrained))))
+        rows = [SamplingRow(r.state.sampling_params, r.state.prompt_token_ids, r.state.output_token_ids,
+                            unpacked[row_mask[i]] if i in row_mask else None) for i, (r, _) in enumerate(plain)]
+        # index_select, not logits[list]: list indexing of [S, 32k] logits took ~8 ms on CPU (index_select ~6 us)
+        at = torch.tensor([i for _, i in plain], device=logits.device)
+        tokens, raw_lp = sample(logits.index_select(0, at), rows, self.generator)
         for i, ((r, _), tok) in enumerate(zip(plain, tokens.tolist())):
             out.sampled[r.state.req_id] = [self._token(tok, raw_lp, i, r.state.sampling_params.logprobs)]
             self.input_batch.append_sampled(r, [tok])
 
-    def _verify(self, logits: torch.Tensor, r: ScheduledRow, out: ModelRunnerOutput) -> None:
-        """The drafts of one request against the target's k + 1 distributions (rejection_sampler.py)."""
+    def _verify(self, logits: torch.Tensor, r: ScheduledRow, out: ModelRunnerOutput, mask: bytes | None) -> None:
+        """The drafts of one request against the target's k + 1 distributions (rejection_sampler.py); with
+        structured outputs each distribution is masked by the grammar's state after the drafts before it, so a
+        draft the grammar forbids is never accepted and every emitted token is one the grammar allows."""
         st = r.state
         tokens, raw_lp = verify(logits, r.drafts, st.sampling_params, st.prompt_token_ids, st.output_token_ids,
-                                self.generator)
+                                self.generator, allowed_masks=self._masks(mask, len(r.drafts) + 1, logits.shape[1]))
         out.sampled[st.req_id] = [self._token(t, raw_lp, j, st.sampling_params.logprobs) for j, t in enumerate(tokens)]
         self.input_batch.append_sampled(r, tokens)
+
+    def _masks(self, data: bytes | None, num_rows: int, vocab_size: int) -> torch.Tensor | None:
+        return None if data is None else unpack_bitmask(data, num_rows, vocab_size, self.device)
 
     @staticmethod
     def _token(tok: int, raw_lp: torch.Tensor | None, row: int, num_logprobs: int | None) -> SampledToken:

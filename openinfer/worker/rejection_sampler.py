@@ -20,11 +20,14 @@ from openinfer.worker.sampler import SamplingRow, adjust_logits, sampling_probs,
 
 def verify(logits: torch.Tensor, drafts: list[int], params: SamplingParams, prompt_token_ids: list[int],
            output_token_ids: list[int], generator: torch.Generator | None,
-           draft_probs: torch.Tensor | None = None) -> tuple[list[int], torch.Tensor | None]:
+           draft_probs: torch.Tensor | None = None, allowed_masks: torch.Tensor | None = None,
+           ) -> tuple[list[int], torch.Tensor | None]:
     """logits [k+1, V] (raw, at the last known token and at each of the k drafts) -> (the step's tokens: the
-    accepted drafts and one more, raw logprobs [k+1, V] when the request asked for logprobs)."""
+    accepted drafts and one more, raw logprobs [k+1, V] when the request asked for logprobs). ``allowed_masks``
+    (bool [k+1, V]): structured outputs' grammar at each position; a forbidden draft has p = 0 and is rejected."""
     k = len(drafts)
-    rows = [SamplingRow(params, prompt_token_ids, output_token_ids + drafts[:j]) for j in range(k + 1)]
+    rows = [SamplingRow(params, prompt_token_ids, output_token_ids + drafts[:j],
+                        None if allowed_masks is None else allowed_masks[j]) for j in range(k + 1)]
     adjusted, raw_lp = adjust_logits(logits, rows)
     if params.greedy:
         targets = adjusted.max(dim=-1).indices.tolist()  # first maximum, as the plain sampler picks

@@ -1,4 +1,5 @@
-"""Batched sampling: penalties, min_tokens, temperature, top-k, top-p, min-p, seeded draws, logprobs.
+"""Batched sampling: penalties, min_tokens, logit_bias / allowed_token_ids / bad_words, the structured-output
+mask, temperature, top-k, top-p, min-p, seeded draws, logprobs.
 
 Sampling uses the exponential race ``argmax(p / q)``, ``q ~ Exp(1)``, which draws exactly from ``p``. A seeded
 request draws its ``q`` from a generator seeded by ``(seed, output position)``, so its tokens do not depend on
@@ -21,6 +22,14 @@ class SamplingRow:
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    # Structured outputs: the tokens the grammar allows at this row (bool [V]), None = unconstrained.
+    allowed_mask: torch.Tensor | None = None
+
+    @property
+    def needs_adjusting(self) -> bool:
+        p = self.params
+        return (p.needs_penalties or len(self.output_token_ids) < p.min_tokens or p.needs_token_constraints
+                or self.allowed_mask is not None)
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -56,6 +65,52 @@ def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
     return logits
 
 
+def unpack_bitmask(data: bytes, num_rows: int, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """Grammar mask rows (one bit per token id, 32-bit little-endian words) -> bool [num_rows, vocab_size]; ids
+    past the mask's width are not allowed."""
+    words = torch.frombuffer(bytearray(data), dtype=torch.int32).view(num_rows, -1)
+    bits = (words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+    allowed = bits.view(num_rows, -1).bool()[:, :vocab_size]
+    if allowed.shape[1] < vocab_size:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]), value=False)
+    return allowed.to(device)
+
+
+def apply_token_constraints(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """logit_bias, allowed_token_ids, bad_words (a word's last token is banned once the output ends with the
+    tokens before it), then the grammar masks (all rows at once). A row the grammar allows something for never
+    ends up all -inf: where the other rules ban every token the grammar allows, the grammar alone decides."""
+    v = logits.shape[1]
+    for i, r in enumerate(rows):
+        p = r.params
+        if not p.needs_token_constraints:
+            continue
+        row = logits[i]
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=row.device)
+            row.index_add_(0, ids, torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=row.device))
+        if p.allowed_token_ids:
+            keep = torch.zeros(v, dtype=torch.bool, device=row.device)
+            keep[[t for t in p.allowed_token_ids if t < v]] = True
+            row.masked_fill_(~keep, float("-inf"))
+        for word in p.bad_words_token_ids:
+            *prefix, last = word
+            if not prefix or r.output_token_ids[len(r.output_token_ids) - len(prefix):] == prefix:
+                row[last] = float("-inf")
+    idx = [i for i, r in enumerate(rows) if r.allowed_mask is not None]
+    if idx:
+        # index_select / index_copy_, not logits[list]: list indexing of a [S, 32k] tensor took ~8 ms on CPU
+        # (index_select: ~6 us).
+        at = torch.tensor(idx, device=logits.device)
+        allowed = torch.stack([rows[i].allowed_mask for i in idx])
+        constrained = logits.index_select(0, at).masked_fill_(~allowed, float("-inf"))
+        dead = torch.isinf(constrained).all(dim=-1) & allowed.any(dim=-1)
+        if bool(dead.any()):
+            constrained[dead] = torch.zeros_like(constrained[dead]).masked_fill(~allowed[dead], float("-inf"))
+        logits.index_copy_(0, at, constrained)
+    return logits
+
+
 def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
                   ) -> torch.Tensor:
     """Mask (to -inf) what top-k / top-p / min-p exclude. ``top_k`` 0 = off; rows are independent."""
@@ -86,10 +141,11 @@ def adjust_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.
     logits = logits.float()
     need_lp = any(r.params.logprobs is not None for r in rows)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if need_lp else None
-    if any(r.params.needs_penalties or len(r.output_token_ids) < r.params.min_tokens for r in rows):
-        logits = logits.clone()  # both edit rows in place
+    if any(r.needs_adjusting for r in rows):
+        logits = logits.clone()  # these edit rows in place
         logits = apply_penalties(logits, rows)
         logits = apply_min_tokens(logits, rows)
+        logits = apply_token_constraints(logits, rows)
     return logits, raw_logprobs
 
 
@@ -115,8 +171,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Gener
            ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """logits: [S, V] raw model output, any float dtype. Returns (token ids [S], raw logprobs [S, V] or
     None)."""
-    if all(r.params.greedy and r.params.logprobs is None and not r.params.needs_penalties
-           and len(r.output_token_ids) >= r.params.min_tokens for r in rows):
+    if all(r.params.greedy and r.params.logprobs is None and not r.needs_adjusting for r in rows):
         return _argmax(logits), None  # plain greedy: no fp32 copy of the logits (a [256, 32k] one costs ms)
     logits, raw_logprobs = adjust_logits(logits, rows)
     greedy = torch.tensor([r.params.greedy for r in rows], device=logits.device)
