@@ -274,7 +274,8 @@ def test_speculative_run_reports_acceptance(ckpt, tmp_path):
     res = run_bench(ckpt, tmp_path / "spec.json", "--batch-sizes", "1,2", "--warmup-iters", "0",
                     "--speculative-config", spec)
     assert res["workload"]["speculative_config"]["method"] == "draft_model"
-    for s in res["engines"]["openinfer"]["results"]:
-        check_summary(s, "openinfer", s["batch_size"])
+    for p in res["points"]:
+        s = p["openinfer"]
+        check_summary(s, "openinfer", p["batch_size"])
         assert s["spec_num_drafts"] > 0 and s["spec_num_draft_tokens"] >= s["spec_num_drafts"]
         assert s["spec_acceptance_rate"] == 1.0 and s["spec_mean_accepted_length"] > 2.0

@@ -201,7 +201,8 @@ class EngineCore:
             eplb_rebalances=self.expert_load.num_rebalances,
             eplb_imbalance_served=self.expert_load.imbalance_served,
             eplb_imbalance_rebalanced=self.expert_load.imbalance_rebalanced,
-            spec_decode=functools.reduce(SpecDecodeStats.merge, (s.spec_stats for s in self.schedulers)),
+            spec_decode=functools.reduce(SpecDecodeStats.merge, (s.spec_stats for s in self.schedulers),
+                                         SpecDecodeStats()),  # a snapshot, never the live counters
         )
 
     def reset_prefix_cache(self) -> int:
