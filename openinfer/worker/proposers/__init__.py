@@ -61,6 +61,12 @@ def make_proposer(config: EngineConfig, device: torch.device, target: torch.nn.M
 
         return DraftModelProposer(config, device)
     if spec.method == "mtp":
+        from openinfer.models.registry import uses_dspark
+
+        if uses_dspark(config.model.architecture):
+            from openinfer.worker.proposers.dspark import DSparkProposer
+
+            return DSparkProposer(config, device, target)
         from openinfer.worker.proposers.mtp import MtpProposer
 
         return MtpProposer(config, device, target)
