@@ -55,6 +55,10 @@ def test_greedy_identical_with_dspark(v41, k, path_kind):
                                                            want.outputs[0].token_ids)) < 1e-4
     stats = llm.engine.stats()
     assert stats.spec_decode.num_drafts > 0 and len(stats.spec_decode.accepted_per_pos) == k
+    # the confidence head's predicted acceptance is reported per draft position (k positions, each in (0, 1))
+    conf = stats.spec_decode.mean_confidence_per_pos
+    assert len(conf) == k and all(0 < c < 1 for c in conf)
+    assert stats.spec_decode.confidence_count_per_pos[0] == stats.spec_decode.num_drafts
     if path_kind == "preemption":
         assert stats.num_preemptions > 0
     if path_kind == "prefix-hits":
@@ -137,3 +141,16 @@ def test_start_up_errors_name_the_field(v41, tmp_path):
     dense = make_dense_checkpoint(tmp_path / "llama")
     with pytest.raises(ValueError, match=r"speculative_config.method='mtp'.*has no MTP layers"):
         LLM(str(dense), dtype="float32", speculative_config=dspark(2))
+
+
+def test_confidence_stats_record_and_merge():
+    from openinfer.engine.spec_stats import SpecDecodeStats
+
+    a, b = SpecDecodeStats(), SpecDecodeStats()
+    a.record(3, 1, [0.5, 0.25, 0.125])
+    a.record(2, 2)  # a proposer without a predictor: counted in acceptance, not in confidence
+    b.record(1, 0, [0.75, 0.5])  # only the verified drafts' confidences count
+    m = a.merge(b)
+    assert m.accepted_per_pos == [2, 1, 0] and m.num_drafts == 3
+    assert m.confidence_count_per_pos == [2, 1, 1]
+    assert m.mean_confidence_per_pos == [0.625, 0.25, 0.125]

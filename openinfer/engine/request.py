@@ -71,6 +71,7 @@ class Request:
         # Speculative decoding: drafts proposed after the last step, verified by the next one. Never part of the
         # token list (nor hashed) until accepted.
         self.spec_token_ids: list[int] = []
+        self.spec_confidence: list[float] = []  # the proposer's predicted acceptance of each, when it makes one
         self.times = RequestTimes()
         if arrival_s is not None:
             self.times.arrival_s = arrival_s

@@ -45,6 +45,11 @@ class Proposer:
     def propose(self, step: ProposeInputs) -> dict[str, list[int]]:
         raise NotImplementedError
 
+    def confidence(self) -> dict[str, list[float]]:
+        """The last ``propose``'s predicted acceptance per draft, for proposers that predict it (reported in the
+        spec-decode stats; verification does not use it)."""
+        return {}
+
 
 def make_proposer(config: EngineConfig, device: torch.device, target: torch.nn.Module) -> Proposer | None:
     """The proposer ``config.speculative`` asks for (None without speculative decoding); ``target`` is the loaded

@@ -16,7 +16,9 @@ chunked prefill and preemption treat them like the target's window rows. Each st
    draft block by the number of speculative tokens), so k may not exceed the checkpoint's dspark_block_size.
 
 Drafts are argmax with the Markov correction (deterministic: verification treats them as one-hot, which keeps
-sampling exact). The confidence head's predictions are kept (``last_confidence``) but do not gate verification.
+sampling exact). The confidence head's predicted acceptance is reported (``SpecDecodeStats.confidence_per_pos``
+beside the measured ``accepted_per_pos``); it does not gate verification (DeepInfer's confidence-scheduled
+verification is not implemented).
 """
 from __future__ import annotations
 
@@ -109,3 +111,6 @@ class DSparkProposer(DraftingModel):
         tokens, confidence = self.target.propose_over_keys(keys, ctx_pos, golden, block_size=self.k)
         self.last_confidence = {st.req_id: c for st, c in zip(states, confidence.tolist())}
         return {st.req_id: t for st, t in zip(states, tokens.tolist())}
+
+    def confidence(self) -> dict[str, list[float]]:
+        return self.last_confidence
