@@ -67,6 +67,31 @@ def test_greedy_identical_with_dspark(v41, k, path_kind):
     assert "dspark.window" in kv_manager(llm).num_blocks
 
 
+def test_prefix_hit_after_dspark_window_blocks_were_released(v41):
+    """A long generation releases the dspark.window blocks behind its lookback (they keep their hashes); a request
+    sharing its prompt + output hits them and still decodes exactly what drafting off decodes."""
+    path, prompts, _ = v41
+    kw = dict(BASE, block_size=8, max_num_batched_tokens=16, num_kv_blocks=64)
+    llm = LLM(str(path), **kw, speculative_config=dspark(3))
+    kv = kv_manager(llm)
+    group = kv.groups[[g.name for g in kv.groups].index("dspark.window")]
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    llm.engine.add_request("long", {"prompt_token_ids": prompts[2]}, sp)
+    released, out = 0, None
+    while llm.engine.has_unfinished_requests():
+        for o in llm.engine.step():
+            out = o
+        if "long" in group.tables:
+            released = max(released, group.tables["long"].count(None))
+    assert released >= 4
+    later = prompts[2] + out.outputs[0].token_ids[:30] + [7, 8, 9]
+    got = greedy(llm, [later])[0]
+    assert got.num_cached_tokens >= 56
+    want = greedy(LLM(str(path), **kw), [later])[0]
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert kv.all_free()
+
+
 def _recorded_proposals(llm):
     """Wrap the proposer: every request's known tokens when it drafted, and its drafts."""
     proposer = llm.engine.core.executor.driver_worker.model_runner.proposer
