@@ -243,7 +243,8 @@ class SpeculativeConfig:
     - ``ngram`` (prompt lookup): the longest n in [prompt_lookup_min, prompt_lookup_max] whose last n tokens occur
       earlier in the prompt + output proposes what followed them. No weights.
     - ``draft_model``: a smaller model with the same vocabulary (``model``), its own KV cache.
-    - ``mtp``: the target's own multi-token-prediction layers (DeepSeek-V3 / V4)."""
+    - ``mtp``: the target's own multi-token-prediction layers (DeepSeek-V3 / V4; on DeepSeek-V4.1 its DSpark draft
+      blocks, which draft all k in one block forward, k <= dspark_block_size)."""
 
     method: str
     num_speculative_tokens: int

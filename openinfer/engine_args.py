@@ -149,9 +149,10 @@ class EngineArgs:
         if speculative is not None:
             speculative.check_target(model, parallel)
             if speculative.method == "mtp":
-                from openinfer.models.registry import resolve_mtp_class
+                from openinfer.models.registry import resolve_mtp_class, uses_dspark
 
-                resolve_mtp_class(model.architecture)  # the architecture has an MTP layer openinfer can run
+                if not uses_dspark(model.architecture):  # DSpark blocks load with the target (proposers/dspark.py)
+                    resolve_mtp_class(model.architecture)  # the architecture has an MTP layer openinfer can run
         return EngineConfig(
             model=model,
             cache=CacheConfig(

@@ -80,5 +80,6 @@ class ModelRunnerOutput(msgspec.Struct):
 
     sampled: dict[str, list[SampledToken]] = {}
     spec_token_ids: dict[str, list[int]] = {}
+    spec_confidence: dict[str, list[float]] = {}  # the proposer's predicted acceptance of each draft, if it has one
     prompt_logprobs: dict[str, list[dict[int, float]]] = {}
     expert_load: ExpertLoadStats | None = None

@@ -75,6 +75,7 @@ class Request:
         # Speculative decoding: drafts proposed after the last step, verified by the next one. Never part of the
         # token list (nor hashed) until accepted.
         self.spec_token_ids: list[int] = []
+        self.spec_confidence: list[float] = []  # the proposer's predicted acceptance of each, when it makes one
         # Structured outputs: the matcher (compiled off the loop; the request waits until it is ready).
         self.grammar: RequestGrammar | None = None
         self.times = RequestTimes()

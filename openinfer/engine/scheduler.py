@@ -177,7 +177,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         """Preemption by recompute: drop the KV, keep the tokens, go back to the front of the queue."""
-        req.spec_token_ids = []
+        req.spec_token_ids, req.spec_confidence = [], []
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
@@ -201,8 +201,9 @@ class Scheduler:
             req.num_computed_tokens += n - len(drafts) + accepted
             self.kv.release_stale_blocks(req)
             if drafts:
-                self.spec_stats.record(len(drafts), accepted)
+                self.spec_stats.record(len(drafts), accepted, req.spec_confidence)
             req.spec_token_ids = result.spec_token_ids.get(rid, [])
+            req.spec_confidence = result.spec_confidence.get(rid, [])
             prompt_lp = result.prompt_logprobs.get(rid)
             if not sampled:
                 if prompt_lp:

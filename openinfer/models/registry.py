@@ -23,10 +23,19 @@ _MTP: dict[str, tuple[str, str]] = {
 }
 
 
+# Architectures whose MTP layers are DSpark draft blocks (loaded with the target as ``model.mtp``): method "mtp"
+# drafts a whole block per step with them (worker/proposers/dspark.py), as DeepInfer's MTP module does on V4.1.
+_DSPARK = frozenset({"DeepseekV41ForCausalLM"})
+
+
+def uses_dspark(architecture: str) -> bool:
+    return architecture in _DSPARK
+
+
 def resolve_mtp_class(architecture: str) -> type[nn.Module]:
     if architecture not in _MTP:
         raise ValueError(f"speculative_config.method='mtp' is not available for {architecture!r}; MTP layers are "
-                         f"supported for {', '.join(sorted(_MTP))}")
+                         f"supported for {', '.join(sorted(_MTP | dict.fromkeys(_DSPARK)))}")
     module, cls_name = _MTP[architecture]
     return getattr(importlib.import_module(module), cls_name)
 

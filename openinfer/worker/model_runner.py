@@ -139,6 +139,7 @@ class ModelRunner:
             if self.proposer is not None:
                 out.spec_token_ids = self.proposer.propose(
                     ProposeInputs(inputs.rows, [r for r, _ in plain + spec], hidden, batch))
+                out.spec_confidence = self.proposer.confidence()
         for r, first in plp:
             out.prompt_logprobs[r.state.req_id] = self._prompt_logprobs(hidden, r, first)
         out.expert_load = self._after_forward()

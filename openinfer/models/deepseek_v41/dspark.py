@@ -1,5 +1,6 @@
 """DSpark drafter (spec §7.8, DeepInfer ``mtp/dflash.py`` + ``v4_modules/heads.py``): the
-``num_nextn_predict_layers`` draft blocks of V4.1, standalone (not wired into speculative decoding yet).
+``num_nextn_predict_layers`` draft blocks of V4.1; speculative decoding drives them through
+``worker/proposers/dspark.py`` (context keys paged per token, ``propose_over_keys`` per step).
 
 Context: for every target token p, the target layers' attention inputs (the mHC streams entering each of
 ``dspark_target_layer_ids``, averaged over the streams) are concatenated and projected once:
@@ -38,18 +39,29 @@ def target_features(streams: list[torch.Tensor]) -> torch.Tensor:
 class DraftAttention(Attention):
     """Sliding-window attention (main RoPE) over the projected context keys plus the draft block's own keys."""
 
+    def context_keys(self, main: torch.Tensor, positions: torch.Tensor, rotary) -> torch.Tensor:
+        """main [N, D] projected context at ``positions`` [N] -> this block's roped keys [N, d]. A key depends only
+        on its own token's features and position, so a serving engine computes it once, when the target computes
+        the token, and pages it (DeepInfer's ``update_main_cache``)."""
+        cos, sin = rotary._compute(positions.clamp(min=0))
+        return apply_interleaved(self.kv_norm(self.kv_proj(main)), cos, sin)
+
     def draft(self, x: torch.Tensor, main: torch.Tensor, ctx_pos: torch.Tensor, draft_pos: torch.Tensor,
               rotary) -> torch.Tensor:
         """x [B*S, D] draft inputs; main [B, W, D] projected context (rows with ctx_pos < 0 are padding);
         ctx_pos [B, W]; draft_pos [B, S] -> [B*S, D]."""
         b, w = ctx_pos.shape
-        s = draft_pos.shape[1]
+        keys = self.context_keys(main.reshape(b * w, -1), ctx_pos.reshape(-1), rotary).view(b, w, -1)
+        return self.draft_over_keys(x, keys, ctx_pos >= 0, draft_pos, rotary)
+
+    def draft_over_keys(self, x: torch.Tensor, ctx_keys: torch.Tensor, ctx_valid: torch.Tensor,
+                        draft_pos: torch.Tensor, rotary) -> torch.Tensor:
+        """As ``draft``, over already projected context keys [B, W, d] (ctx_valid [B, W])."""
+        b, s = draft_pos.shape
         cos, sin = rotary.cos_sin(draft_pos.reshape(-1))
         q, _, kv = self.project(x, cos, sin)
-        c_cos, c_sin = rotary._compute(ctx_pos.clamp(min=0).reshape(-1))
-        main_k = apply_interleaved(self.kv_norm(self.kv_proj(main.reshape(b * w, -1))), c_cos, c_sin)
-        keys = torch.cat([main_k.view(b, w, -1), kv.view(b, s, -1)], dim=1)  # [B, W + S, d]
-        valid = torch.cat([ctx_pos >= 0, torch.ones(b, s, dtype=torch.bool, device=x.device)], dim=1)
+        keys = torch.cat([ctx_keys.to(kv.dtype), kv.view(b, s, -1)], dim=1)  # [B, W + S, d]
+        valid = torch.cat([ctx_valid, torch.ones(b, s, dtype=torch.bool, device=x.device)], dim=1)
         keys = keys.repeat_interleave(s, dim=0)
         valid = valid.repeat_interleave(s, dim=0)
         return self.project_out(sink_attention(q, keys, valid, self.sinks, self.scale), cos, sin)
@@ -101,23 +113,41 @@ class DSparkDrafter(nn.ModuleList):
         first = self[0]
         return first.main_norm(first.main_proj(features))
 
+    def context_keys(self, features: torch.Tensor, positions: torch.Tensor, rotary) -> torch.Tensor:
+        """features [N, targets*D] of tokens at ``positions`` [N] -> every block's context keys [N, blocks, d]."""
+        main = self.project_context(features)
+        return torch.stack([blk.self_attn.context_keys(main, positions, rotary) for blk in self], dim=1)
+
     @torch.no_grad()
     def propose(self, features: torch.Tensor, ctx_pos: torch.Tensor, golden: torch.Tensor, embed: nn.Module,
-                lm_head: nn.Module, rotary, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                lm_head: nn.Module, rotary, temperature: float = 1.0,
+                block_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """features [B, W, targets*D] of the last W accepted tokens (ctx_pos [B, W], -1 = none; the last column
-        is the accepted position a); golden [B] -> (draft tokens [B, S], confidences [B, S]), S = block size."""
+        is the accepted position a); golden [B] -> (draft tokens [B, S], confidences [B, S]), S = ``block_size``
+        (default the checkpoint's dspark_block_size)."""
+        b, w = ctx_pos.shape
+        keys = self.context_keys(features.reshape(b * w, -1), ctx_pos.reshape(-1), rotary).view(b, w, len(self), -1)
+        return self.propose_over_keys(keys, ctx_pos, golden, embed, lm_head, rotary, temperature, block_size)
+
+    @torch.no_grad()
+    def propose_over_keys(self, keys: torch.Tensor, ctx_pos: torch.Tensor, golden: torch.Tensor, embed: nn.Module,
+                          lm_head: nn.Module, rotary, temperature: float = 1.0,
+                          block_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """As ``propose``, over the context keys [B, W, blocks, d] (``context_keys``) of positions ctx_pos. A
+        serving engine runs the blocks with S = its number of speculative tokens, as DeepInfer does."""
         cfg, ds = self.cfg, self.cfg.dspark
-        b, s = golden.shape[0], ds.block_size
-        main = self.project_context(features)
+        b, s = golden.shape[0], block_size or ds.block_size
+        valid = ctx_pos >= 0
         draft_pos = ctx_pos[:, -1:] + 1 + torch.arange(s, device=golden.device)
         ids = torch.full((b, s), ds.noise_token_id, dtype=torch.long, device=golden.device)
         ids[:, 0] = golden
         x = embed(ids.reshape(-1))
         X = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
         pre = first_pre(x.shape[0], cfg.hc_mult, x.device)
-        for blk in self:
+        for i, blk in enumerate(self):
             nxt, post, comb = blk.attn_hc.mixes(X)
-            y = blk.self_attn.draft(blk.input_layernorm(apply_pre(pre, X)), main, ctx_pos, draft_pos, rotary)
+            y = blk.self_attn.draft_over_keys(blk.input_layernorm(apply_pre(pre, X)), keys[:, :, i], valid,
+                                              draft_pos, rotary)
             X, pre = hc_post(y, X, post, comb), nxt
             nxt, post, comb = blk.ffn_hc.mixes(X)
             X, pre = hc_post(blk.mlp(blk.post_attention_layernorm(apply_pre(pre, X))), X, post, comb), nxt

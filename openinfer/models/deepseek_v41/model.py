@@ -140,10 +140,21 @@ class DeepseekV41ForCausalLM(nn.Module):
             torch.set_default_dtype(prev)
         return self.mtp
 
-    def propose(self, features: torch.Tensor, ctx_pos: torch.Tensor, golden: torch.Tensor):
+    def propose(self, features: torch.Tensor, ctx_pos: torch.Tensor, golden: torch.Tensor,
+                block_size: int | None = None):
         """DSpark drafts after the accepted tokens whose target features are ``features`` (dspark.py)."""
         return self.mtp.propose(features, ctx_pos, golden, self.model.embed_tokens, self.lm_head,
-                                self.model.rotary["main"])
+                                self.model.rotary["main"], block_size=block_size)
+
+    def dspark_context_keys(self, features: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """[N, targets*D] target features of tokens at ``positions`` -> their draft-block keys [N, blocks, d]."""
+        return self.mtp.context_keys(features, positions, self.model.rotary["main"])
+
+    def propose_over_keys(self, keys: torch.Tensor, ctx_pos: torch.Tensor, golden: torch.Tensor,
+                          block_size: int | None = None):
+        """``propose`` over paged context keys [B, W, blocks, d] (``dspark_context_keys``)."""
+        return self.mtp.propose_over_keys(keys, ctx_pos, golden, self.model.embed_tokens, self.lm_head,
+                                          self.model.rotary["main"], block_size=block_size)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         from openinfer.models.deepseek_v41.loading import load_v41_weights

@@ -45,6 +45,11 @@ class Proposer:
     def propose(self, step: ProposeInputs) -> dict[str, list[int]]:
         raise NotImplementedError
 
+    def confidence(self) -> dict[str, list[float]]:
+        """The last ``propose``'s predicted acceptance per draft, for proposers that predict it (reported in the
+        spec-decode stats; verification does not use it)."""
+        return {}
+
 
 def make_proposer(config: EngineConfig, device: torch.device, target: torch.nn.Module) -> Proposer | None:
     """The proposer ``config.speculative`` asks for (None without speculative decoding); ``target`` is the loaded
@@ -61,6 +66,12 @@ def make_proposer(config: EngineConfig, device: torch.device, target: torch.nn.M
 
         return DraftModelProposer(config, device)
     if spec.method == "mtp":
+        from openinfer.models.registry import uses_dspark
+
+        if uses_dspark(config.model.architecture):
+            from openinfer.worker.proposers.dspark import DSparkProposer
+
+            return DSparkProposer(config, device, target)
         from openinfer.worker.proposers.mtp import MtpProposer
 
         return MtpProposer(config, device, target)

@@ -1,0 +1,116 @@
+"""DSpark proposer: DeepSeek-V4.1's draft blocks (models/deepseek_v41/dspark.py) draft k tokens per request in one
+block forward, as DeepInfer's DFlash does. Selected by ``method: "mtp"`` on a V4.1 checkpoint (DeepInfer's MTP
+module *is* DSpark there; models/registry.py ``uses_dspark``).
+
+What must survive steps is, per token, every draft block's context key (projected from the target layers'
+attention inputs, roped at the token's position): the proposer pages them in its own sliding KV group
+``dspark.window`` (read W = sliding_window tokens back, as DeepInfer keeps them in the SWA cache), so prefix hits,
+chunked prefill and preemption treat them like the target's window rows. Each step, after the target sampled:
+
+1. page: the target ran with ``capture_dspark_features``; the keys of every token it computed this step go into
+   the store at the token's slot. Rejected drafts' positions get keys too; they are recomputed (and overwritten)
+   by the target's next forward before any draft reads them, exactly like the target's own KV.
+2. draft: a sampling request with L known tokens has target features up to a = L - 2 (the newest token, golden,
+   is not computed yet). Its block reads the keys of a - W + 1 .. a and runs at positions a + 1 .. a + k on
+   [golden, noise x (k - 1)]; position i drafts the token at a + 2 + i. The block size is k (DeepInfer sizes its
+   draft block by the number of speculative tokens), so k may not exceed the checkpoint's dspark_block_size.
+
+Drafts are argmax with the Markov correction (deterministic: verification treats them as one-hot, which keeps
+sampling exact). The confidence head's predicted acceptance is reported (``SpecDecodeStats.confidence_per_pos``
+beside the measured ``accepted_per_pos``); it does not gate verification (DeepInfer's confidence-scheduled
+verification is not implemented).
+"""
+from __future__ import annotations
+
+import torch
+
+from openinfer.config import EngineConfig
+from openinfer.kv_cache_interface import KVGroupSpec
+from openinfer.worker.proposers import ProposeInputs
+from openinfer.worker.proposers.drafting import DraftingModel
+
+WINDOW_GROUP = "window"
+
+
+class ContextKeyStore:
+    """The paged per-token context keys [num_blocks, block_size, draft blocks, head_dim], as a KV-cache owner."""
+
+    def __init__(self, num_draft_blocks: int, head_dim: int, window: int) -> None:
+        self.num_draft_blocks, self.head_dim, self.window = num_draft_blocks, head_dim, window
+        self.keys: torch.Tensor | None = None
+
+    def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> list[KVGroupSpec]:
+        elem = torch.empty((), dtype=dtype).element_size()
+        # a draft at position L - 1 reads keys from L - 1 - W on: lookback W
+        return [KVGroupSpec(WINDOW_GROUP, block_size * self.num_draft_blocks * self.head_dim * elem,
+                            lookback_tokens=self.window)]
+
+    def bind_kv_cache(self, num_blocks: dict[str, int], block_size: int, dtype: torch.dtype,
+                      device: torch.device) -> None:
+        self.keys = torch.zeros(num_blocks[WINDOW_GROUP], block_size, self.num_draft_blocks, self.head_dim,
+                                dtype=dtype, device=device)
+
+    def free_kv_cache(self) -> None:
+        self.keys = None
+
+    def flat(self) -> torch.Tensor:
+        return self.keys.view(-1, self.num_draft_blocks, self.head_dim)
+
+
+class DSparkProposer(DraftingModel):
+    prefix = "dspark."
+
+    def __init__(self, config: EngineConfig, device: torch.device, target: torch.nn.Module) -> None:
+        k = config.speculative.num_speculative_tokens
+        if getattr(target, "mtp", None) is None:
+            raise ValueError(f"speculative_config.method='mtp': {config.model.path} has no DSpark draft blocks "
+                             "(mtp.* tensors); the checkpoint declares num_nextn_predict_layers="
+                             f"{target.config.num_nextn_predict_layers}")
+        cfg = target.config
+        if k > cfg.dspark.block_size:
+            raise ValueError(f"speculative_config.num_speculative_tokens={k} exceeds the checkpoint's "
+                             f"dspark_block_size={cfg.dspark.block_size} (the DSpark block was trained for at most "
+                             "that many draft positions)")
+        self.target = target
+        self.window = cfg.sliding_window
+        target.model.capture_dspark_features = True
+        store = ContextKeyStore(len(target.mtp), cfg.head_dim, self.window)
+        super().__init__(store, k, config.model.max_model_len, config.cache.block_size, device)
+        self.last_confidence: dict[str, list[float]] = {}
+
+    def propose(self, step: ProposeInputs) -> dict[str, list[int]]:
+        batch = step.batch
+        (g,) = self.group_rows(batch).values()
+        tpb = batch.tokens_per_block[self.prefix + WINDOW_GROUP]
+        store = self.module.flat()
+
+        def slots(block_ids: list[int], positions: torch.Tensor) -> torch.Tensor:
+            table = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+            return table[positions // tpb] * tpb + positions % tpb
+
+        # 1) page the keys of every token the target computed this step (rows in step order, as the features)
+        positions, slot_rows = [], []
+        for r in step.rows:
+            pos = torch.arange(r.start, r.start + r.num_tokens, device=self.device)
+            positions.append(pos)
+            slot_rows.append(slots(r.state.block_ids[g], pos))
+        positions = torch.cat(positions)
+        features = self.target.model.dspark_features
+        assert features is not None and features.shape[0] == positions.shape[0]
+        store[torch.cat(slot_rows)] = self.target.dspark_context_keys(features, positions).to(store.dtype)
+
+        # 2) one draft block per sampling request with room for another token
+        states = [r.state for r in step.sampled if len(r.state.token_ids) < self.max_model_len]
+        if not states:
+            return {}
+        back = torch.arange(-self.window + 1, 1, device=self.device)
+        ctx_pos = torch.stack([len(st.token_ids) - 2 + back for st in states])  # [B, W], last column a = L - 2
+        keys = torch.stack([store[slots(st.block_ids[g], p.clamp(min=0))] for st, p in zip(states, ctx_pos)])
+        ctx_pos = ctx_pos.masked_fill(ctx_pos < 0, -1)
+        golden = torch.tensor([st.token_ids[-1] for st in states], dtype=torch.long, device=self.device)
+        tokens, confidence = self.target.propose_over_keys(keys, ctx_pos, golden, block_size=self.k)
+        self.last_confidence = {st.req_id: c for st, c in zip(states, confidence.tolist())}
+        return {st.req_id: t for st, t in zip(states, tokens.tolist())}
+
+    def confidence(self) -> dict[str, list[float]]:
+        return self.last_confidence

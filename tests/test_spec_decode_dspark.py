@@ -1,0 +1,181 @@
+"""DeepSeek-V4.1 DSpark speculative decoding (``method: "mtp"`` on a V4.1 checkpoint, proposers/dspark.py):
+greedy output identical with drafting on and off through mixed batches, 8-token chunks, prefix hits and forced
+preemption; the engine's drafts equal the drafter run over a whole-sequence recompute of the target features (the
+paged context keys are right on every path); a drafter that provably agrees with the target accepts every draft;
+start-up errors name the field."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from openinfer import LLM, SamplingParams
+from openinfer.models.deepseek_v41.reference import reference_logits
+from tests.helpers import engine_model, kv_manager, make_dense_checkpoint
+from tests.test_deepseek_v41 import _broken_copy, _generator, _prompts
+
+NEW_TOKENS = 12
+BASE = dict(dtype="float32", max_model_len=128)
+
+
+def dspark(k: int) -> dict:
+    return {"method": "mtp", "num_speculative_tokens": k}
+
+
+def greedy(llm, prompts):
+    sp = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+
+
+@pytest.fixture(scope="module")
+def v41(tmp_path_factory):
+    path = _generator().make_checkpoint(tmp_path_factory.mktemp("v41-dspark") / "tiny", "tiny", seed=0)
+    prompts = _prompts(1, [3, 17, 30, 41, 52])
+    prompts[4][:24] = prompts[3][:24]  # a shared prefix: hits within one run too
+    return path, prompts, greedy(LLM(str(path), **BASE, num_kv_blocks=64), prompts)
+
+
+def _engine(path, k: int, path_kind: str) -> LLM:
+    kw = dict(BASE, speculative_config=dspark(k), num_kv_blocks=64)
+    if path_kind == "chunked-prefill":
+        kw.update(block_size=8, max_num_batched_tokens=8, num_kv_blocks=128)
+    if path_kind == "preemption":
+        kw.update(num_kv_blocks=9, max_num_batched_tokens=64)
+    return LLM(str(path), **kw)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("path_kind", ["mixed-batch", "chunked-prefill", "prefix-hits", "preemption"])
+def test_greedy_identical_with_dspark(v41, k, path_kind):
+    path, prompts, ref = v41
+    llm = _engine(path, k, path_kind)
+    for _ in range(2 if path_kind == "prefix-hits" else 1):
+        for out, want in zip(greedy(llm, prompts), ref):
+            assert out.outputs[0].token_ids == want.outputs[0].token_ids
+            assert max(abs(a[t] - b[t]) for a, b, t in zip(out.outputs[0].logprobs, want.outputs[0].logprobs,
+                                                           want.outputs[0].token_ids)) < 1e-4
+    stats = llm.engine.stats()
+    assert stats.spec_decode.num_drafts > 0 and len(stats.spec_decode.accepted_per_pos) == k
+    # the confidence head's predicted acceptance is reported per draft position (k positions, each in (0, 1))
+    conf = stats.spec_decode.mean_confidence_per_pos
+    assert len(conf) == k and all(0 < c < 1 for c in conf)
+    assert stats.spec_decode.confidence_count_per_pos[0] == stats.spec_decode.num_drafts
+    if path_kind == "preemption":
+        assert stats.num_preemptions > 0
+    if path_kind == "prefix-hits":
+        assert stats.prefix_cache_hits > 0
+    assert kv_manager(llm).all_free()
+    assert "dspark.window" in kv_manager(llm).num_blocks
+
+
+def test_prefix_hit_after_dspark_window_blocks_were_released(v41):
+    """A long generation releases the dspark.window blocks behind its lookback (they keep their hashes); a request
+    sharing its prompt + output hits them and still decodes exactly what drafting off decodes."""
+    path, prompts, _ = v41
+    kw = dict(BASE, block_size=8, max_num_batched_tokens=16, num_kv_blocks=64)
+    llm = LLM(str(path), **kw, speculative_config=dspark(3))
+    kv = kv_manager(llm)
+    group = kv.groups[[g.name for g in kv.groups].index("dspark.window")]
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    llm.engine.add_request("long", {"prompt_token_ids": prompts[2]}, sp)
+    released, out = 0, None
+    while llm.engine.has_unfinished_requests():
+        for o in llm.engine.step():
+            out = o
+        if "long" in group.tables:
+            released = max(released, group.tables["long"].count(None))
+    assert released >= 4
+    later = prompts[2] + out.outputs[0].token_ids[:30] + [7, 8, 9]
+    got = greedy(llm, [later])[0]
+    assert got.num_cached_tokens >= 56
+    want = greedy(LLM(str(path), **kw), [later])[0]
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert kv.all_free()
+
+
+def _recorded_proposals(llm):
+    """Wrap the proposer: every request's known tokens when it drafted, and its drafts."""
+    proposer = llm.engine.core.executor.driver_worker.model_runner.proposer
+    seen: list[tuple[list[int], list[int], list[float]]] = []
+    inner = proposer.propose
+
+    def propose(step):
+        out = inner(step)
+        for r in step.sampled:
+            if r.state.req_id in out:
+                seen.append((list(r.state.token_ids), out[r.state.req_id],
+                             proposer.last_confidence[r.state.req_id]))
+        return out
+
+    proposer.propose = propose
+    return seen
+
+
+@pytest.mark.parametrize("path_kind", ["chunked-prefill", "preemption"])
+def test_engine_drafts_equal_a_whole_sequence_recompute(v41, path_kind):
+    """For each proposal: the drafter over the target features recomputed from scratch for the request's tokens
+    (window a - W + 1 .. a, a = L - 2) drafts what the engine drafted from its paged keys."""
+    path, prompts, _ = v41
+    k = 3
+    llm = _engine(path, k, path_kind)
+    seen = _recorded_proposals(llm)
+    greedy(llm, prompts)
+    greedy(llm, prompts)  # prefix hits
+    model = engine_model(llm)
+    w = model.config.sliding_window
+    assert len(seen) > 20
+    for tokens, drafts, conf in seen[::4]:
+        feats: list[torch.Tensor] = []
+        reference_logits(model, tokens[:-1], feats)
+        features = torch.cat(feats, dim=-1)  # [L - 1, targets*D]
+        a = len(tokens) - 2
+        ctx_pos = torch.arange(a - w + 1, a + 1)
+        window = features[ctx_pos.clamp(min=0)]
+        want, want_conf = model.propose(window[None], ctx_pos.masked_fill(ctx_pos < 0, -1)[None],
+                                        torch.tensor([tokens[-1]]), block_size=k)
+        assert drafts == want[0].tolist()
+        assert all(0 < c < 1 for c in conf)
+        torch.testing.assert_close(torch.tensor(conf), want_conf[0], atol=1e-4, rtol=1e-4)
+
+
+def test_a_drafter_that_agrees_with_the_target_accepts_everything(v41):
+    """Zero the target's final norm and the drafter's (and its Markov table): both then score every token 0, so
+    the greedy target emits token 0 and every draft is token 0 - acceptance is provably 100 % at every position."""
+    path, prompts, _ = v41
+    outs = {}
+    for spec in (None, dspark(4)):
+        llm = LLM(str(path), **BASE, num_kv_blocks=64, speculative_config=spec)
+        model = engine_model(llm)
+        model.model.norm.weight.data.zero_()
+        model.mtp[-1].norm.weight.data.zero_()
+        model.mtp[-1].markov_head.embed.weight.data.zero_()
+        outs[spec is None] = [o.outputs[0].token_ids for o in greedy(llm, prompts)]
+    assert outs[True] == outs[False] == [[0] * NEW_TOKENS] * len(prompts)
+    s = llm.engine.stats().spec_decode
+    assert s.num_draft_tokens > 0 and s.num_accepted_tokens == s.num_draft_tokens
+    assert s.accepted_per_pos[0] == s.num_drafts and min(s.accepted_per_pos) > 0
+    assert kv_manager(llm).all_free()
+
+
+def test_start_up_errors_name_the_field(v41, tmp_path):
+    path, _, _ = v41
+    with pytest.raises(ValueError, match=r"no DSpark draft blocks \(mtp\.\* tensors\)"):
+        LLM(str(_broken_copy(path, tmp_path / "no-mtp", drop="mtp.")), **BASE, num_kv_blocks=16,
+            speculative_config=dspark(2))
+    with pytest.raises(ValueError, match=r"num_speculative_tokens=5 exceeds the checkpoint's dspark_block_size=4"):
+        LLM(str(path), **BASE, num_kv_blocks=16, speculative_config=dspark(5))
+    dense = make_dense_checkpoint(tmp_path / "llama")
+    with pytest.raises(ValueError, match=r"speculative_config.method='mtp'.*has no MTP layers"):
+        LLM(str(dense), dtype="float32", speculative_config=dspark(2))
+
+
+def test_confidence_stats_record_and_merge():
+    from openinfer.engine.spec_stats import SpecDecodeStats
+
+    a, b = SpecDecodeStats(), SpecDecodeStats()
+    a.record(3, 1, [0.5, 0.25, 0.125])
+    a.record(2, 2)  # a proposer without a predictor: counted in acceptance, not in confidence
+    b.record(1, 0, [0.75, 0.5])  # only the verified drafts' confidences count
+    m = a.merge(b)
+    assert m.accepted_per_pos == [2, 1, 0] and m.num_drafts == 3
+    assert m.confidence_count_per_pos == [2, 1, 1]
+    assert m.mean_confidence_per_pos == [0.625, 0.25, 0.125]
