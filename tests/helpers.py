@@ -1,6 +1,7 @@
 """Tiny checkpoints written by the tests themselves (HF format, random weights) and HF reference runs."""
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import torch
@@ -71,3 +72,18 @@ def engine_model(llm):
 def kv_manager(llm):
     """The engine core's KV cache manager (tests check pools and tables)."""
     return llm.engine.core.kv
+
+
+def load_script(name: str):
+    """A script under scripts/ as a module (the checkpoint generators are scripts, not package modules)."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def random_prompts(seed: int, lengths: list[int], vocab_size: int = 256) -> list[list[int]]:
+    """Seeded random prompts of the given lengths (ids from 6: clear of the char tokenizer's specials)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(6, vocab_size, (n,), generator=g).tolist() for n in lengths]

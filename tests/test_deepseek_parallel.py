@@ -4,26 +4,22 @@ and data parallel + expert parallel (experts split over the ranks, tokens to the
 replicas stepping with dummy batches). Greedy tokens identical to one process."""
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
 from test_deepseek_v3 import make_hf_v3, make_prompts
+from helpers import load_script
 
 from openinfer import LLM, SamplingParams
 
 pytestmark = pytest.mark.distributed
 
-ROOT = Path(__file__).resolve().parents[1]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
 
 
 def _v4_generator():
-    spec = importlib.util.spec_from_file_location("make_v4", ROOT / "scripts" / "make_deepseek_v4_checkpoint.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("make_deepseek_v4_checkpoint")
 
 
 @pytest.fixture(scope="module")

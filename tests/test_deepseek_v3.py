@@ -3,14 +3,13 @@ MLA fast path, the router, the latent KV cache size, weight loading and config v
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import logging
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import engine_model, hf_greedy, write_char_tokenizer
+from helpers import engine_model, hf_greedy, load_script, write_char_tokenizer
 
 from openinfer import LLM, SamplingParams
 from openinfer.config import AttentionBackend
@@ -21,7 +20,6 @@ from openinfer.layers.mla import MLAAttention
 from openinfer.models.deepseek_v3 import DeepseekV3ForCausalLM
 from openinfer.models.weights import WeightLoadError
 
-ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 128
 PROMPT_LENS = (5, 70, 17, 90, 3, 33, 66, 12)  # mixed, several longer than 64 (4+ blocks of 16)
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=0)
@@ -67,11 +65,7 @@ def v3(tmp_path_factory):
 
 
 def load_generator():
-    script = ROOT / "scripts" / "make_deepseek_checkpoint.py"
-    spec = importlib.util.spec_from_file_location("make_ckpt", script)
-    gen = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gen)
-    return gen
+    return load_script("make_deepseek_checkpoint")
 
 
 def generate(llm: LLM, prompts, params=GREEDY):

@@ -30,7 +30,7 @@ from openinfer.models.deepseek_v4.moe import DeepseekV4MoE
 from openinfer.layers.deepseek_moe import RouterConfig, route
 from openinfer.layers.linear import num_parameters
 from openinfer.layers.moe import reference_experts, swiglu
-from tests.helpers import engine_model, hf_greedy, kv_manager
+from tests.helpers import engine_model, hf_greedy, kv_manager, load_script, random_prompts
 from openinfer.config import AttentionBackend
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,15 +39,11 @@ LENGTHS = [3, 17, 33, 40, 52, 64, 75, 80]
 
 
 def _generator():
-    spec = importlib.util.spec_from_file_location("make_v4", ROOT / "scripts" / "make_deepseek_v4_checkpoint.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("make_deepseek_v4_checkpoint")
 
 
 def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(6, 256, (n,), generator=g).tolist() for n in lengths]
+    return random_prompts(seed, lengths)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ and restricted to the candidate blocks chosen at 5), window 8, index_topk 4, shi
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -24,23 +23,18 @@ from openinfer import LLM, SamplingParams
 from openinfer.layers.fp8 import E8M0_DTYPE, FP8_DTYPE
 from openinfer.models.deepseek_v41.reference import reference_logits
 from openinfer.models.weights import WeightLoadError
-from tests.helpers import engine_model, kv_manager
+from tests.helpers import engine_model, kv_manager, load_script, random_prompts
 
-ROOT = Path(__file__).resolve().parents[1]
 NEW_TOKENS = 10
 LENGTHS = [3, 17, 30, 41, 52]
 
 
 def _generator():
-    spec = importlib.util.spec_from_file_location("make_v41", ROOT / "scripts" / "make_deepseek_v41_checkpoint.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("make_deepseek_v41_checkpoint")
 
 
 def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(6, 256, (n,), generator=g).tolist() for n in lengths]
+    return random_prompts(seed, lengths)
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ the target's, named with the proposer's prefix, and share the target's block lay
 prefill and preemption treat them like any group)."""
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -29,7 +30,7 @@ class ProposeInputs:
     batch: InputBatch
 
 
-class Proposer:
+class Proposer(abc.ABC):
     """What the runner calls. A proposer without weights keeps the default (no KV groups)."""
 
     def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> list[KVGroupSpec]:
@@ -42,8 +43,9 @@ class Proposer:
     def free_kv_cache(self) -> None:
         pass
 
+    @abc.abstractmethod
     def propose(self, step: ProposeInputs) -> dict[str, list[int]]:
-        raise NotImplementedError
+        """``{request id: drafts}`` for the rows of ``step`` that sampled."""
 
     def confidence(self) -> dict[str, list[float]]:
         """The last ``propose``'s predicted acceptance per draft, for proposers that predict it (reported in the
