@@ -28,10 +28,14 @@ def ckpt(tmp_path_factory):
     return make_dense_checkpoint(tmp_path_factory.mktemp("so"), "llama", max_position_embeddings=512)
 
 
-@pytest.fixture(scope="module", params=["plain", "ngram"])
+# Both grammar backends (the test command installs xgrammar without its triton dependency), plain and with drafts.
+@pytest.fixture(scope="module", params=[("llguidance", "plain"), ("llguidance", "ngram"), ("xgrammar", "plain"),
+                                        ("xgrammar", "ngram")], ids="-".join)
 def llm(request, ckpt):
-    kw = {"speculative_config": NGRAM} if request.param == "ngram" else {}
-    return LLM(str(ckpt), dtype="float32", max_model_len=512, num_kv_blocks=256, **kw)
+    backend, mode = request.param
+    kw = {"speculative_config": NGRAM} if mode == "ngram" else {}
+    return LLM(str(ckpt), dtype="float32", max_model_len=512, num_kv_blocks=256,
+               structured_outputs_backend=backend, **kw)
 
 
 def run(llm: LLM, spec: SO, n: int = 2, **kw) -> list:
@@ -70,6 +74,10 @@ def test_speculative_drafts_are_checked_against_the_grammar(ckpt):
     (SO(grammar='root ::= "x" [0-9] [0-9]? "y"'), lambda t: re.fullmatch(r"x\d\d?y", t)),  # EBNF / GBNF
 ])
 def test_regex_choice_grammar(llm, spec, check):
+    if llm.engine.grammar_compiler.backend.name == "xgrammar" and spec.grammar and "::=" not in spec.grammar:
+        with pytest.raises(ValueError, match=r"structured_outputs.grammar looks like Lark .* llguidance"):
+            run(llm, spec)
+        return
     for c in run(llm, spec) + run(llm, spec, temperature=0.0):
         assert c.finish_reason == "stop" and check(c.text), c.text
 
@@ -119,6 +127,11 @@ def test_draft_rows_leave_the_matcher_where_it_was(llm):
     assert g.step_bitmask([]) == first  # rolled back
     for t in (a, b, c):
         assert g.accept(t)
+    if not g.is_terminated:  # xgrammar ends on the stop token; llguidance as soon as the grammar is complete
+        mask = int.from_bytes(g.step_bitmask([]), "little")
+        allowed = [i for i in range(mask.bit_length()) if mask >> i & 1]
+        assert allowed == [tok.eos_token_id]
+        assert g.accept(tok.eos_token_id)
     assert g.is_terminated
 
 
@@ -163,8 +176,11 @@ def test_a_compiling_grammar_waits_without_holding_others_back(ckpt, monkeypatch
 def test_backend_seam():
     with pytest.raises(ValueError, match="choose one of auto, llguidance, xgrammar"):
         make_backend("outlines", None, 8, [])
-    try:
-        import xgrammar  # noqa: F401
-    except ImportError:
-        with pytest.raises(ValueError, match=r"pip install 'openinfer\[xgrammar\]'"):
-            make_backend("xgrammar", None, 8, [])
+
+
+def test_missing_xgrammar_is_a_clear_error(monkeypatch):
+    import openinfer.structured_outputs.xgrammar_backend as xb
+
+    monkeypatch.setattr(xb, "xgr", None)
+    with pytest.raises(ValueError, match=r"pip install 'openinfer\[xgrammar\]'"):
+        make_backend("xgrammar", None, 8, [])

@@ -1,11 +1,12 @@
 """The xgrammar backend: an optional extra (``pip install 'openinfer[xgrammar]'``; xgrammar pulls triton, ~1 GB).
 
-Not covered by the test suite (the test extra does not install xgrammar); the llguidance backend is the default.
-xgrammar fills masks into torch tensors, so this plugin imports torch - the bytes it returns are what the engine
+The test command installs it without its dependencies (triton is only needed for GPU masks) and the structured
+outputs tests run on both backends; the llguidance backend is the default. xgrammar fills masks into torch tensors, so this plugin imports torch - the bytes it returns are what the engine
 sees, as with llguidance."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from openinfer.sampling_params import StructuredOutputsParams
@@ -74,19 +75,30 @@ class XGrammarBackend(GrammarBackend):
         kind = spec.kind
         c = self._compiler
         try:
+            # Compact JSON, as llguidance writes it: xgrammar's default (any_whitespace) lets a model that is
+            # unsure emit whitespace until max_tokens, and its flexible-whitespace string rule admits raw control
+            # characters that strict JSON parsers refuse.
             if kind == "json":
-                compiled = c.compile_json_schema(spec.json if isinstance(spec.json, str) else json.dumps(spec.json))
+                compiled = c.compile_json_schema(spec.json if isinstance(spec.json, str) else json.dumps(spec.json),
+                                                 any_whitespace=False)
             elif kind == "json_object":
-                compiled = c.compile_builtin_json_grammar()
+                compiled = c.compile_json_schema('{"type": "object"}', any_whitespace=False)
             elif kind == "regex":
                 compiled = c.compile_regex(spec.regex)
             elif kind == "choice":
                 compiled = c.compile_grammar("root ::= " + " | ".join(json.dumps(s) for s in spec.choice))
             elif kind == "grammar":
+                if "::=" not in spec.grammar:  # llguidance's test too: EBNF rules are `name ::= ...`
+                    raise ValueError("structured_outputs.grammar looks like Lark (no `::=` rules); the xgrammar "
+                                     "backend takes EBNF / GBNF (`root ::= ...`): rewrite it, or serve with "
+                                     "--structured-outputs-backend llguidance, which takes both")
                 compiled = c.compile_grammar(spec.grammar)
             else:
                 tag = spec.structural_tag if isinstance(spec.structural_tag, str) else json.dumps(spec.structural_tag)
                 compiled = c.compile_structural_tag(tag)
-        except Exception as e:  # xgrammar raises RuntimeError for bad grammars
-            raise ValueError(f"structured_outputs.{kind} is invalid: {e}") from None
+        except ValueError:
+            raise
+        except Exception as e:  # xgrammar raises RuntimeError for bad grammars, prefixed "[time] file.cc:line: "
+            why = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(e)).strip()
+            raise ValueError(f"structured_outputs.{kind} is invalid: {why}") from None
         return XGrammarGrammar(compiled, self.vocab_size)
