@@ -66,3 +66,11 @@ class ExternalLauncherExecutor(Executor):
         gathered = get_world_group().all_gather_bytes(msgspec.msgpack.encode(mine))
         return [msgspec.msgpack.decode(gathered[d * tp], type=ModelRunnerOutput)
                 for d in range(len(scheduler_outputs))]
+
+    def shutdown(self) -> None:
+        """Leave the process group (idempotent). Every rank calls this at the same point of its identical
+        program; a rank that exits with a live gloo group can leave its peer's teardown (and torchrun's exit
+        barrier) waiting on sockets nobody closes."""
+        from openinfer.distributed.parallel_state import destroy_distributed_environment
+
+        destroy_distributed_environment()
