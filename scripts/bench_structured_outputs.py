@@ -1,7 +1,8 @@
 """Structured outputs' cost: decode tokens/s at batch 1 and 32 with and without a JSON schema (same prompts,
 greedy, fixed output length: the schema's array cannot close before max_tokens).
 
-    python scripts/bench_structured_outputs.py --model .bench/llama-200m --batch-sizes 1,32 --output-len 64
+    python scripts/bench_structured_outputs.py --model .bench/llama-200m --batch-sizes 1,32 --output-len 64 \
+        [--backend llguidance|xgrammar]
 """
 from __future__ import annotations
 
@@ -36,8 +37,9 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--backend", default="auto", help="structured outputs backend (auto, llguidance, xgrammar)")
     args = ap.parse_args()
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=512)
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=512, structured_outputs_backend=args.backend)
     rows = []
     for b in (int(x) for x in args.batch_sizes.split(",")):
         best = {c: max(run(llm, b, args.output_len, c) for _ in range(args.repeats)) for c in (False, True)}
