@@ -99,7 +99,7 @@ class LLMEngine:
         for this request follows ``params.output_kind``."""
         params = params or SamplingParams()
         params.validate()
-        params.check_token_ids(self.config.model.vocab_size)
+        params.check_limits(self.config.model.vocab_size)
         text, ids = self.tokenize_prompt(prompt)
         self.validate_prompt_ids(ids)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)

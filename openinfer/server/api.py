@@ -187,21 +187,23 @@ def build_app(engine: LLMEngine, settings: ServerSettings, chat_template: str | 
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
-        req = ctx.parse(TokenizeRequest, await read_body(request, settings.max_body_bytes))
+        req = await ctx.parse_request(TokenizeRequest, await read_body(request, settings.max_body_bytes))
         ctx.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError("send exactly one of 'prompt' or 'messages'", 400, "prompt")
         if req.messages is not None:
+            messages = messages_to_dicts(req.messages)
+            ctx.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
             try:
                 ids = await tokenizers.apply_chat_template(
-                    messages_to_dicts(req.messages), req.add_generation_prompt
+                    messages, req.add_generation_prompt
                 )
             except APIError:
                 raise
             except Exception as e:
                 raise APIError(f"cannot apply the chat template: {e}", 400, "messages") from None
         else:
-            ids = await tokenizers.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = await ctx.encode_prompt(req.prompt, add_special_tokens=req.add_special_tokens)
         out = {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
         if req.return_token_strs:
             out["token_strs"] = await tokenizers.token_strs(ids)
@@ -209,13 +211,10 @@ def build_app(engine: LLMEngine, settings: ServerSettings, chat_template: str | 
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
-        req = ctx.parse(DetokenizeRequest, await read_body(request, settings.max_body_bytes))
+        req = await ctx.parse_request(DetokenizeRequest, await read_body(request, settings.max_body_bytes))
         ctx.check_model(req.model)
-        bad = next((t for t in req.tokens if not 0 <= t < ctx.vocab_size), None)
-        if bad is not None:
-            raise APIError(
-                f"token id {bad} is out of range: ids must be in [0, {ctx.vocab_size})", 400, "tokens"
-            )
+        if req.tokens:
+            ctx.check_prompt_ids(req.tokens, "tokens")  # in the vocabulary, and no more than a context's worth
         return json_response({"prompt": await tokenizers.decode(req.tokens)})
 
     @app.post("/reset_prefix_cache")

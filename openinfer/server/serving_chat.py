@@ -110,7 +110,7 @@ class PreparedChat:
 
 async def create_chat_completion(ctx: ServingContext, request: Request, body: bytes) -> Response:
     arrival_s = time.monotonic()
-    req = ctx.parse(ChatCompletionRequest, body)
+    req = await ctx.parse_request(ChatCompletionRequest, body)
     model = ctx.check_model(req.model)
     prep = await prepare_chat(ctx, req)
     plan, messages, ids, params = prep.plan, prep.messages, prep.prompt_ids, prep.params
@@ -172,6 +172,10 @@ async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> Prepa
             "continue_final_message",
         )
     messages = messages_to_dicts(req.messages)
+    # The template copies every message's text into the prompt: too many characters cannot fit the context,
+    # and are refused before the template and the tokenizer spend time on them.
+    ctx.check_prompt_chars(sum(len(m["content"]) if isinstance(m["content"], str) else 0 for m in messages),
+                           "messages")
     template_kwargs = dict(req.chat_template_kwargs or {})
     if plan is not None:
         template_kwargs.setdefault("tools", plan.tools)
