@@ -167,9 +167,11 @@ class LLMEngine:
                 for cid in self.output_processor.child_ids(rid):
                     self.output_processor.finish_externally(cid, "error")
             raise
-        outputs, to_stop = self.output_processor.process(core_outputs)
+        outputs, to_stop, to_fail = self.output_processor.process(core_outputs)
         if to_stop:
             self.core.finish_requests(to_stop, RequestStatus.FINISHED_STOPPED)
+        if to_fail:  # their detokenizing failed: they end (blocks back to the pool), the batch goes on
+            self.core.finish_requests(to_fail, RequestStatus.FINISHED_ERROR)
         for o in core_outputs:
             parent = self._held.get(o.request_id)
             if parent is None:

@@ -21,6 +21,8 @@ from openinfer.engine.llm_engine import LLMEngine
 from openinfer.server.async_engine import AsyncEngine, EngineUnavailable
 from openinfer.server.errors import APIError, error_body, install_error_handlers
 from openinfer.server.metrics import CONTENT_TYPE, ServerMetrics
+from openinfer.server.memory import TrimAfterLargeBody
+from openinfer.server.openapi import install_openapi
 from openinfer.server.protocol import DetokenizeRequest, TokenizeRequest
 from openinfer.server.serving import ServerSettings, ServingContext, json_bytes
 from openinfer.server.serving_chat import create_chat_completion, messages_to_dicts
@@ -105,10 +107,16 @@ def build_app(engine: LLMEngine, settings: ServerSettings, chat_template: str | 
             await async_engine.stop()
             tokenizers.close()
 
-    app = FastAPI(title="openinfer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="openinfer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json"
+    )
     app.state.ctx = ctx
     app.state.async_engine = async_engine
     install_error_handlers(app)
+    from openinfer import __version__
+
+    install_openapi(app, __version__)
+    app.add_middleware(TrimAfterLargeBody)  # innermost: runs once the route (and its objects) are done
     app.add_middleware(GuardMiddleware, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
 
     def json_response(obj, status: int = 200) -> Response:

@@ -83,10 +83,22 @@ class ServingContext:
     def parse(model: type[M], body: bytes) -> M:
         return parse(model, body)
 
-    @staticmethod
-    async def parse_request(model: type[M], body: bytes) -> M:
-        """``parse`` for route handlers: large token-id bodies are checked off the event loop."""
-        return await parse_request(model, body)
+    async def parse_request(self, model: type[M], body: bytes) -> M:
+        """``parse`` for route handlers: large bodies are decoded off the event loop, their list sizes checked
+        against the caps before full validation."""
+        return await parse_request(model, body, self._check_sizes)
+
+    def _check_sizes(self, obj: dict) -> None:
+        def count(name: str) -> int:
+            v = obj.get(name)
+            return len(v) if isinstance(v, (list, dict)) else 0
+
+        try:
+            check_counts(self.vocab_size, self.limits, stop=count("stop"), stop_token_ids=count("stop_token_ids"),
+                         logit_bias=count("logit_bias"), allowed_token_ids=count("allowed_token_ids"),
+                         bad_words=count("bad_words"))
+        except ValueError as e:
+            raise APIError(str(e), 400, str(e).split(" ", 1)[0]) from None
 
     def check_model(self, name: str | None) -> str:
         if name is None or name in self.settings.served_model_names:
