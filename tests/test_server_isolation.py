@@ -70,6 +70,10 @@ POISON = [
     ("prompt-text-multi-MB", _cmpl(prompt="x" * (3 * MB)), "prompt"),
     ("chat-text-multi-MB", _chat(messages=[{"role": "user", "content": "y" * (3 * MB)}]), "messages"),
     ("grammar-too-large", _cmpl(structured_outputs={"regex": "a" * 100_000}), "structured_outputs.regex"),
+    # a character the tokenizer cannot spell: at the start (found when compiling) and after one token (found by the
+    # engine: the request's own 400, not a 500)
+    ("grammar-unspellable", _cmpl(structured_outputs={"choice": ["\x1f"]}), "structured_outputs.choice"),
+    ("grammar-unspellable-later", _cmpl(structured_outputs={"choice": ["0\x1f"]}), "structured_outputs"),
     ("tokenize-multi-MB", ("/tokenize", {"model": "tiny", "prompt": "z" * (3 * MB)}), "prompt"),
     ("detokenize-past-vocab", ("/detokenize", {"model": "tiny", "tokens": [5, 999]}), "tokens"),
 ]

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from openinfer.engine.core_io import EngineCoreOutput
 from openinfer.engine.kv_cache_manager import KVCacheManager
-from openinfer.engine.request import Request, RequestStatus
+from openinfer.engine.request import INVALID_REQUEST, Request, RequestStatus
 from openinfer.engine.spec_stats import SpecDecodeStats
 from openinfer.step_io import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 
@@ -269,9 +269,13 @@ class Scheduler:
 
     @staticmethod
     def _advance_grammar(req: Request, token_id: int) -> RequestStatus | None:
-        """A complete grammar ends the request (nothing but EOS could follow); a token the grammar refuses cannot
-        come from a masked step, so it is an engine fault."""
+        """A complete grammar ends the request (nothing but EOS could follow). A token the grammar refuses although
+        its mask allowed it means the grammar has reached text no token of this vocabulary can continue (e.g. a
+        choice with a character the tokenizer cannot spell): the request's constraint cannot be met."""
         if not req.grammar.accept(token_id):
+            req.stop_reason = (f"{INVALID_REQUEST}structured_outputs cannot be completed with this model's "
+                               f"vocabulary: no token can continue the output after {req.num_output_tokens - 1} "
+                               f"tokens")
             return RequestStatus.FINISHED_ERROR
         return RequestStatus.FINISHED_STOPPED if req.grammar.is_terminated else None
 

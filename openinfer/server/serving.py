@@ -18,6 +18,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from openinfer.engine.llm_engine import LLMEngine
+from openinfer.engine.request import INVALID_REQUEST
 from openinfer.request_limits import DEFAULT_LIMITS, RequestLimits, check_counts
 from openinfer.sampling_params import SamplingParams, StructuredOutputsParams
 from openinfer.server.async_engine import AsyncEngine, EngineOverloaded, EngineUnavailable, RequestStream
@@ -354,6 +355,21 @@ def update_failed(u: RequestUpdate) -> bool:
 
 def engine_error_message(u: RequestUpdate | None) -> str:
     return (u.error if u is not None else None) or "the engine failed while generating this request"
+
+
+def finish_error(stop_reason: int | str | None, u: RequestUpdate | None = None) -> APIError:
+    """The error for a choice that finished with 'error': a 400 naming the field when the request's own input
+    made it fail (the engine says so in the stop reason), else a 500."""
+    if isinstance(stop_reason, str) and stop_reason.startswith(INVALID_REQUEST):
+        message = stop_reason[len(INVALID_REQUEST):]
+        return APIError(message, 400, message.split(" ", 1)[0])
+    return APIError(engine_error_message(u), 500, code="engine_error")
+
+
+def update_error(u: RequestUpdate) -> APIError:
+    """The error to report for an update that ``update_failed``."""
+    reason = next((d.stop_reason for d in u.outputs if d.finish_reason == "error"), None)
+    return finish_error(None if u.error else reason, u)
 
 
 def stream_flags(options: StreamOptions | None) -> tuple[bool, bool]:

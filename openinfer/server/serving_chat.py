@@ -10,7 +10,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from openinfer.server.errors import APIError, error_body
+from openinfer.server.errors import APIError
 from openinfer.server.messages import AddRequest, RequestUpdate
 from openinfer.server.protocol import ChatCompletionRequest, ChatMessage
 from openinfer.sampling_params import SamplingParams
@@ -24,7 +24,8 @@ from openinfer.server.serving import (
     ServingContext,
     UsageTracker,
     cancel_on_disconnect,
-    engine_error_message,
+    finish_error,
+    update_error,
     update_failed,
     json_bytes,
     sse,
@@ -226,8 +227,9 @@ async def _collect(
                 c.logprobs.extend(d.logprobs)
             if d.finish_reason is not None:
                 c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
-    if any(c.finish_reason == "error" for c in choices.values()):
-        raise APIError(engine_error_message(None), 500, code="engine_error")
+    failed = next((c for c in choices.values() if c.finish_reason == "error"), None)
+    if failed is not None:
+        raise finish_error(failed.stop_reason)
     out = []
     for i in range(req.n):
         c = choices.get(i, _Choice(finish_reason="abort"))
@@ -294,7 +296,7 @@ async def _stream(
         for u in batch:
             usage.add(u)
             if update_failed(u):
-                out.append(sse(error_body(engine_error_message(u), 500, code="engine_error")))
+                out.append(sse(update_error(u).body()))
                 failed = True
                 break
             for d in u.outputs:

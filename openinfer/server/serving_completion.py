@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from starlette.requests import Request
 from starlette.responses import Response
 
-from openinfer.server.errors import APIError, error_body
+from openinfer.server.errors import APIError
 from openinfer.server.messages import AddRequest, RequestUpdate
 from openinfer.server.protocol import CompletionRequest
 from openinfer.server.structured import compile_or_400, from_body
@@ -21,7 +21,8 @@ from openinfer.server.serving import (
     ServingContext,
     UsageTracker,
     cancel_on_disconnect,
-    engine_error_message,
+    finish_error,
+    update_error,
     update_failed,
     json_bytes,
     sse,
@@ -171,8 +172,9 @@ async def _collect(
                 c.logprobs.extend(d.logprobs)
             if d.finish_reason is not None:
                 c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
-    if any(c.finish_reason == "error" for c in choices.values()):
-        raise APIError(engine_error_message(None), 500, code="engine_error")
+    failed = next((c for c in choices.values() if c.finish_reason == "error"), None)
+    if failed is not None:
+        raise finish_error(failed.stop_reason)
     out = []
     for p in prompts.values():
         for j in range(req.n):
@@ -230,7 +232,7 @@ async def _stream(
         for u in batch:
             usage.add(u)
             if update_failed(u):
-                out.append(sse(error_body(engine_error_message(u), 500, code="engine_error")))
+                out.append(sse(update_error(u).body()))
                 failed = True
                 break
             p = prompts[u.request_id]
