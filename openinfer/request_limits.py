@@ -6,7 +6,8 @@ next to what would slow a batch down; a server can change them (``ServerSettings
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+from dataclasses import dataclass, fields
 
 # Every integer a request carries must fit a signed 64-bit int: tensors and msgpack (the worker wire) hold no more.
 INT64_MAX = (1 << 63) - 1
@@ -26,6 +27,19 @@ class RequestLimits:
         for name, v in vars(self).items():
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"RequestLimits.{name} must be an integer >= 1, got {v!r}")
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """``--max-n``, ``--max-stop-strings``, ... (one flag per field, same default)."""
+        g = parser.add_argument_group("request limits",
+                                      "per-request caps; a request past one gets a 400 naming the field")
+        for f in fields(cls):
+            g.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default, metavar="N",
+                           help=f"(default: {f.default})")
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> RequestLimits:
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
 
 
 DEFAULT_LIMITS = RequestLimits()

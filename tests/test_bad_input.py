@@ -188,3 +188,18 @@ def test_pickle_checkpoints_are_refused(tmp_path, ckpt):
     (d / "pytorch_model.bin").write_bytes(b"not loaded")
     with pytest.raises(ValueError, match="pickle"):
         LLM(str(d), tokenizer=str(ckpt))
+
+
+def test_request_limits_are_configurable_from_the_command_line():
+    import argparse
+
+    from openinfer.request_limits import RequestLimits
+
+    p = argparse.ArgumentParser()
+    RequestLimits.add_cli_args(p)
+    limits = RequestLimits.from_cli_args(p.parse_args(["--max-stop-strings", "2", "--max-n", "3"]))
+    assert limits == RequestLimits(max_stop_strings=2, max_n=3)
+    with pytest.raises(ValueError, match="stop has 3 items, more than the limit of 2"):
+        SamplingParams(stop=["a", "b", "c"]).check_limits(256, limits)
+    with pytest.raises(ValueError, match="RequestLimits.max_n must be an integer >= 1"):
+        RequestLimits.from_cli_args(p.parse_args(["--max-n", "0"]))
