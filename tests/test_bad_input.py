@@ -203,3 +203,18 @@ def test_request_limits_are_configurable_from_the_command_line():
         SamplingParams(stop=["a", "b", "c"]).check_limits(256, limits)
     with pytest.raises(ValueError, match="RequestLimits.max_n must be an integer >= 1"):
         RequestLimits.from_cli_args(p.parse_args(["--max-n", "0"]))
+
+
+def test_a_rendered_chat_prompt_past_max_chars_is_refused_before_tokenizing(llm, monkeypatch):
+    from openinfer.tokenizer import PromptTooLong, apply_chat_template
+
+    tok = llm.engine.tokenizer
+    template = "{{ tools | tojson }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tools = [{"type": "function", "function": {"name": "f", "description": "d" * 50_000}}]
+    encoded = []
+    monkeypatch.setattr(tok, "encode", lambda *a, **k: encoded.append(a) or [])
+    with pytest.raises(PromptTooLong) as e:
+        apply_chat_template(tok, [{"role": "user", "content": "hi"}], True, template, max_chars=10_000, tools=tools)
+    assert e.value.num_chars > 50_000 and not encoded
+    apply_chat_template(tok, [{"role": "user", "content": "hi"}], True, template, max_chars=10_000)
+    assert encoded

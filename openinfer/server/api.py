@@ -29,6 +29,7 @@ from openinfer.server.serving_chat import create_chat_completion, messages_to_di
 from openinfer.server.serving_completion import create_completion
 from openinfer.server.serving_messages import count_tokens, create_message
 from openinfer.server.tokenizer_service import TokenizerService
+from openinfer.tokenizer import PromptTooLong
 
 logger = logging.getLogger(__name__)
 
@@ -204,9 +205,12 @@ def build_app(engine: LLMEngine, settings: ServerSettings, chat_template: str | 
             ctx.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
             try:
                 ids = await tokenizers.apply_chat_template(
-                    messages, req.add_generation_prompt
+                    messages, req.add_generation_prompt, ctx.max_prompt_chars
                 )
             except APIError:
+                raise
+            except PromptTooLong as e:
+                ctx.check_prompt_chars(e.num_chars, "messages")
                 raise
             except Exception as e:
                 raise APIError(f"cannot apply the chat template: {e}", 400, "messages") from None

@@ -14,6 +14,7 @@ from openinfer.server.errors import APIError
 from openinfer.server.messages import AddRequest, RequestUpdate
 from openinfer.server.protocol import ChatCompletionRequest, ChatMessage
 from openinfer.sampling_params import SamplingParams
+from openinfer.tokenizer import PromptTooLong
 from openinfer.server.chat_tools import ChoiceParser, ToolPlan, check_tools
 from openinfer.server.structured import compile_or_400, from_body
 from openinfer.server.serving import (
@@ -184,10 +185,14 @@ async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> Prepa
         ids = await ctx.tokenizers.apply_chat_template(
             messages,
             req.add_generation_prompt,
+            ctx.max_prompt_chars,  # tools and template kwargs count too: refused before tokenizing
             continue_final_message=req.continue_final_message,
             **template_kwargs,
         )
     except APIError:
+        raise
+    except PromptTooLong as e:
+        ctx.check_prompt_chars(e.num_chars, "messages")
         raise
     except Exception as e:  # template errors are the client's messages meeting the template
         raise APIError(f"cannot apply the chat template: {e}", 400, "messages") from None

@@ -33,7 +33,8 @@ class TokenizerService:
         return await self._run(self.tokenizer.decode, ids, skip_special_tokens=skip_special_tokens)
 
     async def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool, **kwargs: Any
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool, max_chars: int | None = None,
+        **kwargs: Any
     ) -> list[int]:
         return await self._run(
             apply_chat_template,
@@ -42,6 +43,7 @@ class TokenizerService:
             add_generation_prompt,
             None,
             tokenizer_mode=self.tokenizer_mode,
+            max_chars=max_chars,
             **kwargs,
         )
 
