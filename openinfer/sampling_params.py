@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from openinfer.request_limits import DEFAULT_LIMITS, INT64_MAX, RequestLimits, check_counts
+
 _MAX_LOGPROBS = 20
 
 
@@ -77,6 +79,17 @@ class StructuredOutputsParams:
         return self.kind, v if isinstance(v, str) else json.dumps(v, sort_keys=True)
 
 
+def _short_repr(value: object, limit: int = 200) -> str:
+    """repr for an error message: never a multi-MB echo of the request (long lists show their first items, ints
+    too long to print their size)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 256:
+        return f"an integer of {value.bit_length()} bits"
+    if isinstance(value, list) and len(value) > 5:
+        return f"[{', '.join(_short_repr(v, 40) for v in value[:5])}, ... ({len(value)} items)]"
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -129,7 +142,7 @@ class SamplingParams:
 
     def validate(self) -> None:
         def bad(name: str, value: object, rule: str) -> ValueError:
-            return ValueError(f"{name} must be {rule}, got {value!r}")
+            return ValueError(f"{name} must be {rule}, got {_short_repr(value)}")
 
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
@@ -137,8 +150,13 @@ class SamplingParams:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise bad(name, v, "a finite number")
         for name in ("n", "top_k", "min_tokens", "max_tokens", "logprobs", "prompt_logprobs", "seed"):
-            if isinstance(getattr(self, name), bool):
-                raise bad(name, getattr(self, name), "an integer, not a bool")
+            v = getattr(self, name)
+            if isinstance(v, bool):
+                raise bad(name, v, "an integer, not a bool")
+            # Past int64 a tensor (the sampler's top_k) or msgpack (the worker wire) cannot hold it: that would
+            # fail a whole engine step, so it is the request's error here.
+            if isinstance(v, int) and not -INT64_MAX - 1 <= v <= INT64_MAX:
+                raise bad(name, v, "a 64-bit integer")
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", self.n, "an integer >= 1")
@@ -172,20 +190,22 @@ class SamplingParams:
             raise bad("stop", self.stop, "a list of non-empty strings")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise bad("output_kind", self.output_kind, "a RequestOutputKind")
-        if any(t < 0 for t in self.stop_token_ids):
+        if any(not 0 <= t <= INT64_MAX for t in self.stop_token_ids):
             raise bad("stop_token_ids", self.stop_token_ids, "non-negative token ids")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise bad("logit_bias", self.logit_bias, "a mapping of token id -> bias")
             for k, v in self.logit_bias.items():
-                if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-                    raise bad("logit_bias", self.logit_bias, "keyed by non-negative token ids")
+                if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= INT64_MAX:
+                    raise bad("logit_bias", {k: v}, "keyed by non-negative token ids")
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not -_MAX_LOGIT_BIAS <= v <= _MAX_LOGIT_BIAS:
-                    raise bad("logit_bias", self.logit_bias, f"biases in [-{_MAX_LOGIT_BIAS:g}, {_MAX_LOGIT_BIAS:g}]")
+                    raise bad("logit_bias", {k: v}, f"biases in [-{_MAX_LOGIT_BIAS:g}, {_MAX_LOGIT_BIAS:g}]")
         if self.allowed_token_ids is not None and (
                 not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
-                or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)):
-            raise bad("allowed_token_ids", self.allowed_token_ids, "a non-empty list of non-negative token ids")
+                or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= INT64_MAX
+                       for t in self.allowed_token_ids)):
+            raise bad("allowed_token_ids", self.allowed_token_ids,
+                      "a non-empty list of non-negative token ids")
         if self.bad_words is not None and (not isinstance(self.bad_words, list)
                                            or any(not isinstance(w, str) or not w for w in self.bad_words)):
             raise bad("bad_words", self.bad_words, "a list of non-empty strings")
@@ -194,13 +214,23 @@ class SamplingParams:
                 raise bad("structured_outputs", self.structured_outputs, "a StructuredOutputsParams")
             self.structured_outputs.validate()
 
-    def check_token_ids(self, vocab_size: int) -> None:
-        """Token ids the user named must exist in the model's vocabulary (known only to the engine)."""
+    def check_limits(self, vocab_size: int, limits: RequestLimits = DEFAULT_LIMITS) -> None:
+        """What ``validate`` cannot know: token ids the user named must exist in the model's vocabulary, and the
+        request must stay within the configured caps (each costs the engine work per step or per token)."""
+        check_counts(vocab_size, limits, n=self.n, stop=len(self.stop), stop_token_ids=len(self.stop_token_ids),
+                     logit_bias=len(self.logit_bias or ()), allowed_token_ids=len(self.allowed_token_ids or ()),
+                     bad_words=len(self.bad_words or ()))
         for name, ids in (("logit_bias", list(self.logit_bias or ())),
-                          ("allowed_token_ids", self.allowed_token_ids or [])):
+                          ("allowed_token_ids", self.allowed_token_ids or []),
+                          ("stop_token_ids", self.stop_token_ids or [])):
             bad_ids = [t for t in ids if t >= vocab_size]
             if bad_ids:
                 raise ValueError(f"{name} has token ids outside the vocabulary [0, {vocab_size}): {bad_ids[:5]}")
+        for name, strs, cap in (("stop", self.stop, limits.max_stop_chars),
+                                ("bad_words", self.bad_words or [], limits.max_bad_word_chars)):
+            longest = max(strs, key=len, default="")
+            if len(longest) > cap:
+                raise ValueError(f"{name} has a string of {len(longest)} characters, more than the limit of {cap}")
 
     @property
     def greedy(self) -> bool:

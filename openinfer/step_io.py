@@ -83,3 +83,6 @@ class ModelRunnerOutput(msgspec.Struct):
     spec_confidence: dict[str, list[float]] = {}  # the proposer's predicted acceptance of each draft, if it has one
     prompt_logprobs: dict[str, list[dict[int, float]]] = {}
     expert_load: ExpertLoadStats | None = None
+    # Rows whose own work failed this step (sampling, verifying, prompt logprobs): request id -> the error. Those
+    # requests end with an error; the rest of the batch is unaffected.
+    failed: dict[str, str] = {}

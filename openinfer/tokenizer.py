@@ -63,17 +63,31 @@ def default_sampling_params(model_path: str):
 TOKENIZER_MODES = ("auto", "deepseek_v4", "deepseek_v32")
 
 
+class PromptTooLong(ValueError):
+    """The rendered prompt has more characters than the caller's bound: refused before tokenizing it."""
+
+    def __init__(self, num_chars: int, max_chars: int) -> None:
+        super().__init__(f"the prompt has {num_chars} characters, more than the limit of {max_chars}")
+        self.num_chars = num_chars
+
+
 def apply_chat_template(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                        chat_template: str | None = None, tokenizer_mode: str = "auto", **kwargs: Any) -> list[int]:
+                        chat_template: str | None = None, tokenizer_mode: str = "auto",
+                        max_chars: int | None = None, **kwargs: Any) -> list[int]:
+    """The conversation's prompt ids. With ``max_chars``, a rendered prompt longer than that (tools, template
+    kwargs and all) raises ``PromptTooLong`` instead of being tokenized."""
     if not messages:
         raise ValueError("messages must be a non-empty list")
     if tokenizer_mode in ("deepseek_v4", "deepseek_v32"):
-        return tokenizer.encode(_deepseek_prompt(tokenizer_mode, messages, **kwargs), add_special_tokens=False)
-    if not (chat_template or getattr(tokenizer, "chat_template", None)):
-        raise ValueError("this tokenizer has no chat template; pass chat_template=")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                         chat_template=chat_template, **kwargs)
-    # The template already wrote any BOS it wants.
+        text = _deepseek_prompt(tokenizer_mode, messages, **kwargs)
+    else:
+        if not (chat_template or getattr(tokenizer, "chat_template", None)):
+            raise ValueError("this tokenizer has no chat template; pass chat_template=")
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             chat_template=chat_template, **kwargs)
+    if max_chars is not None and len(text) > max_chars:
+        raise PromptTooLong(len(text), max_chars)
+    # The template already wrote any BOS it wants (and DeepSeek's encoders theirs).
     return tokenizer.encode(text, add_special_tokens=False)
 
 

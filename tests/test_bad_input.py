@@ -62,10 +62,48 @@ def test_bad_batch_is_all_or_nothing(llm):
     (dict(top_p=float("inf")), "top_p"),
     (dict(max_tokens=True), "max_tokens"),
     (dict(temperature="hot"), "temperature"),
+    # past int64: a tensor (top_k in the sampler) or msgpack (the worker wire) cannot hold these
+    (dict(top_k=2**70), "top_k"),
+    (dict(seed=-2**64), "seed"),
+    (dict(max_tokens=2**64), "max_tokens"),
+    (dict(stop_token_ids=[2**64]), "stop_token_ids"),
+    (dict(allowed_token_ids=[2**70]), "allowed_token_ids"),
+    (dict(logit_bias={2**70: 1.0}), "logit_bias"),
 ])
 def test_sampling_values_rejected_with_field_name(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(stop_token_ids=[256], min_tokens=2), r"stop_token_ids has token ids outside the vocabulary \[0, 256\)"),
+    (dict(logit_bias={300: 1.0}), r"logit_bias has token ids outside the vocabulary"),
+    (dict(allowed_token_ids=[5, 256]), r"allowed_token_ids has token ids outside the vocabulary"),
+    (dict(allowed_token_ids=[5] * 257), r"allowed_token_ids has 257 items, more than the limit of 256"),
+    (dict(n=129), r"n must be at most 128, got 129"),
+    (dict(stop=[f"s{i}" for i in range(65)]), r"stop has 65 items, more than the limit of 64"),
+    (dict(stop=["x" * 257]), r"stop has a string of 257 characters, more than the limit of 256"),
+    (dict(stop_token_ids=[5] * 1025), r"stop_token_ids has 1025 items, more than the limit of 1024"),
+    (dict(logit_bias={i: 1.0 for i in range(1025)}), r"logit_bias has 1025 items"),
+    (dict(bad_words=["w"] * 129), r"bad_words has 129 items, more than the limit of 128"),
+    (dict(bad_words=["w" * 300]), r"bad_words has a string of 300 characters"),
+    (dict(structured_outputs={"regex": "a" * 300_000}), r"structured_outputs.regex is too large: 300000 characters"),
+])
+def test_values_past_the_vocabulary_or_caps_rejected_by_the_engine(llm, kwargs, message):
+    """Checked when the request is added (the vocabulary and the caps are the engine's), before anything runs: a
+    stop token id past the vocabulary with min_tokens used to fail the sampler, and with it the whole batch."""
+    with pytest.raises(ValueError, match=message):
+        llm.generate([{"prompt_token_ids": [5, 6]}], SamplingParams(**kwargs), use_tqdm=False)
+    works(llm)
+
+
+def test_error_messages_do_not_echo_huge_values():
+    with pytest.raises(ValueError) as e:
+        SamplingParams(stop=[""] * 100_000)
+    assert len(str(e.value)) < 300 and "100000 items" in str(e.value)
+    with pytest.raises(ValueError) as e:
+        SamplingParams(top_k=10**5000)
+    assert "top_k" in str(e.value) and len(str(e.value)) < 300
 
 
 def test_unknown_sampling_argument_rejected():
@@ -150,3 +188,33 @@ def test_pickle_checkpoints_are_refused(tmp_path, ckpt):
     (d / "pytorch_model.bin").write_bytes(b"not loaded")
     with pytest.raises(ValueError, match="pickle"):
         LLM(str(d), tokenizer=str(ckpt))
+
+
+def test_request_limits_are_configurable_from_the_command_line():
+    import argparse
+
+    from openinfer.request_limits import RequestLimits
+
+    p = argparse.ArgumentParser()
+    RequestLimits.add_cli_args(p)
+    limits = RequestLimits.from_cli_args(p.parse_args(["--max-stop-strings", "2", "--max-n", "3"]))
+    assert limits == RequestLimits(max_stop_strings=2, max_n=3)
+    with pytest.raises(ValueError, match="stop has 3 items, more than the limit of 2"):
+        SamplingParams(stop=["a", "b", "c"]).check_limits(256, limits)
+    with pytest.raises(ValueError, match="RequestLimits.max_n must be an integer >= 1"):
+        RequestLimits.from_cli_args(p.parse_args(["--max-n", "0"]))
+
+
+def test_a_rendered_chat_prompt_past_max_chars_is_refused_before_tokenizing(llm, monkeypatch):
+    from openinfer.tokenizer import PromptTooLong, apply_chat_template
+
+    tok = llm.engine.tokenizer
+    template = "{{ tools | tojson }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tools = [{"type": "function", "function": {"name": "f", "description": "d" * 50_000}}]
+    encoded = []
+    monkeypatch.setattr(tok, "encode", lambda *a, **k: encoded.append(a) or [])
+    with pytest.raises(PromptTooLong) as e:
+        apply_chat_template(tok, [{"role": "user", "content": "hi"}], True, template, max_chars=10_000, tools=tools)
+    assert e.value.num_chars > 50_000 and not encoded
+    apply_chat_template(tok, [{"role": "user", "content": "hi"}], True, template, max_chars=10_000)
+    assert encoded

@@ -1,6 +1,8 @@
 """Incremental detokenization and stop strings, once per request per step."""
 from __future__ import annotations
 
+from openinfer.engine.stop_strings import StopStringMatcher
+
 # Prompt tokens kept as left context so the first generated token decodes with the right leading space.
 _CONTEXT_TOKENS = 6
 
@@ -16,10 +18,11 @@ class IncrementalDetokenizer:
         self.text = ""
         self.stop = stop
         self.include_stop = include_stop_str_in_output
-        self.max_stop_len = max((len(s) for s in stop), default=0)
+        # Only the new text is scanned, in time independent of the number of stop strings.
+        self.matcher = StopStringMatcher(stop) if stop else None
 
     def add(self, token_ids: list[int]) -> tuple[str | None, int]:
-        """Append tokens; returns (the stop string if one now appears - text is then cut at it -, how many of
+        """Append tokens; returns (the stop string that now ends first - text is then cut at it -, how many of
         ``token_ids`` were taken). Several tokens in one step (speculative decoding) with stop strings go one at
         a time: the tokens after the one that completed a stop string are not part of the output."""
         if self.stop and len(token_ids) > 1:
@@ -41,29 +44,20 @@ class IncrementalDetokenizer:
             self.text += full[len(prefix):]
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.tokens)
-        if not self.stop:
+        if self.matcher is None:
             return None
-        search_from = max(0, before - self.max_stop_len + 1)
-        best = None
-        for s in self.stop:
-            i = self.text.find(s, search_from)
-            if i >= 0 and (best is None or i < best[0]):
-                best = (i, s)
-        if best is None:
+        hit = self.matcher.feed(self.text[before:])
+        if hit is None:
             return None
-        i, s = best
-        self.text = self.text[:i + len(s)] if self.include_stop else self.text[:i]
-        return s
+        end, stop = hit
+        end += before
+        self.text = self.text[:end] if self.include_stop else self.text[:end - len(stop)]
+        return stop
 
     def visible_text(self, finished: bool) -> str:
         """Text safe to show now: while running, hold back a suffix that could still grow into a stop string,
         so a stop string never leaks into streamed output."""
-        if finished or not self.stop:
+        if finished or self.matcher is None:
             return self.text
-        hold = 0
-        for s in self.stop:
-            for k in range(min(len(s) - 1, len(self.text)), 0, -1):
-                if self.text.endswith(s[:k]):
-                    hold = max(hold, k)
-                    break
+        hold = self.matcher.pending
         return self.text[:len(self.text) - hold] if hold else self.text

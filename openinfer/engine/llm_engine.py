@@ -99,7 +99,7 @@ class LLMEngine:
         for this request follows ``params.output_kind``."""
         params = params or SamplingParams()
         params.validate()
-        params.check_token_ids(self.config.model.vocab_size)
+        params.check_limits(self.config.model.vocab_size)
         text, ids = self.tokenize_prompt(prompt)
         self.validate_prompt_ids(ids)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
@@ -167,9 +167,11 @@ class LLMEngine:
                 for cid in self.output_processor.child_ids(rid):
                     self.output_processor.finish_externally(cid, "error")
             raise
-        outputs, to_stop = self.output_processor.process(core_outputs)
+        outputs, to_stop, to_fail = self.output_processor.process(core_outputs)
         if to_stop:
             self.core.finish_requests(to_stop, RequestStatus.FINISHED_STOPPED)
+        if to_fail:  # their detokenizing failed: they end (blocks back to the pool), the batch goes on
+            self.core.finish_requests(to_fail, RequestStatus.FINISHED_ERROR)
         for o in core_outputs:
             parent = self._held.get(o.request_id)
             if parent is None:

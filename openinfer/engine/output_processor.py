@@ -87,47 +87,69 @@ class OutputProcessor:
         for req, c in zip(parent.children, states):
             self.child_to_parent[req.request_id] = (state, c)
 
-    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str], list[str]]:
         """Returns (outputs for the parents touched this step, child ids that hit a stop string and must be
-        finished in the engine core)."""
+        finished in the engine core, child ids whose own processing failed - detokenizing, stop strings - and
+        must be finished there with an error). A failure ends its own request only, never the others."""
         touched: dict[str, ParentState] = {}
         to_stop: list[str] = []
+        to_fail: list[str] = []
         for o in outputs:
-            entry = self.child_to_parent.get(o.request_id)
-            if entry is None:
-                continue
-            parent, child = entry
-            touched[parent.request_id] = parent
-            m = parent.metrics
-            if child.index == 0:
-                m.first_scheduled_time = o.first_scheduled_s
-                m.num_cached_tokens = o.num_cached_tokens
-                if o.new_prompt_logprobs and parent.prompt_logprobs is not None:
-                    parent.prompt_logprobs.extend(o.new_prompt_logprobs)
-            child.num_preemptions = o.num_preemptions
-            if o.new_token_ids:
-                hit, taken = child.detok.add(o.new_token_ids) if child.detok is not None else (None, 0)
-                if hit is not None:  # tokens after the stop string's are dropped (several per step: speculation)
-                    o.new_token_ids = o.new_token_ids[:taken]
-                    o.new_logprobs = o.new_logprobs[:taken] if o.new_logprobs else o.new_logprobs
-                self._add_tokens(child, o)
-                if hit is not None and child.finish_reason is None:
-                    # The stop string ended the text at a token no later than whatever finished the request.
-                    child.finish_reason, child.stop_reason = "stop", hit
-                    child.finished_s = o.timestamp_s
+            try:
+                self._process_one(o, touched, to_stop)
+            except Exception:
+                logger.exception("request %s: processing its output failed; ending it with an error", o.request_id)
+                entry = self.child_to_parent.get(o.request_id)
+                if entry is not None and entry[1].finish_reason is None:
+                    entry[1].finish_reason, entry[1].finished_s = "error", o.timestamp_s
                     if o.finish_reason is None:
-                        to_stop.append(o.request_id)
-            if o.finish_reason is not None and child.finish_reason is None:
-                child.finish_reason, child.stop_reason = o.finish_reason, o.stop_reason
-                child.finished_s = o.timestamp_s
+                        to_fail.append(o.request_id)
         results = []
         for p in touched.values():
-            out = self._make_output(p)
+            try:
+                out = self._make_output(p)
+            except Exception:
+                logger.exception("request %s: building its output failed; ending it with an error", p.request_id)
+                for cid, c in zip(p.child_ids, p.children):
+                    if c.finish_reason is None:
+                        c.finish_reason, c.finished_s = "error", time.monotonic()
+                        to_fail.append(cid)
+                    c.detok = None  # what broke is not asked again; the final output carries no more text
+                out = self._make_output(p)
             if out is not None:
                 results.append(out)
             if p.finished:
                 self._drop(p)
-        return results, to_stop
+        return results, to_stop, to_fail
+
+    def _process_one(self, o: EngineCoreOutput, touched: dict[str, ParentState], to_stop: list[str]) -> None:
+        entry = self.child_to_parent.get(o.request_id)
+        if entry is None:
+            return
+        parent, child = entry
+        touched[parent.request_id] = parent
+        m = parent.metrics
+        if child.index == 0:
+            m.first_scheduled_time = o.first_scheduled_s
+            m.num_cached_tokens = o.num_cached_tokens
+            if o.new_prompt_logprobs and parent.prompt_logprobs is not None:
+                parent.prompt_logprobs.extend(o.new_prompt_logprobs)
+        child.num_preemptions = o.num_preemptions
+        if o.new_token_ids:
+            hit, taken = child.detok.add(o.new_token_ids) if child.detok is not None else (None, 0)
+            if hit is not None:  # tokens after the stop string's are dropped (several per step: speculation)
+                o.new_token_ids = o.new_token_ids[:taken]
+                o.new_logprobs = o.new_logprobs[:taken] if o.new_logprobs else o.new_logprobs
+            self._add_tokens(child, o)
+            if hit is not None and child.finish_reason is None:
+                # The stop string ended the text at a token no later than whatever finished the request.
+                child.finish_reason, child.stop_reason = "stop", hit
+                child.finished_s = o.timestamp_s
+                if o.finish_reason is None:
+                    to_stop.append(o.request_id)
+        if o.finish_reason is not None and child.finish_reason is None:
+            child.finish_reason, child.stop_reason = o.finish_reason, o.stop_reason
+            child.finished_s = o.timestamp_s
 
     @staticmethod
     def _add_tokens(child: ChildState, o: EngineCoreOutput) -> None:

@@ -30,6 +30,10 @@ class RequestStatus(enum.Enum):
         return self.value if self.finished else None
 
 
+# A request that ends with an error its own input caused (not a fault of the engine) says so in its stop_reason,
+# which starts with this; the server answers it with a 400 rather than a 500.
+INVALID_REQUEST = "invalid request: "
+
 _FINISHED = {
     RequestStatus.FINISHED_STOPPED,
     RequestStatus.FINISHED_LENGTH,

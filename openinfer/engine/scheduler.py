@@ -7,18 +7,21 @@ order; when blocks run out, the most recently admitted running request is preemp
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from typing import TYPE_CHECKING
 
 from openinfer.engine.core_io import EngineCoreOutput
 from openinfer.engine.kv_cache_manager import KVCacheManager
-from openinfer.engine.request import Request, RequestStatus
+from openinfer.engine.request import INVALID_REQUEST, Request, RequestStatus
 from openinfer.engine.spec_stats import SpecDecodeStats
 from openinfer.step_io import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 
 if TYPE_CHECKING:  # the scheduler stays importable without torch
     from openinfer.config import SchedulerConfig
+
+logger = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -139,7 +142,15 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(compiling))
 
-        self._fill_grammar_bitmasks(out)
+        for req in self._fill_grammar_bitmasks(out):  # a grammar that failed ends its own request only
+            del out.num_scheduled_tokens[req.request_id]
+            out.scheduled_spec_tokens.pop(req.request_id, None)
+            new_reqs = [r for r in new_reqs if r is not req]
+            cached = [(r, ids) for r, ids in cached if r is not req]
+            self.running.remove(req)
+            self._finish(req, RequestStatus.FINISHED_ERROR)
+            self._error_outputs.append(self._output(req, [], None, None, RequestStatus.FINISHED_ERROR,
+                                                    time.monotonic()))
         out.new_requests = [NewRequestData(r.request_id, r.prompt_token_ids, r.sampling_params,
                                            self.kv.block_ids(r.request_id), r.num_computed_tokens,
                                            list(r.output_token_ids)) for r in new_reqs]
@@ -147,16 +158,22 @@ class Scheduler:
         out.finished_req_ids, self._finished_ids = self._finished_ids, []
         return out
 
-    def _fill_grammar_bitmasks(self, out: SchedulerOutput) -> None:
+    def _fill_grammar_bitmasks(self, out: SchedulerOutput) -> list[Request]:
         """The mask rows of every constrained request that samples this step (after its known tokens, and after
-        each draft it verifies)."""
+        each draft it verifies). Returns the requests whose grammar raised: they must end, not the step."""
+        failed = []
         for rid, n in out.num_scheduled_tokens.items():
             req = self.requests[rid]
             if req.grammar is None:
                 continue
             drafts = out.scheduled_spec_tokens.get(rid, [])
             if req.num_computed_tokens + n - len(drafts) == req.num_tokens:
-                out.grammar_bitmask[rid] = req.grammar.step_bitmask(drafts)
+                try:
+                    out.grammar_bitmask[rid] = req.grammar.step_bitmask(drafts)
+                except Exception:
+                    logger.exception("request %s: its grammar failed; ending it with an error", rid)
+                    failed.append(req)
+        return failed
 
     def take_error_outputs(self) -> list[EngineCoreOutput]:
         outputs, self._error_outputs = self._error_outputs, []
@@ -170,7 +187,11 @@ class Scheduler:
         if not spec or known > budget:
             return []
         if req.grammar is not None:
-            spec = req.grammar.valid_drafts(spec)
+            try:
+                spec = req.grammar.valid_drafts(spec)
+            except Exception:  # no drafts; the grammar's next use (its bitmask) ends the request if it is broken
+                logger.exception("request %s: its grammar failed checking drafts", req.request_id)
+                return []
         room = min(budget - known, req.max_tokens - req.num_output_tokens - 1,
                    req.max_model_len - req.num_tokens - 1)
         return spec[:max(room, 0)]
@@ -205,6 +226,11 @@ class Scheduler:
             req.spec_token_ids = result.spec_token_ids.get(rid, [])
             req.spec_confidence = result.spec_confidence.get(rid, [])
             prompt_lp = result.prompt_logprobs.get(rid)
+            if rid in result.failed:  # the worker could not sample (or score) this row: it alone ends
+                self.running.remove(req)
+                self._finish(req, RequestStatus.FINISHED_ERROR)
+                outputs.append(self._output(req, [], None, None, RequestStatus.FINISHED_ERROR, now))
+                continue
             if not sampled:
                 if prompt_lp:
                     outputs.append(self._output(req, [], None, prompt_lp, None, now))
@@ -212,16 +238,20 @@ class Scheduler:
             if req.times.first_token_s is None:
                 req.times.first_token_s = now
             tokens, lps, status = [], [], None
-            for tok in sampled:  # one at a time: a stop ends the request there, later tokens are dropped
-                req.append_output_token(tok.token_id)
-                tokens.append(tok.token_id)
-                if req.sampling_params.logprobs is not None:
-                    lps.append(tok.top_logprobs or {tok.token_id: tok.logprob})
-                status = self._check_stop(req, tok.token_id)
-                if req.grammar is not None and status is None:
-                    status = self._advance_grammar(req, tok.token_id)
-                if status is not None:
-                    break
+            try:
+                for tok in sampled:  # one at a time: a stop ends the request there, later tokens are dropped
+                    req.append_output_token(tok.token_id)
+                    tokens.append(tok.token_id)
+                    if req.sampling_params.logprobs is not None:
+                        lps.append(tok.top_logprobs or {tok.token_id: tok.logprob})
+                    status = self._check_stop(req, tok.token_id)
+                    if req.grammar is not None and status is None:
+                        status = self._advance_grammar(req, tok.token_id)
+                    if status is not None:
+                        break
+            except Exception:  # this request's own state (its grammar matcher): it alone ends
+                logger.exception("request %s: updating it failed; ending it with an error", rid)
+                status = RequestStatus.FINISHED_ERROR
             if status is not None:
                 self.running.remove(req)
                 self._finish(req, status)
@@ -239,9 +269,13 @@ class Scheduler:
 
     @staticmethod
     def _advance_grammar(req: Request, token_id: int) -> RequestStatus | None:
-        """A complete grammar ends the request (nothing but EOS could follow); a token the grammar refuses cannot
-        come from a masked step, so it is an engine fault."""
+        """A complete grammar ends the request (nothing but EOS could follow). A token the grammar refuses although
+        its mask allowed it means the grammar has reached text no token of this vocabulary can continue (e.g. a
+        choice with a character the tokenizer cannot spell): the request's constraint cannot be met."""
         if not req.grammar.accept(token_id):
+            req.stop_reason = (f"{INVALID_REQUEST}structured_outputs cannot be completed with this model's "
+                               f"vocabulary: no token can continue the output after {req.num_output_tokens - 1} "
+                               f"tokens")
             return RequestStatus.FINISHED_ERROR
         return RequestStatus.FINISHED_STOPPED if req.grammar.is_terminated else None
 

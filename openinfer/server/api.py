@@ -21,12 +21,15 @@ from openinfer.engine.llm_engine import LLMEngine
 from openinfer.server.async_engine import AsyncEngine, EngineUnavailable
 from openinfer.server.errors import APIError, error_body, install_error_handlers
 from openinfer.server.metrics import CONTENT_TYPE, ServerMetrics
+from openinfer.server.memory import TrimAfterLargeBody
+from openinfer.server.openapi import install_openapi
 from openinfer.server.protocol import DetokenizeRequest, TokenizeRequest
 from openinfer.server.serving import ServerSettings, ServingContext, json_bytes
 from openinfer.server.serving_chat import create_chat_completion, messages_to_dicts
 from openinfer.server.serving_completion import create_completion
 from openinfer.server.serving_messages import count_tokens, create_message
 from openinfer.server.tokenizer_service import TokenizerService
+from openinfer.tokenizer import PromptTooLong
 
 logger = logging.getLogger(__name__)
 
@@ -105,10 +108,16 @@ def build_app(engine: LLMEngine, settings: ServerSettings, chat_template: str | 
             await async_engine.stop()
             tokenizers.close()
 
-    app = FastAPI(title="openinfer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="openinfer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json"
+    )
     app.state.ctx = ctx
     app.state.async_engine = async_engine
     install_error_handlers(app)
+    from openinfer import __version__
+
+    install_openapi(app, __version__)
+    app.add_middleware(TrimAfterLargeBody)  # innermost: runs once the route (and its objects) are done
     app.add_middleware(GuardMiddleware, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
 
     def json_response(obj, status: int = 200) -> Response:
@@ -187,21 +196,26 @@ def build_app(engine: LLMEngine, settings: ServerSettings, chat_template: str | 
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
-        req = ctx.parse(TokenizeRequest, await read_body(request, settings.max_body_bytes))
+        req = await ctx.parse_request(TokenizeRequest, await read_body(request, settings.max_body_bytes))
         ctx.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError("send exactly one of 'prompt' or 'messages'", 400, "prompt")
         if req.messages is not None:
+            messages = messages_to_dicts(req.messages)
+            ctx.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
             try:
                 ids = await tokenizers.apply_chat_template(
-                    messages_to_dicts(req.messages), req.add_generation_prompt
+                    messages, req.add_generation_prompt, ctx.max_prompt_chars
                 )
             except APIError:
+                raise
+            except PromptTooLong as e:
+                ctx.check_prompt_chars(e.num_chars, "messages")
                 raise
             except Exception as e:
                 raise APIError(f"cannot apply the chat template: {e}", 400, "messages") from None
         else:
-            ids = await tokenizers.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = await ctx.encode_prompt(req.prompt, add_special_tokens=req.add_special_tokens)
         out = {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
         if req.return_token_strs:
             out["token_strs"] = await tokenizers.token_strs(ids)
@@ -209,13 +223,10 @@ def build_app(engine: LLMEngine, settings: ServerSettings, chat_template: str | 
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
-        req = ctx.parse(DetokenizeRequest, await read_body(request, settings.max_body_bytes))
+        req = await ctx.parse_request(DetokenizeRequest, await read_body(request, settings.max_body_bytes))
         ctx.check_model(req.model)
-        bad = next((t for t in req.tokens if not 0 <= t < ctx.vocab_size), None)
-        if bad is not None:
-            raise APIError(
-                f"token id {bad} is out of range: ids must be in [0, {ctx.vocab_size})", 400, "tokens"
-            )
+        if req.tokens:
+            ctx.check_prompt_ids(req.tokens, "tokens")  # in the vocabulary, and no more than a context's worth
         return json_response({"prompt": await tokenizers.decode(req.tokens)})
 
     @app.post("/reset_prefix_cache")

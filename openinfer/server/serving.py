@@ -12,25 +12,32 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import msgspec
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from openinfer.engine.llm_engine import LLMEngine
+from openinfer.engine.request import INVALID_REQUEST
+from openinfer.request_limits import DEFAULT_LIMITS, RequestLimits, check_counts
 from openinfer.sampling_params import SamplingParams, StructuredOutputsParams
 from openinfer.server.async_engine import AsyncEngine, EngineOverloaded, EngineUnavailable, RequestStream
-from openinfer.server.errors import APIError, validation_message
+from openinfer.server.errors import APIError
 from openinfer.server.messages import AddRequest, RequestUpdate
 from openinfer.server.metrics import ServerMetrics
 from openinfer.server.protocol import GenerationRequest, StreamOptions
 from openinfer.server.reasoning import make_reasoning_parser
+from openinfer.server.request_parsing import parse, parse_request
 from openinfer.server.tokenizer_service import TokenizerService
 from openinfer.server.tool_parsers import get_tool_parser
 
 M = TypeVar("M", bound=BaseModel)
 DONE = b"data: [DONE]\n\n"
 MAX_LOGPROBS = 20
+# encode_prompt's probe: a long text is first tokenized only this many characters per context token, and refused
+# when that head is already past the context by more than the margin.
+PROBE_CHARS_PER_TOKEN = 8
+PROBE_MARGIN_TOKENS = 64
 
 
 @dataclass
@@ -42,6 +49,7 @@ class ServerSettings:
     drain_timeout_s: float = 30.0
     tool_call_parser: str | None = "hermes"  # tool_parsers/: how tool calls look in this model's output
     reasoning_parser: str | None = None  # reasoning/: split <think> ... </think> into reasoning_content
+    limits: RequestLimits = DEFAULT_LIMITS  # caps on stop strings, token-id lists, grammars... per request
 
 
 class ServingContext:
@@ -64,6 +72,9 @@ class ServingContext:
         self.vocab_size = engine.config.model.vocab_size
         self.kv_capacity_tokens = engine.kv_capacity_tokens
         self.defaults = engine.default_sampling_params()
+        self.limits = settings.limits
+        # A text of more characters than this cannot fit max_model_len tokens: it is refused without tokenizing.
+        self.max_prompt_chars = self.max_model_len * tokenizers.max_token_chars
         self.created = int(time.time())
         self.tool_parser = get_tool_parser(settings.tool_call_parser) if settings.tool_call_parser else None
         make_reasoning_parser(settings.reasoning_parser)  # a bad name fails at start-up, not per request
@@ -71,11 +82,24 @@ class ServingContext:
     # -- validation ------------------------------------------------------------------------------
     @staticmethod
     def parse(model: type[M], body: bytes) -> M:
+        return parse(model, body)
+
+    async def parse_request(self, model: type[M], body: bytes) -> M:
+        """``parse`` for route handlers: large bodies are decoded off the event loop, their list sizes checked
+        against the caps before full validation."""
+        return await parse_request(model, body, self._check_sizes)
+
+    def _check_sizes(self, obj: dict) -> None:
+        def count(name: str) -> int:
+            v = obj.get(name)
+            return len(v) if isinstance(v, (list, dict)) else 0
+
         try:
-            return model.model_validate_json(body or b"null")
-        except ValidationError as e:
-            message, param = validation_message(e)
-            raise APIError(message, 400, param) from None
+            check_counts(self.vocab_size, self.limits, stop=count("stop"), stop_token_ids=count("stop_token_ids"),
+                         logit_bias=count("logit_bias"), allowed_token_ids=count("allowed_token_ids"),
+                         bad_words=count("bad_words"))
+        except ValueError as e:
+            raise APIError(str(e), 400, str(e).split(" ", 1)[0]) from None
 
     def check_model(self, name: str | None) -> str:
         if name is None or name in self.settings.served_model_names:
@@ -90,11 +114,51 @@ class ServingContext:
     def check_prompt_ids(self, ids: list[int], param: str = "prompt") -> None:
         if not ids:
             raise APIError("the prompt is empty (0 tokens)", 400, param)
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
+        if len(ids) >= self.max_model_len:  # before looking at each id: a long list is refused at once
+            raise self.too_long(f"your request has {len(ids)} input tokens", param)
+        lo, hi = min(ids), max(ids)  # C loops, not a Python one per id
+        if lo < 0 or hi >= self.vocab_size:
             raise APIError(
-                f"token id {bad} is out of range: ids must be in [0, {self.vocab_size})", 400, param
+                f"token id {lo if lo < 0 else hi} is out of range: ids must be in [0, {self.vocab_size})", 400,
+                param
             )
+
+    def too_long(self, what: str, param: str) -> APIError:
+        return APIError(
+            f"This model's maximum context length is {self.max_model_len} tokens. However, {what}. Please reduce "
+            f"the length of the input messages.",
+            400,
+            param,
+            "context_length_exceeded",
+        )
+
+    def check_prompt_chars(self, num_chars: int, param: str = "prompt") -> None:
+        """Refuse, without tokenizing, a text too long in characters to fit the context: no token of this
+        tokenizer spans more than ``max_token_chars`` characters."""
+        if num_chars > self.max_prompt_chars:
+            raise self.too_long(
+                f"your request has {num_chars} characters of input, more than the {self.max_prompt_chars} that "
+                f"{self.max_model_len} tokens of this tokenizer can hold (at most "
+                f"{self.tokenizers.max_token_chars} characters each)",
+                param,
+            )
+
+    async def encode_prompt(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+        """Tokenize a prompt with work bounded by the context length, not by the body: a text beyond the
+        character bound is refused outright, and a long one is first tokenized only as far as
+        ``PROBE_CHARS_PER_TOKEN`` characters per context token, refused if that head alone overflows."""
+        self.check_prompt_chars(len(text), param)
+        probe = self.max_model_len * PROBE_CHARS_PER_TOKEN
+        if len(text) > 2 * probe:
+            head = await self.tokenizers.encode(text[:probe], add_special_tokens=add_special_tokens)
+            # Tokens near the cut may merge differently in the whole text: leave a margin for them.
+            if len(head) - PROBE_MARGIN_TOKENS >= self.max_model_len:
+                raise self.too_long(
+                    f"your request has more than {len(head) - PROBE_MARGIN_TOKENS} input tokens (its first "
+                    f"{probe} characters alone are {len(head)} tokens)",
+                    param,
+                )
+        return await self.tokenizers.encode(text, add_special_tokens=add_special_tokens)
 
     def resolve_max_tokens(
         self, requested: int | None, prompt_len: int, param: str = "max_tokens", prompt_param: str = "prompt"
@@ -102,13 +166,7 @@ class ServingContext:
         """vLLM's strict rule: prompt + max_tokens must fit in max_model_len, else 400 with both numbers."""
         limit = self.max_model_len
         if prompt_len >= limit:
-            raise APIError(
-                f"This model's maximum context length is {limit} tokens. However, your request has "
-                f"{prompt_len} input tokens. Please reduce the length of the input messages.",
-                400,
-                prompt_param,
-                "context_length_exceeded",
-            )
+            raise self.too_long(f"your request has {prompt_len} input tokens", prompt_param)
         if requested is None:
             # Whatever room is left, but never more than the whole KV pool can hold.
             return max(1, min(limit, self.kv_capacity_tokens) - prompt_len)
@@ -126,10 +184,18 @@ class ServingContext:
         return requested
 
     def check_common(self, req: GenerationRequest) -> None:
+        """Checks that cost O(1) and come before any work on the request (tokenizing, compiling a grammar)."""
         if req.best_of is not None and req.best_of != req.n:
             raise APIError("best_of is not supported (use n)", 400, "best_of")
         if not isinstance(req.n, int) or req.n < 1:
             raise APIError(f"n must be an integer >= 1, got {req.n}", 400, "n")
+        stop = 1 if isinstance(req.stop, str) else len(req.stop or ())
+        try:
+            check_counts(self.vocab_size, self.limits, n=req.n, stop=stop,
+                         stop_token_ids=len(req.stop_token_ids or ()), logit_bias=len(req.logit_bias or ()),
+                         allowed_token_ids=len(req.allowed_token_ids or ()), bad_words=len(req.bad_words or ()))
+        except ValueError as e:
+            raise APIError(str(e), 400, str(e).split(" ", 1)[0]) from None
         if req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= MAX_LOGPROBS:
             raise APIError(
                 f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {req.prompt_logprobs}",
@@ -175,7 +241,7 @@ class ServingContext:
                 bad_words=req.bad_words,
                 structured_outputs=structured_outputs,
             )
-            params.check_token_ids(self.vocab_size)
+            params.check_limits(self.vocab_size, self.limits)
             return params
         except (ValueError, TypeError) as e:
             msg = str(e)
@@ -289,6 +355,21 @@ def update_failed(u: RequestUpdate) -> bool:
 
 def engine_error_message(u: RequestUpdate | None) -> str:
     return (u.error if u is not None else None) or "the engine failed while generating this request"
+
+
+def finish_error(stop_reason: int | str | None, u: RequestUpdate | None = None) -> APIError:
+    """The error for a choice that finished with 'error': a 400 naming the field when the request's own input
+    made it fail (the engine says so in the stop reason), else a 500."""
+    if isinstance(stop_reason, str) and stop_reason.startswith(INVALID_REQUEST):
+        message = stop_reason[len(INVALID_REQUEST):]
+        return APIError(message, 400, message.split(" ", 1)[0])
+    return APIError(engine_error_message(u), 500, code="engine_error")
+
+
+def update_error(u: RequestUpdate) -> APIError:
+    """The error to report for an update that ``update_failed``."""
+    reason = next((d.stop_reason for d in u.outputs if d.finish_reason == "error"), None)
+    return finish_error(None if u.error else reason, u)
 
 
 def stream_flags(options: StreamOptions | None) -> tuple[bool, bool]:

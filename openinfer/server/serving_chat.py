@@ -10,10 +10,11 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from openinfer.server.errors import APIError, error_body
+from openinfer.server.errors import APIError
 from openinfer.server.messages import AddRequest, RequestUpdate
 from openinfer.server.protocol import ChatCompletionRequest, ChatMessage
 from openinfer.sampling_params import SamplingParams
+from openinfer.tokenizer import PromptTooLong
 from openinfer.server.chat_tools import ChoiceParser, ToolPlan, check_tools
 from openinfer.server.structured import compile_or_400, from_body
 from openinfer.server.serving import (
@@ -24,7 +25,8 @@ from openinfer.server.serving import (
     ServingContext,
     UsageTracker,
     cancel_on_disconnect,
-    engine_error_message,
+    finish_error,
+    update_error,
     update_failed,
     json_bytes,
     sse,
@@ -110,7 +112,7 @@ class PreparedChat:
 
 async def create_chat_completion(ctx: ServingContext, request: Request, body: bytes) -> Response:
     arrival_s = time.monotonic()
-    req = ctx.parse(ChatCompletionRequest, body)
+    req = await ctx.parse_request(ChatCompletionRequest, body)
     model = ctx.check_model(req.model)
     prep = await prepare_chat(ctx, req)
     plan, messages, ids, params = prep.plan, prep.messages, prep.prompt_ids, prep.params
@@ -172,6 +174,10 @@ async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> Prepa
             "continue_final_message",
         )
     messages = messages_to_dicts(req.messages)
+    # The template copies every message's text into the prompt: too many characters cannot fit the context,
+    # and are refused before the template and the tokenizer spend time on them.
+    ctx.check_prompt_chars(sum(len(m["content"]) if isinstance(m["content"], str) else 0 for m in messages),
+                           "messages")
     template_kwargs = dict(req.chat_template_kwargs or {})
     if plan is not None:
         template_kwargs.setdefault("tools", plan.tools)
@@ -179,10 +185,14 @@ async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> Prepa
         ids = await ctx.tokenizers.apply_chat_template(
             messages,
             req.add_generation_prompt,
+            ctx.max_prompt_chars,  # tools and template kwargs count too: refused before tokenizing
             continue_final_message=req.continue_final_message,
             **template_kwargs,
         )
     except APIError:
+        raise
+    except PromptTooLong as e:
+        ctx.check_prompt_chars(e.num_chars, "messages")
         raise
     except Exception as e:  # template errors are the client's messages meeting the template
         raise APIError(f"cannot apply the chat template: {e}", 400, "messages") from None
@@ -222,8 +232,9 @@ async def _collect(
                 c.logprobs.extend(d.logprobs)
             if d.finish_reason is not None:
                 c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
-    if any(c.finish_reason == "error" for c in choices.values()):
-        raise APIError(engine_error_message(None), 500, code="engine_error")
+    failed = next((c for c in choices.values() if c.finish_reason == "error"), None)
+    if failed is not None:
+        raise finish_error(failed.stop_reason)
     out = []
     for i in range(req.n):
         c = choices.get(i, _Choice(finish_reason="abort"))
@@ -290,7 +301,7 @@ async def _stream(
         for u in batch:
             usage.add(u)
             if update_failed(u):
-                out.append(sse(error_body(engine_error_message(u), 500, code="engine_error")))
+                out.append(sse(update_error(u).body()))
                 failed = True
                 break
             for d in u.outputs:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from starlette.requests import Request
 from starlette.responses import Response
 
-from openinfer.server.errors import APIError, error_body
+from openinfer.server.errors import APIError
 from openinfer.server.messages import AddRequest, RequestUpdate
 from openinfer.server.protocol import CompletionRequest
 from openinfer.server.structured import compile_or_400, from_body
@@ -21,7 +21,8 @@ from openinfer.server.serving import (
     ServingContext,
     UsageTracker,
     cancel_on_disconnect,
-    engine_error_message,
+    finish_error,
+    update_error,
     update_failed,
     json_bytes,
     sse,
@@ -85,23 +86,30 @@ async def _completion_logprobs(
 
 async def create_completion(ctx: ServingContext, request: Request, body: bytes) -> Response:
     arrival_s = time.monotonic()
-    req = ctx.parse(CompletionRequest, body)
+    req = await ctx.parse_request(CompletionRequest, body)
     model = ctx.check_model(req.model)
     ctx.check_common(req)
     if req.suffix:
         raise APIError("suffix is not supported", 400, "suffix")
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
         raise APIError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}", 400, "logprobs")
+    raw_prompts = _normalize_prompts(req.prompt)
+    if len(raw_prompts) * req.n > ctx.async_engine.capacity:  # before tokenizing any of them
+        raise APIError(
+            f"this request asks for {len(raw_prompts) * req.n} sequences ({len(raw_prompts)} prompts, n={req.n}) "
+            f"but the server holds at most {ctx.async_engine.capacity} (max_num_seqs + max_queue)",
+            400,
+            "n" if len(raw_prompts) == 1 else "prompt",
+        )
     constraint = from_body(req.structured_outputs, None)
     await compile_or_400(ctx.engine.grammar_compiler, constraint)
-    raw_prompts = _normalize_prompts(req.prompt)
     rid = ctx.new_id("cmpl")
     prompts: list[_Prompt] = []
     for i, p in enumerate(raw_prompts):
         if isinstance(p, str):
             if not p:
                 raise APIError("prompt must be a non-empty string", 400, "prompt")
-            ids = await ctx.tokenizers.encode(p, add_special_tokens=req.add_special_tokens)
+            ids = await ctx.encode_prompt(p, add_special_tokens=req.add_special_tokens)
             prompts.append(_Prompt(f"{rid}-{i}", p, ids, i * req.n))
         else:
             ctx.check_prompt_ids(p)
@@ -164,8 +172,9 @@ async def _collect(
                 c.logprobs.extend(d.logprobs)
             if d.finish_reason is not None:
                 c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
-    if any(c.finish_reason == "error" for c in choices.values()):
-        raise APIError(engine_error_message(None), 500, code="engine_error")
+    failed = next((c for c in choices.values() if c.finish_reason == "error"), None)
+    if failed is not None:
+        raise finish_error(failed.stop_reason)
     out = []
     for p in prompts.values():
         for j in range(req.n):
@@ -223,7 +232,7 @@ async def _stream(
         for u in batch:
             usage.add(u)
             if update_failed(u):
-                out.append(sse(error_body(engine_error_message(u), 500, code="engine_error")))
+                out.append(sse(update_error(u).body()))
                 failed = True
                 break
             p = prompts[u.request_id]

@@ -28,7 +28,7 @@ from openinfer.server.serving import (
     ServingContext,
     UsageTracker,
     cancel_on_disconnect,
-    engine_error_message,
+    update_error,
     update_batches,
     update_failed,
     updates,
@@ -202,7 +202,7 @@ async def _collect(model: str, rid: str, parser: ChoiceParser, stream, buffered)
     async for u in updates(stream, buffered):
         usage.add(u)
         if update_failed(u):
-            raise APIError(engine_error_message(u), 500, code="engine_error")
+            raise update_error(u)
         for d in u.outputs:
             text.append(d.text)
             if d.finish_reason is not None:
@@ -278,7 +278,9 @@ async def _stream(model: str, rid: str, num_prompt_tokens: int, parser: ChoicePa
         for u in batch:
             usage.add(u)
             if update_failed(u):
-                out.append(_event("error", {"error": {"type": "api_error", "message": engine_error_message(u)}}))
+                err = update_error(u)
+                kind = "invalid_request_error" if err.status < 500 else "api_error"
+                out.append(_event("error", {"error": {"type": kind, "message": err.message}}))
                 yield b"".join(out)
                 stream.abort()
                 return

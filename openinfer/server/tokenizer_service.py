@@ -20,6 +20,7 @@ class TokenizerService:
         self.tokenizer_mode = tokenizer_mode
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="api-tokenizer")
         self._token_strs: dict[int, str] = {}
+        self.max_token_chars = max_token_chars(self.tokenizer)
 
     async def _run(self, fn, *args: Any, **kwargs: Any):
         loop = asyncio.get_running_loop()
@@ -32,7 +33,8 @@ class TokenizerService:
         return await self._run(self.tokenizer.decode, ids, skip_special_tokens=skip_special_tokens)
 
     async def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool, **kwargs: Any
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool, max_chars: int | None = None,
+        **kwargs: Any
     ) -> list[int]:
         return await self._run(
             apply_chat_template,
@@ -41,6 +43,7 @@ class TokenizerService:
             add_generation_prompt,
             None,
             tokenizer_mode=self.tokenizer_mode,
+            max_chars=max_chars,
             **kwargs,
         )
 
@@ -55,3 +58,12 @@ class TokenizerService:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def max_token_chars(tokenizer) -> int:
+    """The most characters of input text one token can stand for: its vocabulary entry's length (byte-level and
+    SentencePiece tokens spell each byte or space as one character, byte-fallback tokens as six). A prompt longer
+    than ``max_model_len`` times this cannot fit and is refused before tokenizing."""
+    vocab = tokenizer.get_vocab()
+    longest = max((len(t) for t in vocab), default=1)
+    return max(1, longest)

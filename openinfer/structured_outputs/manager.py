@@ -50,6 +50,11 @@ class GrammarCompiler:
 
     def _compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
         grammar = self.backend.compile(spec)
+        # A grammar no token of this vocabulary can start (a choice of characters the tokenizer cannot spell) is
+        # the request's mistake: refused here (a 400), not found out by the sampler mid-step (an engine error).
+        if not _can_start(grammar.new_matcher()):
+            raise ValueError(f"structured_outputs.{spec.kind} allows no token of this model's vocabulary at its "
+                             f"start (can the tokenizer spell it?)")
         self.num_compiled += 1
         return grammar
 
@@ -59,6 +64,19 @@ class GrammarCompiler:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _can_start(matcher: GrammarMatcher) -> bool:
+    """Whether some token the first mask allows is also accepted (a backend's mask may let through a token it
+    then refuses, e.g. one the tokenizer marks unknown). Normally the first allowed token already is."""
+    words = memoryview(matcher.bitmask()).cast("I")
+    for w, word in enumerate(words):
+        while word:
+            bit = word & -word
+            if matcher.validate_tokens([w * 32 + bit.bit_length() - 1]) == 1:
+                return True
+            word ^= bit
+    return False
 
 
 class RequestGrammar:

@@ -5,6 +5,7 @@ kv_cache_spec, bind_kv_cache), no per-model probing.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -135,13 +136,15 @@ class ModelRunner:
             if plain:
                 self._sample_plain(logits, plain, out, masks)
             for r, first in spec:
-                self._verify(logits[first:first + len(r.drafts) + 1], r, out, masks.get(r.state.req_id))
+                with self._row(out, r):
+                    self._verify(logits[first:first + len(r.drafts) + 1], r, out, masks.get(r.state.req_id))
             if self.proposer is not None:
                 out.spec_token_ids = self.proposer.propose(
                     ProposeInputs(inputs.rows, [r for r, _ in plain + spec], hidden, batch))
                 out.spec_confidence = self.proposer.confidence()
         for r, first in plp:
-            out.prompt_logprobs[r.state.req_id] = self._prompt_logprobs(hidden, r, first)
+            with self._row(out, r):
+                out.prompt_logprobs[r.state.req_id] = self._prompt_logprobs(hidden, r, first)
         out.expert_load = self._after_forward()
         return out
 
@@ -156,10 +159,36 @@ class ModelRunner:
                             unpacked[row_mask[i]] if i in row_mask else None) for i, (r, _) in enumerate(plain)]
         # index_select, not logits[list]: list indexing of [S, 32k] logits took ~8 ms on CPU (index_select ~6 us)
         at = torch.tensor([i for _, i in plain], device=logits.device)
-        tokens, raw_lp = sample(logits.index_select(0, at), rows, self.generator)
+        try:
+            tokens, raw_lp = sample(logits.index_select(0, at), rows, self.generator)
+        except Exception:
+            # One row's settings broke the batched sampler: sample each row on its own, so that only the rows
+            # that fail alone end (with an error) and their neighbours get their tokens.
+            logger.exception("batched sampling failed; sampling the %d rows one by one", len(rows))
+            for (r, j), row in zip(plain, rows):
+                with self._row(out, r):
+                    tok, lp = sample(logits[j:j + 1], [row], self.generator)
+                    self._emit(out, r, int(tok[0]), lp, 0)
+            return
         for i, ((r, _), tok) in enumerate(zip(plain, tokens.tolist())):
-            out.sampled[r.state.req_id] = [self._token(tok, raw_lp, i, r.state.sampling_params.logprobs)]
-            self.input_batch.append_sampled(r, [tok])
+            with self._row(out, r):
+                self._emit(out, r, tok, raw_lp, i)
+
+    def _emit(self, out: ModelRunnerOutput, r: ScheduledRow, tok: int, raw_lp: torch.Tensor | None,
+              i: int) -> None:
+        out.sampled[r.state.req_id] = [self._token(tok, raw_lp, i, r.state.sampling_params.logprobs)]
+        self.input_batch.append_sampled(r, [tok])
+
+    @contextlib.contextmanager
+    def _row(self, out: ModelRunnerOutput, r: ScheduledRow):
+        """Work that belongs to one request: if it raises, that request is reported failed (and ends with an
+        error in the scheduler) while the rest of the step goes on."""
+        try:
+            yield
+        except Exception as e:
+            logger.exception("request %s: its row failed this step", r.state.req_id)
+            out.sampled.pop(r.state.req_id, None)
+            out.failed[r.state.req_id] = f"{type(e).__name__}: {e}"
 
     def _verify(self, logits: torch.Tensor, r: ScheduledRow, out: ModelRunnerOutput, mask: bytes | None) -> None:
         """The drafts of one request against the target's k + 1 distributions (rejection_sampler.py); with
