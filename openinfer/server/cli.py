@@ -85,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
     if args.max_body_bytes < 1024:
         raise ValueError(f"--max-body-bytes must be >= 1024, got {args.max_body_bytes}")
+    health = HealthSettings.from_cli_args(args)  # checked before the (slow) engine load
     engine_args = EngineArgs.from_cli_args(args)
     engine = build_engine(engine_args)
     print(engine.startup_message, file=sys.stderr, flush=True)
@@ -98,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         limits=RequestLimits.from_cli_args(args),
-        health=HealthSettings.from_cli_args(args),
+        health=health,
     )
     app = build_app(engine, settings, engine_args.chat_template)
     uv_config = uvicorn.Config(
