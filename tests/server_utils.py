@@ -88,6 +88,7 @@ class ServerProcess(_Endpoint):
         api_key: str | None = None,
         startup_timeout_s: float = 120.0,
         wait: bool = True,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.port = free_port()
         self.api_key = api_key
@@ -96,7 +97,7 @@ class ServerProcess(_Endpoint):
         cmd += ["--host", "127.0.0.1", "--port", str(self.port), *args]
         if api_key:
             cmd += ["--api-key", api_key]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)
         self.startup_timeout_s = startup_timeout_s

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 from openinfer.config import EngineConfig
+from openinfer.engine import fault_inject
 from openinfer.engine.core_io import EngineCoreOutput, EngineCoreRequest
 from openinfer.engine.kv_cache_manager import KVCacheManager
 from openinfer.engine.kv_plan import plan_kv_blocks
@@ -53,6 +54,8 @@ class EngineStats:
     eplb_imbalance_rebalanced: float = 1.0
     # Speculative decoding, summed over replicas (vLLM's spec_decode_* counters).
     spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+    # Steps in a row whose forward failed (0 after any that succeeded): the server's readiness reads it.
+    consecutive_failed_steps: int = 0
 
 
 class EngineCore:
@@ -62,6 +65,8 @@ class EngineCore:
         self.grammar_compiler = grammar_compiler
         self.max_model_len = config.model.max_model_len
         self.dead_reason: str | None = None
+        self.consecutive_failed_steps = 0
+        self._fault = fault_inject.from_env()  # tests only; None in production
         self.expert_load = ExpertLoadStats()
         self.executor = (executor_class or Executor.get_class(config))(config)
         cache, sched = config.cache, config.scheduler
@@ -141,11 +146,15 @@ class EngineCore:
         failed = [o for s in self.schedulers for o in s.take_error_outputs()]  # grammars that did not compile
         for o in failed:
             self._replica_of.pop(o.request_id, None)
+        if self._fault is not None and not all(s.empty for s in scheds):
+            self._fault.before_step()
         try:
             if all(s.empty for s in scheds):
                 if any(s.finished_req_ids for s in scheds):  # workers still drop the state of what ended
                     self.executor.execute_model(scheds)
                 return failed
+            if self._fault is not None:
+                self._fault.before_forward()
             results = self.executor.execute_model(scheds)
         except ExecutorFailed as e:
             self._die(str(e))
@@ -155,7 +164,9 @@ class EngineCore:
             # return to the pool; the engine keeps serving the rest.
             ids = [rid for s in scheds for rid in s.num_scheduled_tokens]
             logger.exception("model step failed; finishing %d requests with an error", len(ids))
+            self.consecutive_failed_steps += 1
             return self._end_with_error(ids)
+        self.consecutive_failed_steps = 0
         outputs: list[EngineCoreOutput] = failed
         for result in results:
             if result is not None and result.expert_load is not None:
@@ -203,6 +214,7 @@ class EngineCore:
             eplb_imbalance_rebalanced=self.expert_load.imbalance_rebalanced,
             spec_decode=functools.reduce(SpecDecodeStats.merge, (s.spec_stats for s in self.schedulers),
                                          SpecDecodeStats()),  # a snapshot, never the live counters
+            consecutive_failed_steps=self.consecutive_failed_steps,
         )
 
     def reset_prefix_cache(self) -> int:

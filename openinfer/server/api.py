@@ -20,6 +20,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from openinfer.engine.llm_engine import LLMEngine
 from openinfer.server.async_engine import AsyncEngine, EngineUnavailable
 from openinfer.server.errors import APIError, error_body, install_error_handlers
+from openinfer.server.health import Watchdog, liveness_problem, readiness_problem
 from openinfer.server.metrics import CONTENT_TYPE, ServerMetrics
 from openinfer.server.memory import TrimAfterLargeBody
 from openinfer.server.openapi import install_openapi
@@ -33,7 +34,7 @@ from openinfer.tokenizer import PromptTooLong
 
 logger = logging.getLogger(__name__)
 
-READY_STALL_S = 60.0  # a single engine step running longer than this makes /health/ready fail
+CONTROL_WAIT_S = 5.0  # /reset_prefix_cache waits this long for the core (it answers between steps), then 503
 _OPEN_PATHS = {"/health", "/health/ready", "/metrics", "/ping", "/version"}
 
 
@@ -97,13 +98,16 @@ def build_app(engine: LLMEngine, settings: ServerSettings, chat_template: str | 
     holder["engine"] = async_engine
     tokenizers = TokenizerService(engine.config.model.tokenizer_path, chat_template, engine.config.tokenizer_mode)
     ctx = ServingContext(engine, async_engine, tokenizers, settings, metrics)
+    watchdog = Watchdog(async_engine, settings.health)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         async_engine.start()
+        watchdog.start()
         try:
             yield
         finally:
+            await watchdog.stop()
             async_engine.abort_all()
             await async_engine.stop()
             tokenizers.close()
@@ -156,8 +160,9 @@ def build_app(engine: LLMEngine, settings: ServerSettings, chat_template: str | 
 
     @app.get("/health")
     async def health() -> Response:
-        if not async_engine.alive:
-            return json_response(error_body(async_engine.dead_reason or "engine stopped", 503), 503)
+        problem = liveness_problem(async_engine, settings.health, time.monotonic())
+        if problem is not None:
+            return json_response(error_body(problem, 503), 503)
         return json_response({"status": "ok"})
 
     @app.get("/health/ready")
@@ -170,16 +175,9 @@ def build_app(engine: LLMEngine, settings: ServerSettings, chat_template: str | 
             "num_steps": s.num_steps,
             "heartbeat_age_s": round(now - s.heartbeat_s, 3),
             "draining": async_engine.draining,
+            "consecutive_failed_steps": s.consecutive_failed_steps,
         }
-        problem = None
-        if not async_engine.alive:
-            problem = async_engine.dead_reason or "engine stopped"
-        elif async_engine.draining:
-            problem = "draining for shutdown"
-        elif s.step_started_s is not None and now - s.step_started_s > READY_STALL_S:
-            problem = f"an engine step has been running for {now - s.step_started_s:.0f}s"
-        elif s.step_started_s is None and now - s.heartbeat_s > READY_STALL_S:
-            problem = f"the engine loop has not iterated for {now - s.heartbeat_s:.0f}s"
+        problem = readiness_problem(async_engine, settings.health, now)
         if problem:
             return json_response({"status": "unavailable", "reason": problem, **info}, 503)
         return json_response({"status": "ready", **info})
@@ -232,9 +230,12 @@ def build_app(engine: LLMEngine, settings: ServerSettings, chat_template: str | 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> Response:
         try:
-            dropped = await async_engine.control("reset_prefix_cache")
+            dropped = await async_engine.control("reset_prefix_cache", CONTROL_WAIT_S)
         except EngineUnavailable as e:
             raise APIError(str(e), 503, code="unavailable") from None
+        except TimeoutError:  # a step is running long (or is stuck): say so now instead of holding the client
+            raise APIError(f"the engine did not answer within {CONTROL_WAIT_S:g}s (a step is still running); "
+                           "retry later", 503, code="unavailable", headers={"Retry-After": "5"}) from None
         return json_response({"status": "ok", "num_blocks_dropped": dropped})
 
     return app

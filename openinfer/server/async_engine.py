@@ -58,6 +58,9 @@ class RequestStream:
         self.request_ids = request_ids
         self.queue: asyncio.Queue[RequestUpdate] = asyncio.Queue()
         self.pending = set(request_ids)
+        self.started_s = time.monotonic()
+        self.timed_out = False  # set by expire(): its abort ends it as a timeout (HTTP 504), not a plain abort
+        self.timeout_reason = ""
 
     @property
     def done(self) -> bool:
@@ -116,6 +119,8 @@ class AsyncEngine:
         if self._thread is None:
             return
         self._inbox.put(Shutdown())
+        if self.dead_reason is not None:
+            timeout_s = min(timeout_s, 1.0)  # a wedged core never reads its inbox: don't wait for it
         await asyncio.to_thread(self._thread.join, timeout_s)
 
     @property
@@ -184,7 +189,32 @@ class AsyncEngine:
                 self._streams.pop(ev.request_id, None)
                 self.num_in_flight -= self._seqs.pop(ev.request_id, 0)
             if stream is not None:
+                if ev.finished and stream.timed_out and not ev.error and _ended_by_abort(ev):
+                    ev = msgspec.structs.replace(ev, error=stream.timeout_reason, error_kind="timeout")
                 stream.queue.put_nowait(ev)
+
+    # -- health (loop side, driven by server/health.py's watchdog) -------------------------------------
+    def expire(self, now: float, timeout_s: float) -> int:
+        """Abort every request running longer than ``timeout_s``; its final update then carries a timeout
+        error, and the core frees its blocks as for any abort. Returns how many requests were aborted."""
+        late = [s for s in set(self._streams.values()) if not s.timed_out and now - s.started_s > timeout_s]
+        for stream in late:
+            stream.timed_out = True
+            stream.timeout_reason = (f"the request ran longer than the server's request timeout of {timeout_s:g}s "
+                                     "and was aborted")
+            stream.abort()
+        return len(late)
+
+    def wedged(self, reason: str) -> None:
+        """The core thread is stuck in a step: end every open request now, from the loop side (the core cannot),
+        and die (``on_dead`` exits the process). The aborts are queued too, so that should the step ever return
+        before the process is gone, the core frees their KV blocks; the blocks cannot be touched from here while
+        the core thread may be inside the scheduler."""
+        if self.dead_reason is not None:
+            return
+        if self._streams:
+            self._inbox.put(AbortRequests(list(self._streams)))
+        self._fail_all(reason)
 
     def _fail_all(self, reason: str) -> None:
         """Loop side: the core is gone. End every open request (including ones whose AddRequest the core never
@@ -231,6 +261,7 @@ class AsyncEngine:
             s.spec_decode.num_draft_tokens,
             s.spec_decode.num_accepted_tokens,
             list(s.spec_decode.accepted_per_pos),
+            consecutive_failed_steps=s.consecutive_failed_steps,
         )
 
     def _run(self) -> None:
@@ -311,3 +342,8 @@ class AsyncEngine:
         except Exception as e:  # report, don't kill the core
             logger.exception("control %s failed", cmd.op)
             return ControlReply(cmd.control_id, False, f"{type(e).__name__}: {e}")
+
+
+def _ended_by_abort(u: RequestUpdate) -> bool:
+    """The final update of a request its abort ended (not one that finished on its own meanwhile)."""
+    return all(d.finish_reason in (None, "abort") for d in u.outputs)

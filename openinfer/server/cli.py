@@ -13,6 +13,7 @@ import sys
 
 from openinfer.engine_args import EngineArgs
 from openinfer.request_limits import RequestLimits
+from openinfer.server.health import HealthSettings
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +27,7 @@ def add_parser(sub) -> None:
     )
     EngineArgs.add_cli_args(p)
     RequestLimits.add_cli_args(p)
+    HealthSettings.add_cli_args(p)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0 for all)")
     g.add_argument("--port", type=int, default=8000)
@@ -96,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
         tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         limits=RequestLimits.from_cli_args(args),
+        health=HealthSettings.from_cli_args(args),
     )
     app = build_app(engine, settings, engine_args.chat_template)
     uv_config = uvicorn.Config(

@@ -63,7 +63,8 @@ class RequestUpdate(msgspec.Struct, tag=True, frozen=True):
     finished: bool = False
     accepted: bool = False
     error: str | None = None
-    error_kind: Literal["invalid", "engine"] | None = None  # invalid = the client's input (HTTP 400)
+    # invalid = the client's input (HTTP 400); timeout = it outran --request-timeout-s (HTTP 504)
+    error_kind: Literal["invalid", "engine", "timeout"] | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None  # sent once, with the first output
@@ -96,6 +97,7 @@ class StatsSnapshot(msgspec.Struct, frozen=True):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = []
+    consecutive_failed_steps: int = 0  # steps in a row whose forward failed: /health/ready turns 503 past a bound
 
 
 class EngineDead(msgspec.Struct, tag=True, frozen=True):

@@ -10,7 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -127,6 +134,8 @@ class _EngineStatsCollector(Collector):
             s.num_free_blocks,
         )
         yield gauge("kv_cache_total_blocks", "KV blocks in the pool.", s.num_blocks)
+        yield gauge("engine_consecutive_failed_steps", "Engine steps in a row whose forward failed (0 after one "
+                    "succeeds); /health/ready fails past --ready-max-step-failures.", s.consecutive_failed_steps)
         yield counter(
             "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries
         )
@@ -218,6 +227,8 @@ class ServerMetrics:
             registry=reg,
         )
         reg.register(_EngineStatsCollector(model_name, stats_source))
+        # process_resident_memory_bytes, process_open_fds, ... (Linux): what a soak or a dashboard watches for leaks.
+        ProcessCollector(registry=reg)
         # Every label value exists from the start (at 0), so rates and dashboards work before the first event.
         for reason in ("stop", "length", "abort", "error"):
             self.request_success.labels(model_name, reason)

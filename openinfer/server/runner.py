@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import sys
+import threading
 
 import uvicorn
 from fastapi import FastAPI
@@ -16,6 +19,9 @@ from openinfer.server.api import drain
 logger = logging.getLogger(__name__)
 
 ENGINE_DEATH_GRACE_S = 0.5  # time for the error responses of the open requests to reach their clients
+# After the engine died, the orderly shutdown gets this long; then the process exits anyway (exit code 1): a
+# wedged core thread or a client that never reads must not keep a dead server up.
+ENGINE_DEATH_EXIT_S = 15.0
 
 
 class DrainingServer(uvicorn.Server):
@@ -37,6 +43,9 @@ class DrainingServer(uvicorn.Server):
         logger.error("engine died (%s): shutting down", reason)
         self.exit_code = 1
         self._loop.call_later(ENGINE_DEATH_GRACE_S, setattr, self, "should_exit", True)
+        backstop = threading.Timer(ENGINE_DEATH_EXIT_S, _exit_now, (1,))
+        backstop.daemon = True
+        backstop.start()
 
     def handle_exit(self, sig: int, frame) -> None:
         # Runs in the main thread from the signal handler. The first signal starts a drain on the loop (the
@@ -55,3 +64,10 @@ class DrainingServer(uvicorn.Server):
             await drain(self.app, timeout_s)
         finally:
             self.should_exit = True
+
+
+def _exit_now(code: int) -> None:
+    logger.error("the shutdown after the engine died did not finish in %.0fs: exiting now", ENGINE_DEATH_EXIT_S)
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(code)

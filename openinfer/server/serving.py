@@ -23,6 +23,7 @@ from openinfer.request_limits import DEFAULT_LIMITS, RequestLimits, check_counts
 from openinfer.sampling_params import SamplingParams, StructuredOutputsParams
 from openinfer.server.async_engine import AsyncEngine, EngineOverloaded, EngineUnavailable, RequestStream
 from openinfer.server.errors import APIError
+from openinfer.server.health import HealthSettings
 from openinfer.server.messages import AddRequest, RequestUpdate
 from openinfer.server.metrics import ServerMetrics
 from openinfer.server.protocol import GenerationRequest, StreamOptions
@@ -50,6 +51,7 @@ class ServerSettings:
     tool_call_parser: str | None = "hermes"  # tool_parsers/: how tool calls look in this model's output
     reasoning_parser: str | None = None  # reasoning/: split <think> ... </think> into reasoning_content
     limits: RequestLimits = DEFAULT_LIMITS  # caps on stop strings, token-id lists, grammars... per request
+    health: HealthSettings = HealthSettings()  # readiness on failing steps, step watchdog, request timeout
 
 
 class ServingContext:
@@ -292,7 +294,7 @@ class ServingContext:
             stream.abort()
             if error.error_kind == "invalid":
                 raise APIError(error.error or "invalid request", 400)
-            raise APIError(error.error or "engine error", 503, code="engine_error")
+            raise ended_error(error)
         return stream, buffered
 
     @staticmethod
@@ -366,8 +368,18 @@ def finish_error(stop_reason: int | str | None, u: RequestUpdate | None = None) 
     return APIError(engine_error_message(u), 500, code="engine_error")
 
 
+def ended_error(u: RequestUpdate) -> APIError:
+    """The error for an update that ended its request with ``error`` set: 504 when the request outran the
+    server's request timeout, else 503 (the engine is gone)."""
+    if u.error_kind == "timeout":
+        return APIError(u.error or "request timeout", 504, code="timeout")
+    return APIError(u.error or "engine error", 503, code="engine_error")
+
+
 def update_error(u: RequestUpdate) -> APIError:
     """The error to report for an update that ``update_failed``."""
+    if u.error_kind == "timeout":
+        return ended_error(u)
     reason = next((d.stop_reason for d in u.outputs if d.finish_reason == "error"), None)
     return finish_error(None if u.error else reason, u)
 

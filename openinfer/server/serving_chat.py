@@ -25,6 +25,7 @@ from openinfer.server.serving import (
     ServingContext,
     UsageTracker,
     cancel_on_disconnect,
+    ended_error,
     finish_error,
     update_error,
     update_failed,
@@ -223,7 +224,7 @@ async def _collect(
     async for u in updates(stream, buffered):
         usage.add(u)
         if u.error:
-            raise APIError(u.error, 503, code="engine_error")
+            raise ended_error(u)
         for d in u.outputs:
             c = choices.setdefault(d.index, _Choice())
             c.text.append(d.text)

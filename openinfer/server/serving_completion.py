@@ -21,6 +21,7 @@ from openinfer.server.serving import (
     ServingContext,
     UsageTracker,
     cancel_on_disconnect,
+    ended_error,
     finish_error,
     update_error,
     update_failed,
@@ -162,7 +163,7 @@ async def _collect(
         if u.prompt_logprobs is not None:
             prompt_lps[u.request_id] = u.prompt_logprobs
         if u.error:
-            raise APIError(u.error, 503, code="engine_error")
+            raise ended_error(u)
         base = prompts[u.request_id].base_index
         for d in u.outputs:
             c = choices.setdefault(base + d.index, _Choice())
