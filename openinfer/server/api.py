@@ -24,6 +24,7 @@ from openinfer.server.metrics import CONTENT_TYPE, ServerMetrics
 from openinfer.server.memory import TrimAfterLargeBody
 from openinfer.server.openapi import install_openapi
 from openinfer.server.protocol import DetokenizeRequest, TokenizeRequest
+from openinfer.server.router_endpoints import install_router_endpoints
 from openinfer.server.serving import ServerSettings, ServingContext, json_bytes
 from openinfer.server.serving_chat import create_chat_completion, messages_to_dicts
 from openinfer.server.serving_completion import create_completion
@@ -92,7 +93,7 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 def build_app(engine: LLMEngine, settings: ServerSettings, chat_template: str | None = None) -> FastAPI:
     holder: dict[str, AsyncEngine] = {}
-    metrics = ServerMetrics(settings.served_model_names[0], lambda: holder["engine"].stats)
+    metrics = ServerMetrics(settings.served_model_names[0], lambda: holder["engine"].stats, settings.metrics_prefix)
     async_engine = AsyncEngine(engine, settings.max_queue, metrics)
     holder["engine"] = async_engine
     tokenizers = TokenizerService(engine.config.model.tokenizer_path, chat_template, engine.config.tokenizer_mode)
@@ -237,6 +238,7 @@ def build_app(engine: LLMEngine, settings: ServerSettings, chat_template: str | 
             raise APIError(str(e), 503, code="unavailable") from None
         return json_response({"status": "ok", "num_blocks_dropped": dropped})
 
+    install_router_endpoints(app, ctx)
     return app
 
 

@@ -66,6 +66,13 @@ def add_parser(sub) -> None:
         help="split thinking out of the answer into reasoning_content: deepseek_r1 / deepseek_v3 (the output "
         "starts inside <think>), qwen3 / think (only when the output opens <think>)",
     )
+    g.add_argument(
+        "--metrics-prefix",
+        choices=("openinfer", "vllm"),
+        default="openinfer",
+        help="prefix of the /metrics names: vllm renders vLLM's exact names (vllm:num_requests_running, "
+        "vllm:kv_cache_usage_perc ...) for dashboards and routers written for vLLM (default: openinfer)",
+    )
     g.add_argument("--uvicorn-log-level", default="warning")
     g.add_argument("--access-log", action="store_true", help="log every HTTP request")
     p.set_defaults(func=run)
@@ -96,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
         tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         limits=RequestLimits.from_cli_args(args),
+        metrics_prefix=args.metrics_prefix,
     )
     app = build_app(engine, settings, engine_args.chat_template)
     uv_config = uvicorn.Config(

@@ -50,6 +50,7 @@ class ServerSettings:
     tool_call_parser: str | None = "hermes"  # tool_parsers/: how tool calls look in this model's output
     reasoning_parser: str | None = None  # reasoning/: split <think> ... </think> into reasoning_content
     limits: RequestLimits = DEFAULT_LIMITS  # caps on stop strings, token-id lists, grammars... per request
+    metrics_prefix: str = "openinfer"  # /metrics names: openinfer:... or vllm:... (metrics.py)
 
 
 class ServingContext:
