@@ -20,6 +20,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from openinfer.engine.llm_engine import LLMEngine
 from openinfer.server.async_engine import AsyncEngine, EngineUnavailable
 from openinfer.server.errors import APIError, error_body, install_error_handlers
+from openinfer.server.kv_events_publisher import start_kv_events
 from openinfer.server.metrics import CONTENT_TYPE, ServerMetrics
 from openinfer.server.memory import TrimAfterLargeBody
 from openinfer.server.openapi import install_openapi
@@ -98,6 +99,7 @@ def build_app(engine: LLMEngine, settings: ServerSettings, chat_template: str | 
     holder["engine"] = async_engine
     tokenizers = TokenizerService(engine.config.model.tokenizer_path, chat_template, engine.config.tokenizer_mode)
     ctx = ServingContext(engine, async_engine, tokenizers, settings, metrics)
+    kv_events = start_kv_events(engine, async_engine, settings.kv_events)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -108,6 +110,8 @@ def build_app(engine: LLMEngine, settings: ServerSettings, chat_template: str | 
             async_engine.abort_all()
             await async_engine.stop()
             tokenizers.close()
+            if kv_events is not None:
+                kv_events.shutdown()
 
     app = FastAPI(
         title="openinfer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json"
