@@ -36,6 +36,8 @@ def main() -> None:
     ap.add_argument("--prompt-chars", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--check-identity", action="store_true",
+                    help="also generate without drafting and count the prompts whose greedy tokens are identical")
     args = ap.parse_args()
 
     from openinfer import LLM, SamplingParams
@@ -43,17 +45,27 @@ def main() -> None:
     ps = prompts(args.num_prompts, args.prompt_chars)
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     rows = []
+    plain = None
+    if args.check_identity:
+        llm = LLM(args.model, dtype="float32")
+        plain = [o.outputs[0].token_ids for o in llm.generate(ps, sp, use_tqdm=False)]
+        del llm
     for k in (int(x) for x in args.k.split(",")):
         llm = LLM(args.model, dtype="float32", speculative_config={"method": args.method, "num_speculative_tokens": k})
-        llm.generate(ps, sp, use_tqdm=False)
+        outs = llm.generate(ps, sp, use_tqdm=False)
         s = llm.engine.stats().spec_decode
         per_pos = [a / s.num_drafts for a in s.accepted_per_pos]
         rows.append({"k": k, "num_drafts": s.num_drafts, "num_draft_tokens": s.num_draft_tokens,
                      "num_accepted_tokens": s.num_accepted_tokens, "acceptance_per_position": per_pos,
                      "acceptance_rate": s.num_accepted_tokens / s.num_draft_tokens,
                      "mean_accepted_length": s.mean_accepted_length})
+        same = ""
+        if plain is not None:
+            n_same = sum(list(o.outputs[0].token_ids) == list(p) for o, p in zip(outs, plain))
+            rows[-1]["greedy_identical"] = f"{n_same}/{len(ps)}"
+            same = f"; greedy identical to no drafting {n_same}/{len(ps)}"
         print(f"k={k}: acceptance per position {', '.join(f'{p:.1%}' for p in per_pos)}; "
-              f"mean accepted length {s.mean_accepted_length:.2f}", flush=True)
+              f"mean accepted length {s.mean_accepted_length:.2f}{same}", flush=True)
         del llm
     if args.out:
         Path(args.out).write_text(json.dumps({"model": args.model, "method": args.method, "prompts":

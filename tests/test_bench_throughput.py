@@ -279,3 +279,15 @@ def test_speculative_run_reports_acceptance(ckpt, tmp_path):
         check_summary(s, "openinfer", p["batch_size"])
         assert s["spec_num_drafts"] > 0 and s["spec_num_draft_tokens"] >= s["spec_num_drafts"]
         assert s["spec_acceptance_rate"] == 1.0 and s["spec_mean_accepted_length"] > 2.0
+
+
+def test_model_info_reads_a_nested_text_config(tmp_path):
+    """DeepSeek-V4.1's config.json nests the language model's fields under text_config."""
+    from openinfer.bench.results import model_info
+    from helpers import load_script
+
+    path = load_script("make_deepseek_v41_checkpoint").make_checkpoint(tmp_path / "v41", "tiny", quantize=False)
+    info = model_info(str(path))
+    assert info["architecture"] == "DeepseekV41ForCausalLM"
+    assert (info["vocab_size"], info["hidden_size"], info["num_hidden_layers"]) == (256, 128, 8)
+    assert info["num_params"] > 0 and info["checkpoint_dtype"] == "float32"

@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from openinfer import LLM, SamplingParams
 from openinfer.layers.fp8 import E8M0_DTYPE, FP8_DTYPE
+from openinfer.layers.rotary import apply_interleaved
 from openinfer.models.deepseek_v41.reference import reference_logits
 from openinfer.models.weights import WeightLoadError
 from tests.helpers import engine_model, kv_manager, load_script, random_prompts
@@ -192,3 +193,59 @@ def test_malformed_checkpoints_name_the_field(ckpt, tmp_path):
     with pytest.raises(WeightLoadError, match="layers.3.attn.compressor.wkv.weight' does not belong"):
         LLM(str(_broken_copy(ckpt, tmp_path / "d", add={"layers.3.attn.compressor.wkv.weight": torch.zeros(64, 128)})),
             dtype="float32", max_model_len=64, num_kv_blocks=8)
+
+
+@torch.no_grad()
+def test_yoco_consumer_window_kv_comes_from_its_own_hidden(ckpt):
+    """DeepInfer's V4.1 (HF) config sets ``yoco_swa_share_hidden: False`` (hugging_face/config.py:47, in
+    ``_GPT_DEFAULTS``, which ``gpt = AttrDict(_GPT_DEFAULTS, ...)`` at config.py:271 never overrides), so a YOCO
+    consumer's sliding-window KV is ``Wkv.A`` of its OWN attn-norm hidden (v4_modules/attn.py:249 and
+    ``_project_q_and_swa``, 386-402: the shared-hidden branch at 397 is off); only the compressed KV of a consumer
+    kv source is projected from the shared hidden (attn.py:348-350). Layer 6 (a consumer that shares layer 5's KV
+    and top-k) against a direct transcription; the shared-hidden variant must differ."""
+    from openinfer.models.deepseek_v41 import reference
+
+    llm = LLM(str(ckpt), dtype="float32", max_model_len=64, num_kv_blocks=16)
+    model = engine_model(llm)
+    cfg = model.config
+    assert cfg.topology.n_prefill_layer == 5 and model.model.layers[6].self_attn.yoco_consumer
+    g = torch.Generator().manual_seed(4)
+    t = 20  # > window 8: the window slides
+    h5, h6 = torch.randn(t, cfg.hidden_size, generator=g), torch.randn(t, cfg.hidden_size, generator=g)
+    seq = reference._Sequence()
+    seq.shared_hidden = h5
+    reference.attention(model, 5, h5, seq)
+    got = reference.attention(model, 6, h6, seq)
+
+    def transcribed(swa_input: torch.Tensor) -> torch.Tensor:
+        a = model.model.layers[6].self_attn
+        cos, sin = model.model.rotary[a.rope_name]._compute(torch.arange(t))
+        q = apply_interleaved(a.q_b_proj(a.q_a_norm(a.q_a_proj(h6))).view(t, a.num_heads, a.head_dim), cos, sin)
+        kv_swa = apply_interleaved(a.kv_norm(a.kv_proj(swa_input)), cos, sin)  # kv_swa_norm(Wkv.A(.)), RoPE
+        src = model.model.layers[5].self_attn
+        c, s = model.model.rotary[src.rope_name]._compute(torch.arange(t))  # C1: entry w starts at w
+        entries = apply_interleaved(seq.entries[5], c, s)
+        out = torch.empty_like(q)
+        for i in range(t):
+            keys = torch.cat([kv_swa[max(0, i - cfg.sliding_window + 1):i + 1], entries[seq.chosen[5][i]]])
+            logits = torch.einsum("hd,kd->hk", q[i], keys) * a.scale
+            full = torch.cat([logits, a.sinks[:, None].float()], dim=1).softmax(dim=1)
+            out[i] = full[:, :-1] @ keys
+        return a.project_out(out, cos, sin)
+
+    torch.testing.assert_close(got, transcribed(h6), atol=1e-5, rtol=1e-5)
+    assert (got - transcribed(h5)).abs().max() > 1e-3
+
+
+def test_vision_tower_is_refused_naming_the_field(ckpt, tmp_path):
+    """DeepInfer's config.json carries ``vision_config`` at the top level (hugging_face/config.py ``_build_vision``);
+    openinfer serves the text model only and refuses it with a message naming the field."""
+    import shutil
+
+    dst = tmp_path / "vl"
+    shutil.copytree(ckpt, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["vision_config"] = {"hidden_size": 1024, "downsample_ratio": 2}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="vision_config: DeepSeek-V4.1's vision tower is not supported"):
+        LLM(str(dst), dtype="float32", max_model_len=64, num_kv_blocks=8)

@@ -216,6 +216,8 @@ def model_info(path: str) -> dict[str, Any]:
 
     p = Path(path)
     cfg = json.loads((p / "config.json").read_text())
+    if isinstance(cfg.get("text_config"), dict):  # multimodal layout (DeepSeek-V4.1): the LM's fields are nested
+        cfg = {**cfg, **cfg["text_config"]}
     n = 0
     for f in sorted(p.glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as st:

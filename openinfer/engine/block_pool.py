@@ -2,11 +2,16 @@
 
 A block's identity in the prefix cache is its chain key ``(parent_hash, token_ids)``: dict lookups compare
 the stored tokens, so a hash collision can never serve the wrong KV.
+
+With ``record_events()`` the pool also records what KV-aware routers track (openinfer/kv_events.py): a block
+stored in the cache, a cached block evicted, the whole cache cleared. ``take_events()`` hands them over.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+
+from openinfer.kv_events import MEDIUM, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, external_hash
 
 BlockKey = tuple[int, tuple[int, ...]]
 
@@ -45,6 +50,17 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[BlockKey, KVBlock] = {}
+        self._events: list[KVEvent] | None = None  # None: not recording
+
+    def record_events(self) -> None:
+        if self._events is None:
+            self._events = []
+
+    def take_events(self) -> list[KVEvent]:
+        if not self._events:
+            return []
+        out, self._events = self._events, []
+        return out
 
     @property
     def num_free_blocks(self) -> int:
@@ -77,6 +93,8 @@ class BlockPool:
         if block.key is not None:
             if self._cached.get(block.key) is block:
                 del self._cached[block.key]
+                if self._events is not None:
+                    self._events.append(BlockRemoved([external_hash(hash(block.key))], MEDIUM))
             block.key = None
 
     def touch(self, blocks: list[KVBlock]) -> None:
@@ -104,6 +122,11 @@ class BlockPool:
             return
         block.key = key
         self._cached[key] = block
+        if self._events is not None:
+            parent, tokens = key
+            self._events.append(BlockStored([external_hash(hash(key))],
+                                            None if parent == ROOT_HASH else external_hash(parent),
+                                            list(tokens), len(tokens), None, MEDIUM, None))
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block (blocks in use keep their data). Returns how many entries were dropped."""
@@ -111,4 +134,6 @@ class BlockPool:
         for block in self._cached.values():
             block.key = None
         self._cached.clear()
+        if self._events is not None:
+            self._events.append(AllBlocksCleared())
         return n

@@ -27,6 +27,7 @@ from openinfer.engine.scheduler import Scheduler
 from openinfer.engine.spec_stats import SpecDecodeStats
 from openinfer.executor.abstract import Executor, ExecutorFailed
 from openinfer.kv_cache_interface import bytes_per_token, kv_startup_message
+from openinfer.kv_events import KVEventBatch
 from openinfer.step_io import ExpertLoadStats, ModelRunnerOutput, SchedulerOutput
 from openinfer.structured_outputs.manager import GrammarCompiler, RequestGrammar
 
@@ -219,6 +220,22 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> int:
         return sum(kv.reset_prefix_cache() for kv in self.kvs)
+
+    # -- KV cache events ---------------------------------------------------------------------------------
+    def enable_kv_events(self) -> None:
+        """Start recording BlockStored / BlockRemoved / AllBlocksCleared in every replica's cache."""
+        if not all(kv.record_events() for kv in self.kvs):
+            raise ValueError("KV cache events need prefix caching and a whole-life KV group of block_size tokens")
+
+    def take_kv_events(self) -> list[KVEventBatch]:
+        """What the caches recorded since the last call, one batch per data-parallel replica that has any."""
+        now = time.time()
+        out = []
+        for rank, kv in enumerate(self.kvs):
+            events = kv.take_events()
+            if events:
+                out.append(KVEventBatch(now, events, rank))
+        return out
 
     def shutdown(self) -> None:
         self.executor.shutdown()

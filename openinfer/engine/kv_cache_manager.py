@@ -100,6 +100,25 @@ class KVCacheManager:
             keys.append(key)
         return keys
 
+    # -- KV cache events (kv_events.py) --------------------------------------------------------------------
+    def event_group(self) -> KVGroup | None:
+        """The group whose pool speaks for the prefix cache in KV events: the first whole-life group of ordinary
+        blocks (a model's main attention cache). Other groups hold the same chain keys; a router needs one view."""
+        for g in self.groups:
+            if not g.spec.sliding and g.tokens_per_block == self.block_size:
+                return g
+        return None
+
+    def record_events(self) -> bool:
+        g = self.event_group() if self.enable_caching else None
+        if g is not None:
+            g.pool.record_events()
+        return g is not None
+
+    def take_events(self) -> list:
+        g = self.event_group()
+        return g.pool.take_events() if g is not None else []
+
     # -- prefix hits -------------------------------------------------------------------------------------
     def get_computed_blocks(self, req: Request) -> tuple[KVCacheBlocks, int]:
         """Longest usable cached prefix of a waiting request, as blocks (not yet referenced) and a token count."""

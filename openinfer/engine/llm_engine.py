@@ -17,6 +17,7 @@ from openinfer.engine.core import EngineCore, EngineDeadError, EngineStats
 from openinfer.engine.output_processor import OutputProcessor
 from openinfer.engine.parallel_sampling import ParentRequest
 from openinfer.engine.request import RequestStatus
+from openinfer.kv_events import KVEventBatch
 from openinfer.logging_utils import init_logging
 from openinfer.outputs import RequestOutput
 from openinfer.sampling_params import SamplingParams
@@ -196,6 +197,13 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> int:
         return self.core.reset_prefix_cache()
+
+    def enable_kv_events(self) -> None:
+        self.core.enable_kv_events()
+
+    def take_kv_events(self) -> list[KVEventBatch]:
+        """KV cache events recorded since the last call (after ``enable_kv_events``), per data-parallel replica."""
+        return self.core.take_kv_events()
 
     def default_sampling_params(self) -> SamplingParams:
         return default_sampling_params(self.config.model.path)

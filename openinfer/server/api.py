@@ -21,10 +21,12 @@ from openinfer.engine.llm_engine import LLMEngine
 from openinfer.server.async_engine import AsyncEngine, EngineUnavailable
 from openinfer.server.errors import APIError, error_body, install_error_handlers
 from openinfer.server.health import Watchdog, liveness_problem, readiness_problem
+from openinfer.server.kv_events_publisher import start_kv_events
 from openinfer.server.metrics import CONTENT_TYPE, ServerMetrics
 from openinfer.server.memory import TrimAfterLargeBody
 from openinfer.server.openapi import install_openapi
 from openinfer.server.protocol import DetokenizeRequest, TokenizeRequest
+from openinfer.server.router_endpoints import install_router_endpoints
 from openinfer.server.serving import ServerSettings, ServingContext, json_bytes
 from openinfer.server.serving_chat import create_chat_completion, messages_to_dicts
 from openinfer.server.serving_completion import create_completion
@@ -93,12 +95,13 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 def build_app(engine: LLMEngine, settings: ServerSettings, chat_template: str | None = None) -> FastAPI:
     holder: dict[str, AsyncEngine] = {}
-    metrics = ServerMetrics(settings.served_model_names[0], lambda: holder["engine"].stats)
+    metrics = ServerMetrics(settings.served_model_names[0], lambda: holder["engine"].stats, settings.metrics_prefix)
     async_engine = AsyncEngine(engine, settings.max_queue, metrics)
     holder["engine"] = async_engine
     tokenizers = TokenizerService(engine.config.model.tokenizer_path, chat_template, engine.config.tokenizer_mode)
     ctx = ServingContext(engine, async_engine, tokenizers, settings, metrics)
     watchdog = Watchdog(async_engine, settings.health)
+    kv_events = start_kv_events(engine, async_engine, settings.kv_events)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -111,6 +114,8 @@ def build_app(engine: LLMEngine, settings: ServerSettings, chat_template: str | 
             async_engine.abort_all()
             await async_engine.stop()
             tokenizers.close()
+            if kv_events is not None:
+                kv_events.shutdown()
 
     app = FastAPI(
         title="openinfer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json"
@@ -238,6 +243,7 @@ def build_app(engine: LLMEngine, settings: ServerSettings, chat_template: str | 
                            "retry later", 503, code="unavailable", headers={"Retry-After": "5"}) from None
         return json_response({"status": "ok", "num_blocks_dropped": dropped})
 
+    install_router_endpoints(app, ctx)
     return app
 
 

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 import msgspec
 
 from openinfer.engine.llm_engine import LLMEngine
+from openinfer.kv_events import KVEventBatch
 from openinfer.sampling_params import RequestOutputKind
 from openinfer.server.messages import (
     AbortRequests,
@@ -107,6 +108,9 @@ class AsyncEngine:
         # Called on the loop once the core has died and every open request has been ended (the server exits).
         self.on_dead: Callable[[str], None] | None = None
         self._tracker = OutputTracker(metrics)
+        # Set to receive the KV cache events each core-loop iteration recorded (kv_events_publisher.py); called on
+        # the core thread, so it must only enqueue.
+        self.kv_event_sink: Callable[[KVEventBatch], None] | None = None
 
     # -- lifecycle (loop side) -------------------------------------------------------------------
     def start(self) -> None:
@@ -286,6 +290,9 @@ class AsyncEngine:
                 else:
                     self._publish_stats(None)
                 self._send(events)
+                if self.kv_event_sink is not None:
+                    for batch in engine.take_kv_events():
+                        self.kv_event_sink(batch)
         except BaseException as e:  # a bug in the core: fail every request loudly rather than hang them
             logger.exception("engine core thread died")
             reason = f"engine core failed: {type(e).__name__}: {e}"

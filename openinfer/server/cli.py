@@ -68,6 +68,20 @@ def add_parser(sub) -> None:
         help="split thinking out of the answer into reasoning_content: deepseek_r1 / deepseek_v3 (the output "
         "starts inside <think>), qwen3 / think (only when the output opens <think>)",
     )
+    g.add_argument(
+        "--metrics-prefix",
+        choices=("openinfer", "vllm"),
+        default="openinfer",
+        help="prefix of the /metrics names: vllm renders vLLM's exact names (vllm:num_requests_running, "
+        "vllm:kv_cache_usage_perc ...) for dashboards and routers written for vLLM (default: openinfer)",
+    )
+    g.add_argument(
+        "--kv-events-config",
+        default=None,
+        help="publish KV cache events for KV-aware routers, as JSON with vLLM's fields, e.g. "
+        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv-events"}\' '
+        "(also replay_endpoint, buffer_steps, hwm, max_queue_size)",
+    )
     g.add_argument("--uvicorn-log-level", default="warning")
     g.add_argument("--access-log", action="store_true", help="log every HTTP request")
     p.set_defaults(func=run)
@@ -77,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from openinfer.entrypoints.llm import build_engine
+    from openinfer.kv_events import KVEventsConfig
     from openinfer.server.api import build_app
     from openinfer.server.runner import DrainingServer
     from openinfer.server.serving import ServerSettings
@@ -86,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_body_bytes < 1024:
         raise ValueError(f"--max-body-bytes must be >= 1024, got {args.max_body_bytes}")
     health = HealthSettings.from_cli_args(args)  # checked before the (slow) engine load
+    kv_events = KVEventsConfig.from_json(args.kv_events_config) if args.kv_events_config else None
     engine_args = EngineArgs.from_cli_args(args)
     engine = build_engine(engine_args)
     print(engine.startup_message, file=sys.stderr, flush=True)
@@ -100,6 +116,8 @@ def run(args: argparse.Namespace) -> int:
         reasoning_parser=args.reasoning_parser,
         limits=RequestLimits.from_cli_args(args),
         health=health,
+        metrics_prefix=args.metrics_prefix,
+        kv_events=kv_events,
     )
     app = build_app(engine, settings, engine_args.chat_template)
     uv_config = uvicorn.Config(

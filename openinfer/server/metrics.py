@@ -1,5 +1,10 @@
 """Prometheus metrics under vLLM's names with the ``openinfer:`` prefix (see docs/design/metrics.md in vLLM).
 
+``--metrics-prefix vllm`` renders the same series as ``vllm:...`` (``vllm:num_requests_running``,
+``vllm:kv_cache_usage_perc``, ``vllm:prompt_tokens_total``, ``vllm:time_to_first_token_seconds`` ...), plus the
+older ``vllm:gpu_cache_usage_perc`` that some routers and dashboards still read, so tools written for vLLM
+scrape openinfer unchanged. The names are the same either way; only the prefix changes.
+
 Counters and histograms are fed by the engine-core thread as outputs appear (prometheus_client is
 thread-safe); gauges and the engine's own cumulative counters (prefix cache, preemptions) are read from the
 latest ``StatsSnapshot`` at scrape time, so the KV pool state in /metrics is never older than one core-loop
@@ -25,6 +30,7 @@ from openinfer.engine.spec_stats import SpecDecodeStats
 from openinfer.server.messages import StatsSnapshot
 
 PREFIX = "openinfer:"
+METRICS_PREFIXES = ("openinfer", "vllm")
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _LATENCY_BUCKETS = (
@@ -105,21 +111,22 @@ _TOKEN_BUCKETS = tuple(float(b * 10**e) for e in range(0, 6) for b in (1, 2, 5))
 
 
 class _EngineStatsCollector(Collector):
-    def __init__(self, model_name: str, source: Callable[[], StatsSnapshot]) -> None:
+    def __init__(self, model_name: str, source: Callable[[], StatsSnapshot], prefix: str = PREFIX) -> None:
         self.model_name = model_name
         self.source = source
+        self.prefix = prefix
 
     def collect(self) -> Iterator[Metric]:
         s = self.source()
         labels = [self.model_name]
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            g = GaugeMetricFamily(self.prefix + name, doc, labels=["model_name"])
             g.add_metric(labels, value)
             return g
 
         def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            c = CounterMetricFamily(self.prefix + name, doc, labels=["model_name"])
             c.add_metric(labels, value)
             return c
 
@@ -128,6 +135,9 @@ class _EngineStatsCollector(Collector):
         yield gauge(
             "kv_cache_usage_perc", "KV-cache usage: 1 = all blocks in use (vLLM's name).", s.kv_cache_usage
         )
+        if self.prefix == "vllm:":  # vLLM's name before 0.10 (same value); still read by some routers
+            yield gauge("gpu_cache_usage_perc", "KV-cache usage (deprecated name of kv_cache_usage_perc).",
+                        s.kv_cache_usage)
         yield gauge(
             "kv_cache_free_blocks",
             "KV blocks free (cached-but-unreferenced blocks count as free).",
@@ -155,7 +165,7 @@ class _EngineStatsCollector(Collector):
                       s.spec_num_drafts)
         yield counter("spec_decode_num_draft_tokens", "Speculative tokens proposed.", s.spec_num_draft_tokens)
         yield counter("spec_decode_num_accepted_tokens", "Speculative tokens accepted.", s.spec_num_accepted_tokens)
-        per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+        per_pos = CounterMetricFamily(self.prefix + "spec_decode_num_accepted_tokens_per_pos",
                                       "Speculative tokens accepted at each draft position.",
                                       labels=["model_name", "position"])
         for pos, n in enumerate(s.spec_accepted_per_pos):
@@ -167,66 +177,69 @@ class _EngineStatsCollector(Collector):
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, stats_source: Callable[[], StatsSnapshot]) -> None:
+    def __init__(self, model_name: str, stats_source: Callable[[], StatsSnapshot], prefix: str = "openinfer") -> None:
+        if prefix not in METRICS_PREFIXES:
+            raise ValueError(f"metrics prefix must be one of {', '.join(METRICS_PREFIXES)}, got {prefix!r}")
+        p = prefix + ":"
         disable_created_metrics()  # process-wide; the *_created series only add noise to each scrape
         self.registry = CollectorRegistry(auto_describe=False)
         self.model_name = model_name
         reg = self.registry
         m = ["model_name"]
-        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prefill tokens processed.", m, registry=reg)
-        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", m, registry=reg)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prefill tokens processed.", m, registry=reg)
+        self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated.", m, registry=reg)
         self.request_success = Counter(
-            PREFIX + "request_success",
+            p + "request_success",
             "Finished requests by finish reason.",
             m + ["finished_reason"],
             registry=reg,
         )
         self.requests_rejected = Counter(
-            PREFIX + "request_rejected", "Requests refused before admission.", m + ["reason"], registry=reg
+            p + "request_rejected", "Requests refused before admission.", m + ["reason"], registry=reg
         )
         self.ttft = Histogram(
-            PREFIX + "time_to_first_token_seconds",
+            p + "time_to_first_token_seconds",
             "Time to first token (from arrival).",
             m,
             buckets=_LATENCY_BUCKETS,
             registry=reg,
         )
         self.itl = Histogram(
-            PREFIX + "inter_token_latency_seconds",
+            p + "inter_token_latency_seconds",
             "Time between output steps of a request.",
             m,
             buckets=_ITL_BUCKETS,
             registry=reg,
         )
         self.e2e = Histogram(
-            PREFIX + "e2e_request_latency_seconds",
+            p + "e2e_request_latency_seconds",
             "Arrival to finish.",
             m,
             buckets=_E2E_BUCKETS,
             registry=reg,
         )
         self.queue_time = Histogram(
-            PREFIX + "request_queue_time_seconds",
+            p + "request_queue_time_seconds",
             "Arrival to first scheduled.",
             m,
             buckets=_E2E_BUCKETS,
             registry=reg,
         )
         self.req_prompt_tokens = Histogram(
-            PREFIX + "request_prompt_tokens",
+            p + "request_prompt_tokens",
             "Prompt tokens per request.",
             m,
             buckets=_TOKEN_BUCKETS,
             registry=reg,
         )
         self.req_generation_tokens = Histogram(
-            PREFIX + "request_generation_tokens",
+            p + "request_generation_tokens",
             "Generated tokens per request.",
             m,
             buckets=_TOKEN_BUCKETS,
             registry=reg,
         )
-        reg.register(_EngineStatsCollector(model_name, stats_source))
+        reg.register(_EngineStatsCollector(model_name, stats_source, p))
         # process_resident_memory_bytes, process_open_fds, ... (Linux): what a soak or a dashboard watches for leaks.
         ProcessCollector(registry=reg)
         # Every label value exists from the start (at 0), so rates and dashboards work before the first event.

@@ -19,6 +19,7 @@ from starlette.types import Receive, Scope, Send
 
 from openinfer.engine.llm_engine import LLMEngine
 from openinfer.engine.request import INVALID_REQUEST
+from openinfer.kv_events import KVEventsConfig
 from openinfer.request_limits import DEFAULT_LIMITS, RequestLimits, check_counts
 from openinfer.sampling_params import SamplingParams, StructuredOutputsParams
 from openinfer.server.async_engine import AsyncEngine, EngineOverloaded, EngineUnavailable, RequestStream
@@ -52,6 +53,8 @@ class ServerSettings:
     reasoning_parser: str | None = None  # reasoning/: split <think> ... </think> into reasoning_content
     limits: RequestLimits = DEFAULT_LIMITS  # caps on stop strings, token-id lists, grammars... per request
     health: HealthSettings = HealthSettings()  # readiness on failing steps, step watchdog, request timeout
+    metrics_prefix: str = "openinfer"  # /metrics names: openinfer:... or vllm:... (metrics.py)
+    kv_events: KVEventsConfig | None = None  # publish KV cache events for KV-aware routers (kv_events_publisher.py)
 
 
 class ServingContext:

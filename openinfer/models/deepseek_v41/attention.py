@@ -2,7 +2,8 @@
 C1/C2 entries, cross-layer sharing, YOCO and candidate blocks.
 
   q_residual = RMSNorm(wq_a(x)); q = RoPE(wq_b(q_residual)) per head (no per-head q norm in V4.1)
-  kv = RoPE(RMSNorm(wkv(x)))  -> the layer's own sliding window
+  kv = RoPE(RMSNorm(wkv(x)))  -> the layer's own sliding window; x is the layer's own attn-norm hidden in YOCO
+       consumer layers too: DeepInfer's V4.1 config fixes ``yoco_swa_share_hidden`` False (hugging_face/config.py:47)
   compressed layers: entries come from the layer's KV source (compressed from x there, or from the YOCO shared
   hidden when the source is a YOCO consumer); the chosen entries come from the layer's index source
   keys(t) = window [t - W + 1, t]  ++  chosen entries;  softmax with the per-head sink;  V == K

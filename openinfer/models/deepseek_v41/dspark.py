@@ -135,8 +135,15 @@ class DSparkDrafter(nn.ModuleList):
                           block_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """As ``propose``, over the context keys [B, W, blocks, d] (``context_keys``) of positions ctx_pos. A
         serving engine runs the blocks with S = its number of speculative tokens, as DeepInfer does."""
+        hidden = self.block_hidden(keys, ctx_pos, golden, embed, rotary, block_size or self.cfg.dspark.block_size)
+        return self.sample(hidden, golden, lm_head, temperature)
+
+    def block_hidden(self, keys: torch.Tensor, ctx_pos: torch.Tensor, golden: torch.Tensor, embed: nn.Module,
+                     rotary, s: int) -> torch.Tensor:
+        """The blocks' output streams collapsed by the last pre, [B, S, D] before the norm (no grad mode of its
+        own: scripts/train_tiny_dspark.py trains through it)."""
         cfg, ds = self.cfg, self.cfg.dspark
-        b, s = golden.shape[0], block_size or ds.block_size
+        b = golden.shape[0]
         valid = ctx_pos >= 0
         draft_pos = ctx_pos[:, -1:] + 1 + torch.arange(s, device=golden.device)
         ids = torch.full((b, s), ds.noise_token_id, dtype=torch.long, device=golden.device)
@@ -151,8 +158,17 @@ class DSparkDrafter(nn.ModuleList):
             X, pre = hc_post(y, X, post, comb), nxt
             nxt, post, comb = blk.ffn_hc.mixes(X)
             X, pre = hc_post(blk.mlp(blk.post_attention_layernorm(apply_pre(pre, X))), X, post, comb), nxt
-        hidden = apply_pre(pre, X).view(b, s, -1)
-        return self.sample(hidden, golden, lm_head, temperature)
+        return apply_pre(pre, X).view(b, s, -1)
+
+    def corrected(self, hidden: torch.Tensor, logits: torch.Tensor, prev: torch.Tensor,
+                  temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft position: head logits [B, V] (lm_head(norm(h))) and the previous token [B] -> (logits with the
+        Markov correction, confidence [B])."""
+        last = self[-1]
+        m = last.markov_head.embed.weight[prev]
+        step = logits + last.markov_head.head(m).float()
+        z = last.confidence_head.proj(torch.cat([hidden, m.to(hidden.dtype)], dim=-1)).float()
+        return step, torch.sigmoid((z[:, 0] / temperature).clamp(-60, 60))
 
     def sample(self, hidden: torch.Tensor, golden: torch.Tensor, lm_head: nn.Module,
                temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,10 +177,8 @@ class DSparkDrafter(nn.ModuleList):
         logits = lm_head(last.norm(hidden)).float()
         prev, tokens, confidence = golden, [], []
         for i in range(hidden.shape[1]):
-            m = last.markov_head.embed.weight[prev]
-            step = logits[:, i] + last.markov_head.head(m).float()
-            z = last.confidence_head.proj(torch.cat([hidden[:, i], m.to(hidden.dtype)], dim=-1)).float()
-            confidence.append(torch.sigmoid((z[:, 0] / temperature).clamp(-60, 60)))
+            step, conf = self.corrected(hidden[:, i], logits[:, i], prev, temperature)
+            confidence.append(conf)
             prev = step.argmax(dim=-1)
             tokens.append(prev)
         return torch.stack(tokens, dim=1), torch.stack(confidence, dim=1)

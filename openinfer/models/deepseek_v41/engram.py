@@ -15,8 +15,9 @@ Gate (per stream j; keys are the first hc_mult rows of wkv(e), the value the las
 With ``engram_compressed_vocab_size`` the ids are first mapped to a compressed vocabulary (``compressed_vocabulary``:
 each token decoded alone, NFKC / NFD / accents stripped / lower-cased / whitespace collapsed; tokens with the same
 key share an id), the pad id too, and B is bounded by the compressed size.
-Not done: DeepInfer's sentence-level mask (bos / eos), whose definition is in its C++ engine, not in the published
-source.
+No sentence-level mask: DeepInfer's config writes ``sentence_level_mask`` (bos / eos ids) into its Engram and
+model configs (hugging_face/config.py:211 and :322) but nothing in its Python, C++ or CUDA source ever reads it, so
+hashing runs across bos / eos like any other token, as here.
 """
 from __future__ import annotations
 
