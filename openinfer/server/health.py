@@ -56,7 +56,8 @@ class HealthSettings:
                        help="engine steps failing in a row before /health/ready answers 503 (until one succeeds)")
         g.add_argument("--step-timeout-s", type=float, default=HealthSettings.step_timeout_s,
                        help="a step running longer fails /health, ends every open request with an error and "
-                            "exits the process with code 1 for a supervisor to restart (0 = no watchdog)")
+                            "exits the process with code 1 for a supervisor to restart (0 = no watchdog; raise it "
+                            "where one prefill step can take minutes, e.g. a large model on CPU)")
         g.add_argument("--request-timeout-s", type=float, default=0.0,
                        help="a request running longer is aborted and answered 504 (0 = no limit, the default)")
 
