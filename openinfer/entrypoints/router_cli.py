@@ -248,11 +248,13 @@ def run(args: argparse.Namespace) -> int:
         deadline = time.monotonic() + args.startup_timeout_s
         for url in started:
             launcher.wait_healthy(url, "worker", deadline)
-        cmd = router_command(args, workers, free_port(), kv_sources)
+        prometheus_port = free_port()
+        cmd = router_command(args, workers, prometheus_port, kv_sources)
         router_url = f"http://{args.host}:{args.port}"
         router = launcher.spawn(f"{ROUTERS[args.router]} ({router_url})", cmd, router_url, None)
         launcher.wait_healthy(router_url, ROUTERS[args.router], deadline)
         ready = {"router": router_url, "router_pid": router.proc.pid, "workers": workers,
+                 "router_metrics": f"http://127.0.0.1:{prometheus_port}/metrics",
                  "worker_pids": [c.proc.pid for c in launcher.children if c is not router],
                  "prefill": [p[0] for p in args.prefill], "decode": list(args.decode), "kv_event_sources": kv_sources}
         print(json.dumps(ready), flush=True)
