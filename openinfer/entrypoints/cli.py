@@ -1,4 +1,4 @@
-"""``openinfer`` console script: generate | serve | bench <kind>. Subcommands live in their own modules, each
+"""``openinfer`` console script: generate | serve | router | bench <kind>. Subcommands live in their own modules, each
 exposing ``add_parser(subparsers)`` that registers its arguments and sets ``func``."""
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import sys
 _SUBCOMMANDS = [
     "openinfer.entrypoints.generate_cli",
     "openinfer.server.cli",
+    "openinfer.entrypoints.router_cli",
     "openinfer.bench.cli",
 ]
 

@@ -91,6 +91,7 @@ def install_router_endpoints(app: FastAPI, ctx: ServingContext) -> None:
                                 "data_parallel_size": cfg.parallel.data_parallel_size},
         }})
 
+    @app.get("/model_info")  # sglang-router 0.3 asks this first, then falls back to /get_model_info
     @app.get("/get_model_info")
     async def get_model_info() -> Response:
         cfg = ctx.engine.config
@@ -98,6 +99,7 @@ def install_router_endpoints(app: FastAPI, ctx: ServingContext) -> None:
             "model_path": cfg.model.path,
             "tokenizer_path": cfg.model.tokenizer_path,
             "served_model_name": ctx.model_name,
+            "model_id": ctx.model_name,
             "is_generation": True,
             "max_model_len": cfg.model.max_model_len,
             "architectures": cfg.model.hf_config.get("architectures"),
