@@ -240,7 +240,8 @@ async def _discover_model(
     headers: dict[str, str],
     timeout_s: float,
 ) -> tuple[str | None, str | None]:
-    """The first served model id and its ``root`` (a local path on openinfer/vLLM), waiting for the server."""
+    """The first served model id and its local folder (vLLM's ``root``; openinfer's ``/get_model_info``), waiting
+    for the server."""
     deadline = time.monotonic() + max(timeout_s, 0.0)
     while True:
         try:
@@ -248,7 +249,7 @@ async def _discover_model(
                 if r.status == 200:
                     data = (await r.json(content_type=None)).get("data") or []
                     if data:
-                        return data[0].get("id"), data[0].get("root")
+                        return data[0].get("id"), await _local_root(session, base, headers, data[0].get("root"))
                     return None, None
                 if r.status in (401, 403, 404):
                     return None, None
@@ -257,6 +258,22 @@ async def _discover_model(
         if time.monotonic() > deadline:
             raise ValueError(f"the server at {base} did not answer /v1/models within {timeout_s:.0f}s")
         await asyncio.sleep(0.5)
+
+
+async def _local_root(session, base: str, headers: dict[str, str], root: str | None) -> str | None:
+    """vLLM's /v1/models shows the checkpoint path as ``root``; openinfer shows only the model id there (a client
+    has no business with the server's paths) and tells the tokenizer's folder on ``/get_model_info`` (the router
+    endpoint, behind the API key) instead."""
+    if root and Path(root).is_dir():
+        return root
+    try:
+        async with session.get(f"{base}/get_model_info", headers=headers, timeout=_CONTROL_TIMEOUT) as r:
+            if r.status == 200:
+                info = await r.json(content_type=None)
+                return info.get("tokenizer_path") or info.get("model_path") or root
+    except (aiohttp.ClientError, TimeoutError, ValueError):
+        pass
+    return root
 
 
 def main(args: argparse.Namespace) -> int:

@@ -14,11 +14,13 @@ from contextlib import asynccontextmanager
 
 import msgspec
 from fastapi import FastAPI, Request
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from openinfer.engine.llm_engine import LLMEngine
 from openinfer.server.async_engine import AsyncEngine, EngineUnavailable
+from openinfer.server.connections import conn_log
 from openinfer.server.errors import APIError, error_body, install_error_handlers
 from openinfer.server.health import Watchdog, liveness_problem, readiness_problem
 from openinfer.server.kv_events_publisher import start_kv_events
@@ -54,8 +56,7 @@ class GuardMiddleware:
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
         if self.api_key is not None and scope["path"] not in _OPEN_PATHS:
-            auth = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(auth, b"Bearer " + self.api_key):
+            if not hmac.compare_digest(bearer_token(headers.get(b"authorization", b"")), self.api_key):
                 return await _send_error(
                     send,
                     "missing or invalid API key (send 'Authorization: Bearer <key>')",
@@ -75,6 +76,13 @@ class GuardMiddleware:
         await self.app(scope, receive, send)
 
 
+def bearer_token(authorization: bytes) -> bytes:
+    """The credentials of an ``Authorization: Bearer <token>`` header; b"" for another scheme. The scheme is
+    case-insensitive and may be followed by more than one space (RFC 7235 section 2.1), so ``bearer x`` is x."""
+    scheme, _, token = authorization.strip().partition(b" ")
+    return token.strip(b" ") if scheme.lower() == b"bearer" else b""
+
+
 async def _send_error(send: Send, message: str, status: int, headers: dict[str, str] | None = None) -> None:
     body = msgspec.json.encode(error_body(message, status))
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
@@ -85,11 +93,17 @@ async def _send_error(send: Send, message: str, status: int, headers: dict[str, 
 
 async def read_body(request: Request, limit: int) -> bytes:
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(f"request body exceeds the limit of {limit} bytes", 413)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(f"request body exceeds the limit of {limit} bytes", 413)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        # A client gone mid-upload is the client's business, not a server error: no traceback (uvicorn and the
+        # catch-all handler would log two per disconnect), one rate-limited line. The answer goes nowhere.
+        conn_log(logging.INFO, "upload-gone", "a client disconnected while sending its request body")
+        raise APIError("the client disconnected while sending the request body", 400) from None
     return b"".join(chunks)
 
 
@@ -156,7 +170,7 @@ def build_app(engine: LLMEngine, settings: ServerSettings, chat_template: str | 
                 "object": "model",
                 "created": ctx.created,
                 "owned_by": "openinfer",
-                "root": ctx.model_path,
+                "root": name,  # vLLM shows the checkpoint path here; a client has no use for the server's paths
                 "max_model_len": ctx.max_model_len,
             }
             for name in settings.served_model_names

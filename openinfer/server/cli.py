@@ -13,6 +13,7 @@ import sys
 
 from openinfer.engine_args import EngineArgs
 from openinfer.request_limits import RequestLimits
+from openinfer.server.connections import ConnectionSettings, raise_nofile_limit
 from openinfer.server.health import HealthSettings
 
 logger = logging.getLogger(__name__)
@@ -28,6 +29,7 @@ def add_parser(sub) -> None:
     EngineArgs.add_cli_args(p)
     RequestLimits.add_cli_args(p)
     HealthSettings.add_cli_args(p)
+    ConnectionSettings.add_cli_args(p)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0 for all)")
     g.add_argument("--port", type=int, default=8000)
@@ -40,7 +42,8 @@ def add_parser(sub) -> None:
         "--served-model-name",
         nargs="+",
         default=None,
-        help="model name(s) clients use; the first is reported (default: the --model value)",
+        help="model name(s) clients use; the first is reported (default: the checkpoint directory's base name; "
+        "the --model value is accepted too)",
     )
     g.add_argument(
         "--max-queue",
@@ -87,6 +90,11 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
+def _base_name(path: str) -> str:
+    """The id /v1/models shows by default: the checkpoint directory's name, not its path on this server."""
+    return os.path.basename(os.path.normpath(path)) or path
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -101,11 +109,13 @@ def run(args: argparse.Namespace) -> int:
     if args.max_body_bytes < 1024:
         raise ValueError(f"--max-body-bytes must be >= 1024, got {args.max_body_bytes}")
     health = HealthSettings.from_cli_args(args)  # checked before the (slow) engine load
+    connections = ConnectionSettings.from_cli_args(args)
+    raise_nofile_limit()  # before the default --max-connections is derived from it
     kv_events = KVEventsConfig.from_json(args.kv_events_config) if args.kv_events_config else None
     engine_args = EngineArgs.from_cli_args(args)
     engine = build_engine(engine_args)
     print(engine.startup_message, file=sys.stderr, flush=True)
-    names = args.served_model_name or [args.model or os.path.basename(engine.config.model.path)]
+    names = args.served_model_name or [_base_name(args.model or engine.config.model.path)]
     settings = ServerSettings(
         served_model_names=names,
         api_key=args.api_key,
@@ -118,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
         health=health,
         metrics_prefix=args.metrics_prefix,
         kv_events=kv_events,
+        model_aliases=tuple(a for a in (args.model, engine.config.model.path) if a and a not in names),
     )
     app = build_app(engine, settings, engine_args.chat_template)
     uv_config = uvicorn.Config(
@@ -128,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
         access_log=args.access_log,
         timeout_graceful_shutdown=args.drain_timeout_s + 10,
         lifespan="on",
+        **connections.uvicorn_kwargs(),  # header / idle / keep-alive timeouts, connection cap, quiet loop
     )
     server = DrainingServer(uv_config, app, args.drain_timeout_s)
     logger.info("serving %s on http://%s:%d", names[0], args.host, args.port)

@@ -55,6 +55,9 @@ class ServerSettings:
     health: HealthSettings = HealthSettings()  # readiness on failing steps, step watchdog, request timeout
     metrics_prefix: str = "openinfer"  # /metrics names: openinfer:... or vllm:... (metrics.py)
     kv_events: KVEventsConfig | None = None  # publish KV cache events for KV-aware routers (kv_events_publisher.py)
+    # Also accepted as `model` but not listed by /v1/models: the --model path that clients sent before the shown id
+    # became the checkpoint's base name (the path is not shown: it tells a client about the server's filesystem).
+    model_aliases: tuple[str, ...] = ()
 
 
 class ServingContext:
@@ -109,6 +112,8 @@ class ServingContext:
     def check_model(self, name: str | None) -> str:
         if name is None or name in self.settings.served_model_names:
             return name or self.model_name
+        if name in self.settings.model_aliases:
+            return self.model_name
         raise APIError(
             f"The model `{name}` does not exist. Served: {', '.join(self.settings.served_model_names)}",
             400,
