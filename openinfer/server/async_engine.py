@@ -231,6 +231,7 @@ class AsyncEngine:
             s.spec_decode.num_draft_tokens,
             s.spec_decode.num_accepted_tokens,
             list(s.spec_decode.accepted_per_pos),
+            *_transfer_fields(s),
         )
 
     def _run(self) -> None:
@@ -311,3 +312,12 @@ class AsyncEngine:
         except Exception as e:  # report, don't kill the core
             logger.exception("control %s failed", cmd.op)
             return ControlReply(cmd.control_id, False, f"{type(e).__name__}: {e}")
+
+
+def _transfer_fields(s) -> tuple:
+    """StatsSnapshot's prompt-source and KV-transfer fields, in its order, from the engine's stats."""
+    t = s.kv_transfer
+    kv = (t.loads_ok, t.load_failures, t.fallbacks, t.bytes_received, t.seconds_receiving, t.sends_ok,
+          t.sends_expired) if t is not None else (0, 0, 0, 0, 0.0, 0, 0)
+    return (s.prompt_tokens_computed, s.prompt_tokens_cached, s.prompt_tokens_received, s.generation_tokens,
+            *kv, s.num_held_for_transfer)
