@@ -246,3 +246,46 @@ def test_unreachable_producer_falls_back_to_local_prefill(engines):
     assert d.outputs[0].token_ids == greedy(ref, prompt, 6).outputs[0].token_ids
     assert cons.engine.stats().kv_transfer.fallbacks == before + 1
     assert cons.engine.core.kv.all_free()
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v4"])
+def test_nixl_pull_deepseek_groups_token_identical(arch, tmp_path):
+    """DeepSeek-V3's latent group and DeepSeek-V4's full / window (sliding, released blocks sent as -1) / coarse
+    groups all go through the connector: the decoder, reading them, answers token for token as one engine does."""
+    pytest.importorskip("nixl")
+    from helpers import load_script, random_prompts
+
+    from openinfer.entrypoints.llm import LLM
+
+    if arch == "deepseek_v3":
+        ck = load_script("make_deepseek_checkpoint").make_v3(tmp_path / "v3", "tiny", seed=0)
+    else:
+        ck = load_script("make_deepseek_v4_checkpoint").make_checkpoint(tmp_path / "v4", "tiny", seed=0)
+    # V4 with 8-token blocks: its 16-token compressed entries get the coarse group too (three groups in all).
+    kw = dict(dtype="float32", max_model_len=256, num_kv_blocks=64, block_size=16 if arch == "deepseek_v3" else 8)
+
+    def pd(role):
+        return LLM(str(ck), kv_transfer_config=json.dumps({"kv_connector": "NixlConnector", "kv_role": role}), **kw)
+
+    prod, cons, ref = pd("kv_producer"), pd("kv_consumer"), LLM(str(ck), **kw)
+    specs = cons.engine.core.kv_specs
+    assert [s.name for s in specs] == (["full"] if arch == "deepseek_v3" else ["full", "window", "coarse"])
+    for prompt in random_prompts(2, [70, 23]):
+        want = greedy(ref, prompt, 6).outputs[0].token_ids
+        p = greedy(prod, prompt, 1, {"do_remote_decode": True})
+        if len(specs) > 1:
+            ids = p.kv_transfer_params["remote_block_ids"]
+            assert len(ids) == len(specs)
+            assert any(-1 in g for g in ids) == (len(prompt) > 40)  # the window group released its old blocks
+            assert all(len(g) > 0 for g in ids)
+        d = greedy(cons, prompt, 6, p.kv_transfer_params)
+        assert d.outputs[0].token_ids == want
+    stats = cons.engine.stats()
+    assert stats.kv_transfer.loads_ok == 2 and stats.kv_transfer.fallbacks == 0 and stats.prompt_tokens_computed == 2
+    for _ in range(200):
+        if not prod.engine.has_unfinished_requests():
+            break
+        prod.engine.step()
+    assert prod.engine.core.kv.all_free() and cons.engine.core.kv.all_free()
+    for llm in (prod, cons):
+        llm.engine.shutdown()
