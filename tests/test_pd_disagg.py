@@ -21,7 +21,7 @@ pytestmark = pytest.mark.distributed
 pytest.importorskip("nixl")
 
 ROUTER = shutil.which("vllm-router") or os.path.join(os.path.dirname(sys.executable), "vllm-router")
-KV = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "load_timeout_s": 3.0, "abort_request_timeout_s": 60}
+KV = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "load_timeout_s": 3.0, "abort_request_timeout_s": 4.0}
 COMMON = ("--dtype", "float32", "--max-model-len", "512", "--num-kv-blocks", "96", "--max-num-seqs", "8")
 
 
@@ -165,6 +165,20 @@ def test_bad_kv_transfer_params_are_a_400(pd):
     r = httpx.post(decode.url + "/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 2,
                                                          "kv_transfer_params": {"do_remote_decode": True}}, timeout=30)
     assert r.status_code == 400 and "kv_transfer_params" in r.text
+
+
+def test_a_reader_that_never_comes_frees_the_producer_after_its_timeout(pd):
+    """The decode side dies after the prefill ran (or never asks): the producer's held blocks go back to the pool
+    after abort_request_timeout_s, and /metrics says so."""
+    prefill, _, _ = pd
+    before = prefill.metrics()
+    first = _complete(prefill.url, "nobody will read this prompt's blocks", 1,
+                      kv_transfer_params={"do_remote_decode": True})
+    assert first["kv_transfer_params"]["remote_block_ids"]
+    m = prefill.metrics()
+    assert m[P + "kv_transfer_held_requests"] == 1 and m[P + "kv_cache_usage_perc"] > 0
+    after = _wait_free(prefill, timeout_s=15)
+    assert after[P + "kv_transfer_sends_expired_total"] == before[P + "kv_transfer_sends_expired_total"] + 1
 
 
 def test_a_transfer_that_never_completes_falls_back(pd):
