@@ -289,3 +289,49 @@ def test_nixl_pull_deepseek_groups_token_identical(arch, tmp_path):
     assert prod.engine.core.kv.all_free() and cons.engine.core.kv.all_free()
     for llm in (prod, cons):
         llm.engine.shutdown()
+
+
+def test_local_prefix_hit_is_kept_and_only_the_rest_is_read():
+    s, kv, conn = make("kv_consumer")
+    add(s, "warm", 10)  # caches the first two 4-token blocks of the shared prompt
+    while s.num_unfinished:
+        step(s)
+    add(s, "r", 10, params=remote_params(10))
+    sched, _, _ = step(s)
+    (load,) = sched.kv_connector_metadata.loads
+    assert load.local_block_ids[0][:2] == [-1, -1] and min(load.local_block_ids[0][2:]) >= 0
+    _, rows, _ = step(s, KVConnectorOutput(finished_recving=["r"]))
+    assert rows["r"] == (9, 1)
+    assert s.prompt_tokens_received == 9 - 8 and s.prompt_tokens_cached == 8
+
+
+def test_side_channel_speaks_msgpack_not_pickle():
+    """The handshake is msgspec msgpack both ways; a pickled request is refused, not unpickled."""
+    import pickle
+
+    import zmq
+
+    from openinfer.distributed.kv_transfer.side_channel import (HandshakeRequest, SideChannelServer, StoreLayout,
+                                                                handshake)
+
+    server = SideChannelServer("127.0.0.1", 0, "prod", b"\x00agent-bytes", [[StoreLayout(4096, 64, 8)]])
+    try:
+        reply = handshake("127.0.0.1", server.port, "me", "prod", 5.0)
+        assert reply.agent_metadata == b"\x00agent-bytes" and reply.groups[0][0].block_bytes == 64
+        with pytest.raises(RuntimeError, match="not other"):
+            handshake("127.0.0.1", server.port, "me", "other", 5.0)
+        sock = zmq.Context.instance().socket(zmq.REQ)
+        sock.connect(f"tcp://127.0.0.1:{server.port}")
+        sock.send(pickle.dumps(HandshakeRequest("me", "prod")))
+        assert sock.poll(5000)
+        raw = sock.recv()
+        sock.close(0)
+        assert not raw.startswith(b"\x80")  # no pickle protocol header in the answer
+        import msgspec
+
+        from openinfer.distributed.kv_transfer.side_channel import HandshakeReply
+
+        refused = msgspec.msgpack.decode(raw, type=HandshakeReply)
+        assert refused.error.startswith("bad handshake") and refused.agent_metadata == b""
+    finally:
+        server.close()
