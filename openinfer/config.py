@@ -314,6 +314,73 @@ class SpeculativeConfig:
         return cls(**value)
 
 
+KV_CONNECTORS = ("NixlConnector",)
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """Prefill/decode disaggregation (vLLM's ``kv_transfer_config``): a KV connector moves finished prompts' KV
+    between instances. A producer runs prompts for others (``do_remote_decode``) and holds their blocks until the
+    reader says it is done or ``abort_request_timeout_s`` passes (vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT); a consumer
+    reads them (``do_remote_prefill``), and falls back to computing the prompt itself when a read fails or takes
+    longer than ``load_timeout_s``. The side channel (handshake and block layout, ZeroMQ + msgspec) listens on
+    ``side_channel_host:side_channel_port``; port 0 picks a free port, advertised in ``kv_transfer_params``, so
+    instances on one host never collide."""
+
+    kv_connector: str
+    kv_role: str
+    engine_id: str | None = None  # None: a fresh uuid per start
+    side_channel_host: str = "127.0.0.1"
+    side_channel_port: int = 0
+    abort_request_timeout_s: float = 480.0
+    load_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.kv_connector not in KV_CONNECTORS:
+            raise ValueError(f"kv_transfer_config.kv_connector={self.kv_connector!r}; choose one of "
+                             f"{', '.join(KV_CONNECTORS)}")
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_transfer_config.kv_role={self.kv_role!r}; choose one of {', '.join(KV_ROLES)}")
+        if not isinstance(self.side_channel_port, int) or not 0 <= self.side_channel_port < 65536:
+            raise ValueError(f"kv_transfer_config.side_channel_port must be in [0, 65535], got "
+                             f"{self.side_channel_port!r}")
+        for name in ("abort_request_timeout_s", "load_timeout_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ValueError(f"kv_transfer_config.{name} must be a number > 0, got {v!r}")
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    @classmethod
+    def parse(cls, value: str | dict | KVTransferConfig | None) -> KVTransferConfig | None:
+        """JSON text, a dict or None -> the config; unknown keys are an error naming them."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"kv_transfer_config must be JSON, got {value!r}: {e}") from None
+            if value is None:
+                return None
+        if not isinstance(value, dict):
+            raise ValueError(f"kv_transfer_config must be a JSON object, got {value!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"kv_transfer_config has unknown keys {unknown}; known: {sorted(known)}")
+        if "kv_connector" not in value or "kv_role" not in value:
+            raise ValueError("kv_transfer_config needs 'kv_connector' and 'kv_role'")
+        return cls(**value)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Built from ``EngineArgs.create_engine_config`` (engine_args.py), the one list of user settings."""
@@ -327,6 +394,7 @@ class EngineConfig:
     attention_backend: AttentionBackend = AttentionBackend.SDPA
     structured_outputs_backend: str = "auto"  # auto | llguidance | xgrammar
     tokenizer_mode: str = "auto"  # auto (the chat template) | deepseek_v4 (chat_encoding/deepseek_v4.py)
+    kv_transfer: KVTransferConfig | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.attention_backend, AttentionBackend):
@@ -337,6 +405,14 @@ class EngineConfig:
                              f"llguidance, xgrammar")
         if self.tokenizer_mode not in ("auto", "deepseek_v4", "deepseek_v32"):
             raise ValueError(f"tokenizer_mode={self.tokenizer_mode!r}; choose one of auto, deepseek_v4, deepseek_v32")
+        if self.kv_transfer is not None:
+            # The connector's worker side runs in the engine's process and reads one rank's whole cache.
+            if self.parallel.world_size > 1 or self.parallel.executor_backend != "uni":
+                raise ValueError("kv_transfer_config needs one rank in the engine's process (tensor_parallel_size=1, "
+                                 "data_parallel_size=1, distributed_executor_backend uni/auto)")
+            if self.speculative is not None:
+                raise ValueError("kv_transfer_config with speculative_config is not supported: the drafting "
+                                 "model's KV is not transferred")
 
 
 def engine_config_to_json(config: EngineConfig) -> str:
@@ -349,6 +425,7 @@ def engine_config_to_json(config: EngineConfig) -> str:
         "speculative": asdict(config.speculative) if config.speculative else None,
         "seed": config.seed, "attention_backend": config.attention_backend.value,
         "structured_outputs_backend": config.structured_outputs_backend, "tokenizer_mode": config.tokenizer_mode,
+        "kv_transfer": asdict(config.kv_transfer) if config.kv_transfer else None,
     })
 
 
@@ -365,4 +442,5 @@ def engine_config_from_json(text: str) -> EngineConfig:
                         speculative=SpeculativeConfig.parse(d.get("speculative")), seed=d["seed"],
                         attention_backend=AttentionBackend(d["attention_backend"]),
                         structured_outputs_backend=d.get("structured_outputs_backend", "auto"),
-                        tokenizer_mode=d.get("tokenizer_mode", "auto"))
+                        tokenizer_mode=d.get("tokenizer_mode", "auto"),
+                        kv_transfer=KVTransferConfig.parse(d.get("kv_transfer")))

@@ -71,6 +71,9 @@ class EngineArgs:
                                                    "xgrammar (an optional extra: pip install 'openinfer[xgrammar]')")
     tokenizer_mode: str = _arg("auto", "how chat messages become a prompt: auto (the tokenizer's chat template) | "
                                        "deepseek_v4 / deepseek_v32 (DeepSeek's own encoders: DSML tools, thinking modes)")
+    kv_transfer_config: str | None = _arg(None, "prefill/decode disaggregation as JSON (vLLM's), e.g. "
+                                                "'{\"kv_connector\": \"NixlConnector\", \"kv_role\": \"kv_both\"}' "
+                                                "(roles: kv_producer, kv_consumer, kv_both)")
     chat_template: str | None = _arg(None, "a jinja2 chat template, as a string or a file "
                                            "(default: the tokenizer's)")
 
@@ -131,7 +134,7 @@ class EngineArgs:
         ``chat_template`` is not part of it: it goes to ``LLMEngine(config, chat_template=...)``."""
         from openinfer.assets_path import default_model_path
         from openinfer.config import (AttentionBackend, CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
-                                      SchedulerConfig, SpeculativeConfig)
+                                      KVTransferConfig, SchedulerConfig, SpeculativeConfig)
 
         model = ModelConfig.from_path(self.model or default_model_path(), dtype=self.dtype,
                                       device=self.device, max_model_len=self.max_model_len,
@@ -171,6 +174,7 @@ class EngineArgs:
             attention_backend=AttentionBackend.parse(self.attention_backend),
             structured_outputs_backend=self.structured_outputs_backend,
             tokenizer_mode=self.tokenizer_mode,
+            kv_transfer=KVTransferConfig.parse(self.kv_transfer_config),
         )
 
 

@@ -56,6 +56,8 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    # Disaggregated prefill/decode: where this request's KV waits for a remote decoder (vLLM's field).
+    kv_transfer_params: dict | None = None
 
     def __repr__(self) -> str:
         outs = ", ".join(repr(o.text[:40]) for o in self.outputs)

@@ -116,6 +116,8 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     bad_words: list[str] | None = None  # never generated (as words: with and without a leading space)
     structured_outputs: StructuredOutputsParams | None = None
+    # Disaggregated prefill/decode (vLLM's kv_transfer_params, read by the engine's KV connector).
+    kv_transfer_params: dict[str, Any] | None = None
     # Filled by the engine from the tokenizer / generation_config; not user-facing.
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
@@ -213,6 +215,11 @@ class SamplingParams:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise bad("structured_outputs", self.structured_outputs, "a StructuredOutputsParams")
             self.structured_outputs.validate()
+        if self.kv_transfer_params is not None:
+            if not isinstance(self.kv_transfer_params, dict):
+                raise bad("kv_transfer_params", self.kv_transfer_params, "a JSON object")
+            if self.n != 1:
+                raise ValueError(f"kv_transfer_params needs n=1 (one sequence's KV moves), got n={self.n}")
 
     def check_limits(self, vocab_size: int, limits: RequestLimits = DEFAULT_LIMITS) -> None:
         """What ``validate`` cannot know: token ids the user named must exist in the model's vocabulary, and the

@@ -29,6 +29,41 @@ class CachedRequestData(msgspec.Struct):
     num_computed_tokens: int
 
 
+class KVLoad(msgspec.Struct):
+    """One request's prompt KV to read from a remote instance (the KV connector's pull). Block lists per KV group,
+    aligned position by position; -1 on either side = nothing to read there (a local prefix hit, or a sliding
+    group's block the remote released because no later query reads it)."""
+
+    req_id: str
+    local_block_ids: list[list[int]]
+    remote_block_ids: list[list[int]]
+    remote_engine_id: str
+    remote_request_id: str
+    remote_host: str
+    remote_port: int
+
+
+class KVConnectorMetadata(msgspec.Struct):
+    """What the scheduler side of a KV connector tells its worker side each step."""
+
+    loads: list[KVLoad] = []
+
+
+class KVConnectorOutput(msgspec.Struct):
+    """What the worker side reports back: reads finished or failed (request id -> why), and the producer's held
+    requests whose reader said it is done; plus the step's transfer figures."""
+
+    finished_recving: list[str] = []
+    failed_recving: dict[str, str] = {}
+    finished_sending: list[str] = []
+    bytes_received: int = 0
+    seconds_receiving: float = 0.0
+
+    @property
+    def empty(self) -> bool:
+        return not (self.finished_recving or self.failed_recving or self.finished_sending)
+
+
 class SchedulerOutput(msgspec.Struct):
     new_requests: list[NewRequestData] = []
     cached_requests: list[CachedRequestData] = []
@@ -44,6 +79,8 @@ class SchedulerOutput(msgspec.Struct):
     # each sampling position (1 + its drafts), one bit per token id in 32-bit little-endian words, rows
     # concatenated (structured_outputs/backend.py).
     grammar_bitmask: dict[str, bytes] = {}
+    # Disaggregated prefill/decode: the KV connector's work for this step (None without a connector).
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -86,3 +123,4 @@ class ModelRunnerOutput(msgspec.Struct):
     # Rows whose own work failed this step (sampling, verifying, prompt logprobs): request id -> the error. Those
     # requests end with an error; the rest of the batch is unaffected.
     failed: dict[str, str] = {}
+    kv_connector_output: KVConnectorOutput | None = None

@@ -166,7 +166,8 @@ def valid_values(ckpt_copy: Path) -> dict[str, typing.Any]:
                 data_parallel_size=2, enable_expert_parallel=True, distributed_executor_backend="mp",
                 enable_eplb=True, num_redundant_experts=2, eplb_step_interval=10,
                 speculative_config='{"method": "ngram", "num_speculative_tokens": 2}',
-                structured_outputs_backend="llguidance", tokenizer_mode="deepseek_v4")
+                structured_outputs_backend="llguidance", tokenizer_mode="deepseek_v4",
+                kv_transfer_config='{"kv_connector": "NixlConnector", "kv_role": "kv_both"}')
 
 
 COMPANIONS = {name: {"enable_expert_parallel": True} for name in

@@ -25,6 +25,7 @@ from openinfer.engine.kv_plan import plan_kv_blocks
 from openinfer.engine.request import Request, RequestStatus
 from openinfer.engine.scheduler import Scheduler
 from openinfer.engine.spec_stats import SpecDecodeStats
+from openinfer.distributed.kv_transfer.stats import KVTransferStats
 from openinfer.executor.abstract import Executor, ExecutorFailed
 from openinfer.kv_cache_interface import bytes_per_token, kv_startup_message
 from openinfer.kv_events import KVEventBatch
@@ -32,6 +33,10 @@ from openinfer.step_io import ExpertLoadStats, ModelRunnerOutput, SchedulerOutpu
 from openinfer.structured_outputs.manager import GrammarCompiler, RequestGrammar
 
 logger = logging.getLogger(__name__)
+
+# With nothing to compute but KV transfers in flight, how long a step waits before polling them again (the engine
+# loop would otherwise spin a core that the transfer itself needs).
+_POLL_IDLE_S = 0.002
 
 
 class EngineDeadError(RuntimeError):
@@ -57,6 +62,14 @@ class EngineStats:
     spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     # Steps in a row whose forward failed (0 after any that succeeded): the server's readiness reads it.
     consecutive_failed_steps: int = 0
+    # Where prompt tokens came from (computed here, local prefix-cache hits, read from a remote prefill instance)
+    # and tokens generated here; KV transfer counters (None without a KV connector).
+    prompt_tokens_computed: int = 0
+    prompt_tokens_cached: int = 0
+    prompt_tokens_received: int = 0
+    generation_tokens: int = 0
+    kv_transfer: KVTransferStats | None = None
+    num_held_for_transfer: int = 0  # ended requests whose blocks wait for a remote reader
 
 
 class EngineCore:
@@ -80,11 +93,25 @@ class EngineCore:
         self.executor.initialize_kv_cache(self.num_kv_blocks)
         self.kvs = [KVCacheManager(self.kv_specs, self.num_kv_blocks, cache.block_size, cache.enable_prefix_caching)
                     for _ in range(config.parallel.data_parallel_size)]
-        self.schedulers = [Scheduler(sched, kv) for kv in self.kvs]
+        self.kv_connector = self._make_kv_connector()
+        self.schedulers = [Scheduler(sched, kv, self.kv_connector) for kv in self.kvs]
         self._replica_of: dict[str, int] = {}  # request id -> data-parallel replica
         self.kv_bytes_per_token = bytes_per_token(self.kv_specs, cache.block_size)
         self.startup_message = kv_startup_message(self.kv_specs, self.num_kv_blocks, cache.block_size,
                                                   self.max_model_len)
+
+    def _make_kv_connector(self):
+        """The scheduler side of the configured KV connector (pure Python), told where its worker side's side
+        channel listens (the worker picked the port when its cache was registered)."""
+        kt = self.config.kv_transfer
+        if kt is None:
+            return None
+        from openinfer.distributed.kv_transfer.nixl_scheduler import NixlConnectorScheduler
+
+        connector = NixlConnectorScheduler(kt, [s.tokens_per_block(self.config.cache.block_size)
+                                                for s in self.kv_specs])
+        connector.set_side_channel(self.executor.collective_rpc("init_kv_connector", (connector.engine_id,))[0])
+        return connector
 
     @property
     def kv(self) -> KVCacheManager:
@@ -111,6 +138,12 @@ class EngineCore:
                 raise ValueError("structured_outputs needs an engine built with a grammar backend")
             # Compiles on the compiler's threads (or is already cached); the scheduler admits it once ready.
             req.grammar = RequestGrammar(self.grammar_compiler.submit(spec))
+        params = request.sampling_params.kv_transfer_params
+        if params is not None:
+            if self.kv_connector is None:
+                raise ValueError("kv_transfer_params needs an engine started with kv_transfer_config "
+                                 "(--kv-transfer-config)")
+            self.kv_connector.validate_params(params, req.num_prompt_tokens, self.config.cache.block_size)
         end = req.num_prompt_tokens + req.max_tokens
         for name, need in self.kv.blocks_needed(end).items():
             have = self.kv.num_blocks[name]
@@ -137,7 +170,8 @@ class EngineCore:
                 self.schedulers[replica].finish_requests([rid], status)
 
     def has_unfinished_requests(self) -> bool:
-        return any(s.num_unfinished for s in self.schedulers)
+        """Also while KV transfers are in flight (held prompts, reads): the steps poll the connector."""
+        return any(s.num_unfinished or s.has_connector_work() for s in self.schedulers)
 
     # -- the step ----------------------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
@@ -151,8 +185,13 @@ class EngineCore:
             self._fault.before_step()
         try:
             if all(s.empty for s in scheds):
-                if any(s.finished_req_ids for s in scheds):  # workers still drop the state of what ended
-                    self.executor.execute_model(scheds)
+                polling = any(s.has_connector_work() for s in self.schedulers)
+                if any(s.finished_req_ids for s in scheds) or polling:  # workers drop what ended; poll transfers
+                    results = self.executor.execute_model(scheds)
+                    for scheduler, result in zip(self.schedulers, results):
+                        scheduler.update_kv_connector_output(result.kv_connector_output if result else None)
+                    if polling:
+                        time.sleep(_POLL_IDLE_S)
                 return failed
             if self._fault is not None:
                 self._fault.before_forward()
@@ -173,6 +212,7 @@ class EngineCore:
             if result is not None and result.expert_load is not None:
                 self.expert_load = result.expert_load
         for scheduler, sched, result in zip(self.schedulers, scheds, results):
+            scheduler.update_kv_connector_output(result.kv_connector_output if result else None)
             if not sched.empty:
                 outputs += scheduler.update_from_output(sched, result or ModelRunnerOutput())
         for o in outputs:
@@ -216,6 +256,12 @@ class EngineCore:
             spec_decode=functools.reduce(SpecDecodeStats.merge, (s.spec_stats for s in self.schedulers),
                                          SpecDecodeStats()),  # a snapshot, never the live counters
             consecutive_failed_steps=self.consecutive_failed_steps,
+            prompt_tokens_computed=sum(s.prompt_tokens_computed for s in self.schedulers),
+            prompt_tokens_cached=sum(s.prompt_tokens_cached for s in self.schedulers),
+            prompt_tokens_received=sum(s.prompt_tokens_received for s in self.schedulers),
+            generation_tokens=sum(s.generation_tokens for s in self.schedulers),
+            kv_transfer=self.kv_connector.stats.snapshot() if self.kv_connector is not None else None,
+            num_held_for_transfer=sum(len(s.held) for s in self.schedulers),
         )
 
     def reset_prefix_cache(self) -> int:

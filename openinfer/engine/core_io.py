@@ -30,3 +30,5 @@ class EngineCoreOutput(msgspec.Struct):
     num_preemptions: int = 0
     first_scheduled_s: float | None = None
     timestamp_s: float = 0.0  # time.monotonic() when this output was made
+    # With the final output of a request run for a remote decoder: where its KV waits (vLLM's kv_transfer_params).
+    kv_transfer_params: dict | None = None

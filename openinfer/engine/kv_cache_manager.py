@@ -81,8 +81,9 @@ class KVCacheManager:
         """Whole-life blocks one request of ``num_tokens`` tokens holds at its end, per group."""
         return {g.name: blocks_for_tokens(num_tokens, g.tokens_per_block) for g in self.groups if not g.spec.sliding}
 
-    def block_ids(self, request_id: str) -> list[list[int]]:
-        return [g.block_ids(request_id) for g in self.groups]
+    def block_ids(self, request_id: str, placeholder: int = NULL_BLOCK) -> list[list[int]]:
+        """Per group; ``placeholder`` stands for a released (or never needed) position of a sliding group."""
+        return [g.block_ids(request_id, placeholder) for g in self.groups]
 
     def _block_keys(self, req: Request, num_full_blocks: int) -> list[BlockKey]:
         """Chain keys of the request's first ``num_full_blocks`` full blocks (hashes memoised on the request so
@@ -140,10 +141,12 @@ class KVCacheManager:
         return KVCacheBlocks(tuple(hit), h * self.block_size), h * self.block_size
 
     # -- allocation --------------------------------------------------------------------------------------
-    def allocate_slots(self, req: Request, num_new_tokens: int,
-                       hit: KVCacheBlocks | None = None) -> KVCacheBlocks | None:
+    def allocate_slots(self, req: Request, num_new_tokens: int, hit: KVCacheBlocks | None = None,
+                       cache: bool = True) -> KVCacheBlocks | None:
         """Make room for ``num_new_tokens`` more tokens after the computed ones (plus the hit). Returns the newly
-        allocated blocks per group, or None (nothing changed) when a pool cannot fit them."""
+        allocated blocks per group, or None (nothing changed) when a pool cannot fit them. ``cache=False``: the
+        blocks are not registered in the prefix cache yet (their KV is still being read from another instance;
+        the next allocation for the request registers them)."""
         hit = hit or self.empty_blocks()
         rid = req.request_id
         total = req.num_computed_tokens + hit.num_tokens + num_new_tokens
@@ -151,7 +154,8 @@ class KVCacheManager:
         if not all(g.fits(n, h) for g, n, h in zip(self.groups, need, hit.blocks)):
             return None
         new = KVCacheBlocks(tuple(g.allocate(rid, h, n) for g, h, n in zip(self.groups, hit.blocks, need)))
-        self._cache_full_blocks(req, total)
+        if cache:
+            self._cache_full_blocks(req, total)
         return new
 
     def _cache_full_blocks(self, req: Request, num_tokens_after_step: int) -> None:
@@ -167,10 +171,12 @@ class KVCacheManager:
             g.cache_full_blocks(req.request_id, num_full, keys)
         self._num_cached_blocks[req.request_id] = num_full
 
-    def release_stale_blocks(self, req: Request) -> None:
-        """After a step advanced ``req``: sliding groups give back the blocks no future query reads."""
+    def release_stale_blocks(self, req: Request, num_tokens: int | None = None) -> None:
+        """After a step advanced ``req``: sliding groups give back the blocks no query from position
+        ``num_tokens`` (default: its computed tokens) on reads."""
+        n = req.num_computed_tokens if num_tokens is None else num_tokens
         for g in self.groups:
-            g.release_stale(req.request_id, req.num_computed_tokens)
+            g.release_stale(req.request_id, n)
 
     def free(self, req: Request) -> None:
         self._num_cached_blocks.pop(req.request_id, None)

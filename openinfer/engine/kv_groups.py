@@ -103,8 +103,8 @@ class KVGroup:
         self._num_cached.pop(request_id, None)
         self.pool.release([b for b in reversed(table) if b is not None])
 
-    def block_ids(self, request_id: str) -> list[int]:
-        return [NULL_BLOCK if b is None else b.block_id for b in self.tables.get(request_id, ())]
+    def block_ids(self, request_id: str, placeholder: int = NULL_BLOCK) -> list[int]:
+        return [placeholder if b is None else b.block_id for b in self.tables.get(request_id, ())]
 
     def num_held(self, request_id: str) -> int:
         return sum(b is not None for b in self.tables.get(request_id, ()))

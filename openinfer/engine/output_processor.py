@@ -56,6 +56,7 @@ class ParentState:
     metrics: RequestMetrics
     prompt_logprobs: list[dict[int, float] | None] | None = None
     prompt_logprobs_sent: bool = False
+    kv_transfer_params: dict | None = None
 
     @property
     def finished(self) -> bool:
@@ -147,6 +148,8 @@ class OutputProcessor:
                 child.finished_s = o.timestamp_s
                 if o.finish_reason is None:
                     to_stop.append(o.request_id)
+        if o.kv_transfer_params is not None:
+            parent.kv_transfer_params = o.kv_transfer_params
         if o.finish_reason is not None and child.finish_reason is None:
             child.finish_reason, child.stop_reason = o.finish_reason, o.stop_reason
             child.finished_s = o.timestamp_s
@@ -229,4 +232,4 @@ class OutputProcessor:
         if finished:
             m.finished_time = max(c.finished_s or time.monotonic() for c in p.children)
         return RequestOutput(p.request_id, p.prompt, p.prompt_token_ids, outs, finished, prompt_lps,
-                             m.num_cached_tokens, m)
+                             m.num_cached_tokens, m, p.kv_transfer_params if finished else None)

@@ -14,6 +14,8 @@ if TYPE_CHECKING:
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    # Admitted with blocks allocated, its prompt's KV being read from another instance (disaggregated decode).
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"
@@ -82,6 +84,8 @@ class Request:
         self.spec_confidence: list[float] = []  # the proposer's predicted acceptance of each, when it makes one
         # Structured outputs: the matcher (compiled off the loop; the request waits until it is ready).
         self.grammar: RequestGrammar | None = None
+        # Disaggregated prefill/decode: what the KV connector returns when this request ends (producer side).
+        self.kv_transfer_params: dict | None = None
         self.times = RequestTimes()
         if arrival_s is not None:
             self.times.arrival_s = arrival_s

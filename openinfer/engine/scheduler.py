@@ -4,6 +4,12 @@ There is no prefill phase and no decode phase: every request's ``num_computed_to
 ``num_tokens`` under a token budget (chunked prefill falls out of the budget, prefix-cache hits start the count
 higher, preemption resets it to zero and the request recomputes). Running requests are served first in FCFS
 order; when blocks run out, the most recently admitted running request is preempted.
+
+With a KV connector (disaggregated prefill/decode, distributed/kv_transfer/): a request whose prompt KV comes from
+another instance gets its blocks, then waits in ``waiting_remote`` (WAITING_FOR_REMOTE_KVS) without holding back
+the queue; once read it rejoins the front of the queue with all but its last prompt token computed (a failed read:
+with none, it computes its prompt here). A request run for a remote decoder keeps its blocks after it ends
+(``held``) until the reader is done or the connector's timeout passes.
 """
 from __future__ import annotations
 
@@ -20,14 +26,29 @@ from openinfer.step_io import CachedRequestData, ModelRunnerOutput, NewRequestDa
 
 if TYPE_CHECKING:  # the scheduler stays importable without torch
     from openinfer.config import SchedulerConfig
+    from openinfer.distributed.kv_transfer.base import KVConnectorScheduler
+    from openinfer.step_io import KVConnectorOutput
 
 logger = logging.getLogger(__name__)
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager,
+                 connector: KVConnectorScheduler | None = None) -> None:
         self.config = config
         self.kv = kv_manager
+        self.connector = connector
+        self.waiting_remote: dict[str, Request] = {}  # blocks allocated, prompt KV being read from elsewhere
+        self.held: dict[str, Request] = {}  # ended, blocks kept for a remote reader
+        self._remote_hit: dict[str, int] = {}  # parked request -> its local prefix hit, in tokens
+        # Ended while their read was in flight: the blocks are freed when the worker side reports the read over
+        # (done, failed or timed out), never while it may still be writing into them.
+        self._orphan_loads: dict[str, Request] = {}
+        # Where prompt tokens came from (vLLM's prompt_tokens_by_source) and tokens generated here.
+        self.prompt_tokens_computed = 0
+        self.prompt_tokens_cached = 0
+        self.prompt_tokens_received = 0
+        self.generation_tokens = 0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -54,6 +75,15 @@ class Scheduler:
                 continue
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
+            elif req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                del self.waiting_remote[rid]
+                self._remote_hit.pop(rid, None)
+                req.status = status
+                req.times.finished_s = time.monotonic()
+                del self.requests[rid]
+                self._orphan_loads[rid] = req
+                done.append(req)
+                continue
             else:
                 self.waiting.remove(req)
             self._finish(req, status)
@@ -63,13 +93,89 @@ class Scheduler:
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
         req.times.finished_s = time.monotonic()
-        self.kv.free(req)
         del self.requests[req.request_id]
         self._finished_ids.append(req.request_id)
+        if self.connector is not None:
+            ok = status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
+            hold, req.kv_transfer_params = self.connector.request_finished(
+                req, req.sampling_params.kv_transfer_params, ok, self.kv.block_ids(req.request_id, placeholder=-1),
+                req.times.finished_s)
+            if hold:
+                self.held[req.request_id] = req
+                return
+        self.kv.free(req)
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.waiting_remote)
+
+    def has_connector_work(self) -> bool:
+        """Reads or held prompts in flight: the engine keeps stepping so the worker side is polled."""
+        return self.connector is not None and (self.connector.has_pending_work() or bool(self.held)
+                                               or bool(self._orphan_loads))
+
+    # -- the KV connector ----------------------------------------------------------------------------------
+    def _admit_remote(self, req: Request) -> bool | None:
+        """A waiting request whose prompt KV another instance supplies: allocate its blocks and park it until the
+        read ends. True: parked; False: blocks are short (stop admitting); None: not a remote request."""
+        params = req.sampling_params.kv_transfer_params
+        hit, num_hit = self.kv.get_computed_blocks(req)
+        num_ext, is_async = self.connector.get_num_new_matched_tokens(req, params, num_hit)
+        if num_ext <= 0 or not is_async:
+            return None
+        if self.kv.allocate_slots(req, num_ext, hit, cache=False) is None:
+            return False
+        self.waiting.popleft()
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        if req.times.first_scheduled_s is None:
+            req.times.first_scheduled_s = time.monotonic()
+        self.waiting_remote[req.request_id] = req
+        self._remote_hit[req.request_id] = num_hit
+        self.connector.update_state_after_alloc(req, params, self.kv.block_ids(req.request_id),
+                                                [len(g) for g in hit.blocks])
+        return True
+
+    def update_kv_connector_output(self, out: KVConnectorOutput | None) -> None:
+        """Reads that ended (the request rejoins the front of the queue: with its prompt computed but the last
+        token, or - the read failed - with nothing, computing its prompt here) and held prompts now read."""
+        if self.connector is None or out is None:
+            return
+        self.connector.update_connector_output(out)
+        for rid in [*out.finished_recving, *out.failed_recving]:
+            orphan = self._orphan_loads.pop(rid, None)
+            if orphan is not None:
+                self.kv.free(orphan)
+                self.connector.request_finished(orphan, None, False, [], time.monotonic())
+        back: list[Request] = []
+        for rid in out.finished_recving:
+            req = self.waiting_remote.pop(rid, None)
+            if req is None:
+                continue  # aborted meanwhile
+            num_hit = self._remote_hit.pop(rid, 0)
+            req.num_computed_tokens = req.num_prompt_tokens - 1  # the last one runs here: its logits sample
+            req.num_cached_tokens = req.num_computed_tokens
+            self.prompt_tokens_cached += num_hit
+            self.prompt_tokens_received += req.num_computed_tokens - num_hit
+            req.status = RequestStatus.WAITING
+            back.append(req)
+        for rid, why in out.failed_recving.items():
+            req = self.waiting_remote.pop(rid, None)
+            if req is None:
+                continue
+            self._remote_hit.pop(rid, None)
+            logger.warning("request %s: reading its prompt's KV failed (%s); computing the prompt here", rid, why)
+            self.kv.free(req)
+            req.num_computed_tokens = 0
+            req.status = RequestStatus.WAITING
+            back.append(req)
+        self.waiting.extendleft(reversed(back))
+        for rid in out.finished_sending:
+            self._release_held(rid)
+
+    def _release_held(self, rid: str) -> None:
+        req = self.held.pop(rid, None)
+        if req is not None:
+            self.kv.free(req)
 
     # -- the step ----------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -77,6 +183,9 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         new_reqs: list[Request] = []
         cached: list[tuple[Request, list[list[int]]]] = []
+        if self.connector is not None:
+            for rid in self.connector.expired_sends(time.monotonic()):
+                self._release_held(rid)
 
         # 1) running requests, FCFS
         i = 0
@@ -125,6 +234,12 @@ class Scheduler:
                     self._error_outputs.append(self._output(req, [], None, None, RequestStatus.FINISHED_ERROR,
                                                             time.monotonic()))
                 continue
+            if self.connector is not None and req.num_computed_tokens == 0:
+                parked = self._admit_remote(req)
+                if parked is False:
+                    break
+                if parked:
+                    continue
             hit, num_hit = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else (None, 0)
             num_new = min(req.num_tokens - req.num_computed_tokens - num_hit, budget)
             if self.kv.allocate_slots(req, num_new + self.config.num_lookahead_tokens, hit) is None:
@@ -132,6 +247,7 @@ class Scheduler:
             self.waiting.popleft()
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
+                self.prompt_tokens_cached += num_hit
             if req.times.first_scheduled_s is None:
                 req.times.first_scheduled_s = time.monotonic()
             req.num_computed_tokens += num_hit
@@ -156,6 +272,8 @@ class Scheduler:
                                            list(r.output_token_ids)) for r in new_reqs]
         out.cached_requests = [CachedRequestData(r.request_id, ids, r.num_computed_tokens) for r, ids in cached]
         out.finished_req_ids, self._finished_ids = self._finished_ids, []
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta()
         return out
 
     def _fill_grammar_bitmasks(self, out: SchedulerOutput) -> list[Request]:
@@ -219,8 +337,15 @@ class Scheduler:
             # Computed this step: the known tokens, and the drafts that were accepted (the tokens sampled after
             # them match the drafts); a rejected draft's KV is simply overwritten when its position is computed.
             accepted = len(sampled) - 1 if sampled and drafts else 0
+            self.prompt_tokens_computed += max(0, min(req.num_computed_tokens + n, req.num_prompt_tokens)
+                                               - req.num_computed_tokens)
             req.num_computed_tokens += n - len(drafts) + accepted
-            self.kv.release_stale_blocks(req)
+            params = req.sampling_params.kv_transfer_params
+            if params and params.get("do_remote_decode"):
+                # A remote decoder recomputes the last prompt token: keep what a query there reads.
+                self.kv.release_stale_blocks(req, min(req.num_computed_tokens, req.num_prompt_tokens - 1))
+            else:
+                self.kv.release_stale_blocks(req)
             if drafts:
                 self.spec_stats.record(len(drafts), accepted, req.spec_confidence)
             req.spec_token_ids = result.spec_token_ids.get(rid, [])
@@ -242,6 +367,7 @@ class Scheduler:
                 for tok in sampled:  # one at a time: a stop ends the request there, later tokens are dropped
                     req.append_output_token(tok.token_id)
                     tokens.append(tok.token_id)
+                    self.generation_tokens += 1
                     if req.sampling_params.logprobs is not None:
                         lps.append(tok.top_logprobs or {tok.token_id: tok.logprob})
                     status = self._check_stop(req, tok.token_id)
@@ -265,7 +391,7 @@ class Scheduler:
         return EngineCoreOutput(
             req.request_id, tokens, lp, prompt_lp, status.finish_reason if status else None,
             req.stop_reason if status else None, max(req.num_cached_tokens, 0), req.num_preemptions,
-            req.times.first_scheduled_s, now)
+            req.times.first_scheduled_s, now, req.kv_transfer_params if status else None)
 
     @staticmethod
     def _advance_grammar(req: Request, token_id: int) -> RequestStatus | None:

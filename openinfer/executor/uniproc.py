@@ -16,3 +16,8 @@ class UniProcExecutor(Executor):
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
         attr = getattr(self.driver_worker, method)
         return [attr(*args, **(kwargs or {})) if callable(attr) else attr]
+
+    def shutdown(self) -> None:
+        connector = self.driver_worker.model_runner.kv_connector if self.driver_worker.model_runner else None
+        if connector is not None:
+            connector.shutdown()

@@ -265,6 +265,7 @@ class AsyncEngine:
             s.spec_decode.num_draft_tokens,
             s.spec_decode.num_accepted_tokens,
             list(s.spec_decode.accepted_per_pos),
+            *_transfer_fields(s),
             consecutive_failed_steps=s.consecutive_failed_steps,
         )
 
@@ -354,3 +355,12 @@ class AsyncEngine:
 def _ended_by_abort(u: RequestUpdate) -> bool:
     """The final update of a request its abort ended (not one that finished on its own meanwhile)."""
     return all(d.finish_reason in (None, "abort") for d in u.outputs)
+
+
+def _transfer_fields(s) -> tuple:
+    """StatsSnapshot's prompt-source and KV-transfer fields, in its order, from the engine's stats."""
+    t = s.kv_transfer
+    kv = (t.loads_ok, t.load_failures, t.fallbacks, t.bytes_received, t.seconds_receiving, t.sends_ok,
+          t.sends_expired) if t is not None else (0, 0, 0, 0, 0.0, 0, 0)
+    return (s.prompt_tokens_computed, s.prompt_tokens_cached, s.prompt_tokens_received, s.generation_tokens,
+            *kv, s.num_held_for_transfer)

@@ -171,6 +171,27 @@ class _EngineStatsCollector(Collector):
         for pos, n in enumerate(s.spec_accepted_per_pos):
             per_pos.add_metric([self.model_name, str(pos)], n)
         yield per_pos
+        by_source = CounterMetricFamily(self.prefix + "prompt_tokens_by_source",
+                                        "Prompt tokens by where their KV came from (vLLM's sources): computed here, "
+                                        "local prefix-cache hits, read from a remote prefill instance.",
+                                        labels=["model_name", "source"])
+        for source, n in (("local_compute", s.prompt_tokens_computed), ("local_cache_hit", s.prompt_tokens_cached),
+                          ("external_kv_transfer", s.prompt_tokens_received)):
+            by_source.add_metric([self.model_name, source], n)
+        yield by_source
+        yield counter("engine_generation_tokens", "Tokens sampled by this engine's model (a prefill instance of a "
+                      "disaggregated pair samples one per request; its decoder the rest).", s.engine_generation_tokens)
+        yield counter("kv_transfer_loads", "Prompts whose KV was read from a remote instance.", s.kv_loads)
+        yield counter("kv_transfer_failures", "KV reads that failed or timed out.", s.kv_load_failures)
+        yield counter("kv_transfer_fallbacks", "Requests with kv_transfer_params that computed their prompt here "
+                      "after all (a failed read, or params that did not fit).", s.kv_fallbacks)
+        yield counter("kv_transfer_bytes", "KV bytes read from remote instances.", s.kv_bytes_received)
+        yield counter("kv_transfer_seconds", "Seconds spent in KV reads (sum over reads).", s.kv_seconds_receiving)
+        yield counter("kv_transfer_sends", "Held prompts a remote reader finished with.", s.kv_sends)
+        yield counter("kv_transfer_sends_expired", "Held prompts freed by the abort timeout (no reader came).",
+                      s.kv_sends_expired)
+        yield gauge("kv_transfer_held_requests", "Finished requests whose KV blocks wait for a remote reader.",
+                    s.kv_held_requests)
         yield gauge("spec_decode_mean_accepted_length", "Tokens per verification: accepted drafts + 1 (1 without "
                     "speculation).", SpecDecodeStats(s.spec_num_drafts, s.spec_num_draft_tokens,
                                                  s.spec_num_accepted_tokens).mean_accepted_length)

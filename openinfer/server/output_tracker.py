@@ -53,6 +53,7 @@ class OutputTracker:
             num_prompt_tokens=st.num_prompt_tokens,
             num_cached_tokens=out.num_cached_tokens,
             prompt_logprobs=out.prompt_logprobs,
+            kv_transfer_params=out.kv_transfer_params,
         )
 
     def _observe(self, st: _TrackedRequest, out: RequestOutput, num_new: int, now: float) -> None:

@@ -55,6 +55,8 @@ class GenerationRequest(_Strict):
     bad_words: list[str] | None = None
     # vLLM's {json | regex | choice | grammar | json_object | structural_tag}
     structured_outputs: dict[str, Any] | None = None
+    # disaggregated prefill/decode: vLLM's KV connector parameters (returned in the response as well)
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class CompletionRequest(GenerationRequest):

@@ -250,6 +250,7 @@ class ServingContext:
                 allowed_token_ids=req.allowed_token_ids,
                 bad_words=req.bad_words,
                 structured_outputs=structured_outputs,
+                kv_transfer_params=req.kv_transfer_params,
             )
             params.check_limits(self.vocab_size, self.limits)
             return params
@@ -336,15 +337,22 @@ class UsageTracker:
     prompt_tokens: dict[str, int] = field(default_factory=dict)
     cached_tokens: dict[str, int] = field(default_factory=dict)
     completion_tokens: dict[str, int] = field(default_factory=dict)
+    # Disaggregated prefill/decode: where the request's KV waits (vLLM returns it at the top of the response).
+    kv_transfer_params: dict | None = None
 
     def add(self, u: RequestUpdate) -> None:
         rid = u.request_id
+        if u.kv_transfer_params is not None:
+            self.kv_transfer_params = u.kv_transfer_params
         if u.num_prompt_tokens:
             self.prompt_tokens[rid] = u.num_prompt_tokens
         self.cached_tokens[rid] = max(self.cached_tokens.get(rid, 0), u.num_cached_tokens)
         self.completion_tokens[rid] = self.completion_tokens.get(rid, 0) + sum(
             len(d.token_ids) for d in u.outputs
         )
+
+    def response_extras(self) -> dict:
+        return {} if self.kv_transfer_params is None else {"kv_transfer_params": self.kv_transfer_params}
 
     def usage(self, request_id: str | None = None) -> dict:
         keys = [request_id] if request_id is not None else list(self.prompt_tokens)

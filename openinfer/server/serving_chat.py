@@ -274,6 +274,7 @@ async def _collect(
         "model": model,
         "choices": out,
         "usage": usage.usage(),
+        **usage.response_extras(),
     }
     if req.return_token_ids:
         resp["prompt_token_ids"] = prompt_ids

@@ -95,6 +95,9 @@ async def create_completion(ctx: ServingContext, request: Request, body: bytes) 
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
         raise APIError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}", 400, "logprobs")
     raw_prompts = _normalize_prompts(req.prompt)
+    if req.kv_transfer_params is not None and len(raw_prompts) != 1:
+        raise APIError(f"kv_transfer_params moves one prompt's KV; this request has {len(raw_prompts)} prompts",
+                       400, "kv_transfer_params")
     if len(raw_prompts) * req.n > ctx.async_engine.capacity:  # before tokenizing any of them
         raise APIError(
             f"this request asks for {len(raw_prompts) * req.n} sequences ({len(raw_prompts)} prompts, n={req.n}) "
@@ -209,6 +212,7 @@ async def _collect(
         "model": model,
         "choices": out,
         "usage": usage.usage(),
+        **usage.response_extras(),
     }
 
 

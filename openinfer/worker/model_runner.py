@@ -43,6 +43,7 @@ class ModelRunner:
         self.proposer = None
         self.load_time_s = 0.0
         self.input_batch: InputBatch | None = None
+        self.kv_connector = None  # the KV connector's worker side (disaggregated prefill/decode)
 
     def load_model(self) -> None:
         t0 = time.perf_counter()
@@ -81,6 +82,14 @@ class ModelRunner:
                                       {s.name: s.tokens_per_block(self.block_size) for s in specs},
                                       self.block_size, self.device)
 
+    def init_kv_connector(self, engine_id: str) -> dict:
+        from openinfer.distributed.kv_transfer.nixl_worker import NixlConnectorWorker
+        from openinfer.worker.kv_tensors import kv_block_tensors
+
+        self.kv_connector = NixlConnectorWorker(self.config.kv_transfer, engine_id)
+        return self.kv_connector.register_kv_caches(
+            kv_block_tensors(self.model, [s.name for s in self.kv_cache_spec()]))
+
     @torch.inference_mode()
     def profile_run(self) -> None:
         """One forward at max_num_batched_tokens against a throwaway cache, so the activation peak is paid (and,
@@ -101,8 +110,19 @@ class ModelRunner:
         self.rebalancer.reset()  # the warm-up's routing is no one's load
 
     # -- one step ----------------------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput, lockstep: bool = False) -> ModelRunnerOutput:
+        """One step; with a KV connector, its loads start first (a request being read is never scheduled, so the
+        forward does not wait on them) and what finished is reported with the step's tokens."""
+        if self.kv_connector is None:
+            return self._execute_model(sched, lockstep)
+        self.kv_connector.start_load_kv(sched.kv_connector_metadata)
+        out = self._execute_model(sched, lockstep)
+        self.kv_connector.wait_for_save()
+        out.kv_connector_output = self.kv_connector.get_finished()
+        return out
+
+    @torch.inference_mode()
+    def _execute_model(self, sched: SchedulerOutput, lockstep: bool = False) -> ModelRunnerOutput:
         batch = self.input_batch
         batch.update(sched)
         if sched.empty:

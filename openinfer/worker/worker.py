@@ -82,5 +82,9 @@ class Worker:
     def initialize_kv_cache(self, num_blocks: dict[str, int]) -> None:
         self.model_runner.initialize_kv_cache(num_blocks)
 
+    def init_kv_connector(self, engine_id: str) -> dict:
+        """Start the KV connector's worker side over the bound cache; returns where its side channel listens."""
+        return self.model_runner.init_kv_connector(engine_id)
+
     def execute_model(self, scheduler_output: SchedulerOutput, lockstep: bool = False) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output, lockstep)

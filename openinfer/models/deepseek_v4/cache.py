@@ -117,6 +117,8 @@ class V4LayerCache:
         num_entry_blocks = num_blocks[COARSE] if self.coarse else num_blocks[FULL]
         tok, ent = layer_store_widths(cfg, layer_idx)
         self.names = list(tok) + list(ent)
+        # The KV group whose blocks each store's first dimension indexes (what a KV connector transfers).
+        self.store_groups = {**{n: WINDOW for n in tok}, **{n: COARSE if self.coarse else FULL for n in ent}}
         for name, width in tok.items():  # the window group's blocks
             setattr(self, name, torch.zeros(num_blocks[WINDOW], block_size, width, dtype=dtype, device=device))
         for name, width in ent.items():  # the full (or coarse) group's blocks

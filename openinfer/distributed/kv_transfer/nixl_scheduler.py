@@ -1,0 +1,162 @@
+"""The NixlConnector's scheduler side: vLLM's kv_transfer_params protocol, pure Python (no torch, no NIXL).
+
+Producer (prefill instance): a request sent with ``{"do_remote_decode": true}`` runs normally (the router asks
+for max_tokens=1); when it ends, its blocks are *held* and the response carries where they are:
+``do_remote_prefill``, ``remote_engine_id``, ``remote_block_ids``, ``remote_request_id``, ``remote_host``,
+``remote_port``, ``tp_size`` - vLLM's NixlConnector fields. They go back to the pool when the reader notifies
+(NIXL notification carrying ``remote_request_id``) or after ``abort_request_timeout_s``.
+
+Consumer (decode instance): a request with those params first gets blocks for its whole prompt (past any local
+prefix hit) and waits for the worker side to read the remote blocks into them; then all but the last prompt
+token count as computed (the last is recomputed here for its logits, as vLLM does). A read that fails or times
+out, or params that do not fit this instance, fall back to computing the prompt here.
+
+``remote_block_ids`` is one list per KV group when the model has several (one flat list, as vLLM sends, for one
+group); -1 marks a sliding group's block the producer released (never read by a later query).
+"""
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any
+
+from openinfer.config import KVTransferConfig
+from openinfer.distributed.kv_transfer.base import ConnectorRequest, KVConnectorScheduler
+from openinfer.distributed.kv_transfer.stats import KVTransferStats
+from openinfer.step_io import KVConnectorMetadata, KVConnectorOutput, KVLoad
+
+logger = logging.getLogger(__name__)
+
+_REMOTE_FIELDS = {"remote_engine_id": str, "remote_request_id": str, "remote_host": str, "remote_port": int}
+
+
+def group_block_lists(value: Any, num_groups: int) -> list[list[int]]:
+    """remote_block_ids as one list per group (a flat list is the one group's)."""
+    if not isinstance(value, list):
+        raise ValueError(f"kv_transfer_params.remote_block_ids must be a list, got {type(value).__name__}")
+    lists = [value] if num_groups == 1 and all(isinstance(b, int) for b in value) else value
+    if len(lists) != num_groups or not all(isinstance(g, list) for g in lists):
+        raise ValueError(f"kv_transfer_params.remote_block_ids must hold {num_groups} list(s) of block ids (one per "
+                         f"KV group of this model)")
+    for g in lists:
+        if any(isinstance(b, bool) or not isinstance(b, int) or b < -1 for b in g):
+            raise ValueError("kv_transfer_params.remote_block_ids must be block ids (integers >= -1)")
+    return lists
+
+
+class NixlConnectorScheduler(KVConnectorScheduler):
+    def __init__(self, config: KVTransferConfig, group_tokens_per_block: list[int]) -> None:
+        self.config = config
+        self.engine_id = config.engine_id or uuid.uuid4().hex
+        self.tokens_per_block = list(group_tokens_per_block)
+        self.host = config.side_channel_host
+        self.port = config.side_channel_port
+        self.stats = KVTransferStats()
+        self._tried: set[str] = set()  # consumer: requests whose remote read was attempted (once only)
+        self._pending: list[KVLoad] = []  # consumer: loads not yet handed to the worker side
+        self._loading: set[str] = set()
+        self._sends: dict[str, float] = {}  # producer: held request id -> deadline (time.monotonic)
+
+    def set_side_channel(self, info: dict[str, Any]) -> None:
+        self.host, self.port = info["host"], info["port"]
+
+    # -- requests -----------------------------------------------------------------------------------------
+    def validate_params(self, params: dict[str, Any] | None, num_prompt_tokens: int, block_size: int) -> None:
+        if params is None:
+            return
+        for key in ("do_remote_decode", "do_remote_prefill"):
+            if params.get(key) is not None and not isinstance(params[key], bool):
+                raise ValueError(f"kv_transfer_params.{key} must be a boolean, got {params[key]!r}")
+        if params.get("do_remote_decode") and not self.config.is_producer:
+            raise ValueError(f"kv_transfer_params.do_remote_decode needs an instance started as kv_producer or "
+                             f"kv_both; this one is {self.config.kv_role}")
+        if params.get("do_remote_prefill"):
+            if not self.config.is_consumer:
+                raise ValueError(f"kv_transfer_params.do_remote_prefill needs an instance started as kv_consumer "
+                                 f"or kv_both; this one is {self.config.kv_role}")
+            for key, kind in _REMOTE_FIELDS.items():
+                if not isinstance(params.get(key), kind) or isinstance(params.get(key), bool):
+                    raise ValueError(f"kv_transfer_params.{key} must be a {kind.__name__}, got "
+                                     f"{params.get(key)!r}")
+            tp = params.get("tp_size", 1)
+            if tp != 1:
+                raise ValueError(f"kv_transfer_params.tp_size={tp!r}: only tp_size 1 producers are supported")
+            group_block_lists(params.get("remote_block_ids"), len(self.tokens_per_block))
+
+    def _remote_blocks_fit(self, req: ConnectorRequest, remote: list[list[int]]) -> bool:
+        """The producer's tables cover exactly this prompt (the same tokenization)."""
+        n = req.num_prompt_tokens
+        return all(len(ids) == -(-n // r) for ids, r in zip(remote, self.tokens_per_block))
+
+    def get_num_new_matched_tokens(self, req: ConnectorRequest, params: dict[str, Any] | None,
+                                   num_computed_tokens: int) -> tuple[int, bool]:
+        if not params or not params.get("do_remote_prefill") or req.request_id in self._tried:
+            return 0, False
+        self._tried.add(req.request_id)
+        remote = group_block_lists(params["remote_block_ids"], len(self.tokens_per_block))
+        if not self._remote_blocks_fit(req, remote):
+            logger.warning("request %s: remote_block_ids do not cover its %d prompt tokens; computing the prompt "
+                           "here", req.request_id, req.num_prompt_tokens)
+            self.stats.fallbacks += 1
+            return 0, False
+        return req.num_prompt_tokens - num_computed_tokens, True
+
+    def update_state_after_alloc(self, req: ConnectorRequest, params: dict[str, Any],
+                                 block_ids: list[list[int]], num_local_blocks: list[int]) -> None:
+        remote = group_block_lists(params["remote_block_ids"], len(self.tokens_per_block))
+        local = [[-1 if j < skip else b for j, b in enumerate(ids)] for ids, skip in zip(block_ids, num_local_blocks)]
+        self._pending.append(KVLoad(req.request_id, local, remote, params["remote_engine_id"],
+                                    params["remote_request_id"], params["remote_host"], params["remote_port"]))
+        self._loading.add(req.request_id)
+
+    def build_connector_meta(self) -> KVConnectorMetadata:
+        loads, self._pending = self._pending, []
+        return KVConnectorMetadata(loads=loads)
+
+    def update_connector_output(self, out: KVConnectorOutput) -> None:
+        for rid in out.finished_recving:
+            if rid in self._loading:
+                self._loading.discard(rid)
+                self.stats.loads_ok += 1
+        for rid in out.failed_recving:
+            if rid in self._loading:
+                self._loading.discard(rid)
+                self.stats.load_failures += 1
+                self.stats.fallbacks += 1
+        self.stats.bytes_received += out.bytes_received
+        self.stats.seconds_receiving += out.seconds_receiving
+        for rid in out.finished_sending:
+            if self._sends.pop(rid, None) is not None:
+                self.stats.sends_ok += 1
+
+    def cancel_load(self, request_id: str) -> None:
+        """The request ended (aborted) while its read was in flight: forget it; a late report is ignored."""
+        self._loading.discard(request_id)
+        self._pending = [ld for ld in self._pending if ld.req_id != request_id]
+
+    def request_finished(self, req: ConnectorRequest, params: dict[str, Any] | None, finished_ok: bool,
+                         block_ids: list[list[int]], now: float) -> tuple[bool, dict[str, Any] | None]:
+        self._tried.discard(req.request_id)
+        self.cancel_load(req.request_id)
+        if not params or not params.get("do_remote_decode") or not finished_ok:
+            return False, None
+        self._sends[req.request_id] = now + self.config.abort_request_timeout_s
+        ids: list[Any] = block_ids[0] if len(block_ids) == 1 else block_ids
+        return True, {
+            "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
+            "remote_block_ids": ids, "remote_request_id": req.request_id, "remote_host": self.host,
+            "remote_port": self.port, "tp_size": 1,
+        }
+
+    def expired_sends(self, now: float) -> list[str]:
+        gone = [rid for rid, deadline in self._sends.items() if deadline <= now]
+        for rid in gone:
+            del self._sends[rid]
+            self.stats.sends_expired += 1
+        if gone:
+            logger.warning("freeing %d held prompt(s) no decoder read within %.0f s: %s", len(gone),
+                           self.config.abort_request_timeout_s, gone[:5])
+        return gone
+
+    def has_pending_work(self) -> bool:
+        return bool(self._sends or self._loading or self._pending)

@@ -1,0 +1,227 @@
+"""Disaggregated prefill/decode with real processes on 127.0.0.1: two ``openinfer serve`` instances started with
+the same ``--kv-transfer-config`` and nothing but different ports, paired by the unmodified ``vllm-router`` in PD
+mode. The KV moves over NIXL (pull); output is token-identical to one instance; faults end each request once."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from server_utils import ServerProcess, free_port, shared_checkpoint
+
+from openinfer.server.metrics import PREFIX as P
+
+pytestmark = pytest.mark.distributed
+pytest.importorskip("nixl")
+
+ROUTER = shutil.which("vllm-router") or os.path.join(os.path.dirname(sys.executable), "vllm-router")
+KV = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "load_timeout_s": 3.0, "abort_request_timeout_s": 4.0}
+COMMON = ("--dtype", "float32", "--max-model-len", "512", "--num-kv-blocks", "96", "--max-num-seqs", "8")
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory):
+    if not os.path.exists(ROUTER):
+        pytest.skip("vllm-router is not installed (pip install 'openinfer[pd]')")
+    model = shared_checkpoint(tmp_path_factory)
+    cfg = ("--kv-transfer-config", json.dumps(KV))
+    prefill = ServerProcess(model, *COMMON, *cfg, wait=False)
+    decode = ServerProcess(model, *COMMON, *cfg, wait=False)
+    router = None
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        port = free_port()
+        log = open(f"/tmp/openinfer-test-router-{port}.log", "w")
+        router = subprocess.Popen([ROUTER, "--vllm-pd-disaggregation", "--prefill", prefill.url, "--decode",
+                                   decode.url, "--host", "127.0.0.1", "--port", str(port),
+                                   "--worker-startup-check-interval", "1", "--request-timeout-secs", "60",
+                                   "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
+                                  stdout=log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while True:
+            assert router.poll() is None, open(log.name).read()[-3000:]
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "router not up in 30 s"
+            time.sleep(0.2)
+        yield prefill, decode, url
+    finally:
+        if router is not None:
+            router.terminate()
+            router.wait(10)
+        prefill.stop()
+        decode.stop()
+
+
+def _wait_free(server, timeout_s=10.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = server.metrics()
+        if m[P + "kv_cache_usage_perc"] == 0 and m[P + "kv_transfer_held_requests"] == 0:
+            return m
+        assert time.monotonic() < deadline, f"blocks still held: {m[P + 'kv_cache_usage_perc']}"
+        time.sleep(0.1)
+
+
+def _complete(url, prompt, max_tokens, stream=False, **extra):
+    body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": stream, **extra}
+    return _post(url + "/v1/completions", body, stream)
+
+
+def _chat(url, text, max_tokens, stream=False, **extra):
+    body = {"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": stream, **extra}
+    return _post(url + "/v1/chat/completions", body, stream)
+
+
+def _post(url, body, stream):
+    if "model" in body:
+        body = {k: v for k, v in body.items() if k != "model"}
+    if not stream:
+        r = httpx.post(url, json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()
+    text = []
+    with httpx.stream("POST", url, json=body, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for c in json.loads(line[6:])["choices"]:
+                    text.append(c.get("text") or (c.get("delta") or {}).get("content") or "")
+    return "".join(text)
+
+
+def _text(resp):
+    c = resp["choices"][0]
+    return c["text"] if "text" in c else c["message"]["content"]
+
+
+def test_router_pd_is_token_identical_and_the_decoder_generates(pd):
+    prefill, decode, url = pd
+    p0, d0 = prefill.metrics(), decode.metrics()
+    prompts = ["the quick brown fox jumps over the lazy dog, again and again", "Disaggregated serving: hi",
+               "0123456789" * 7]
+    n_tokens = 0
+    for i, prompt in enumerate(prompts):
+        # The reference: the same request served whole by one instance (the prefill one, no kv_transfer_params).
+        want = _complete(prefill.url, prompt, 12, return_token_ids=True)
+        got = _complete(url, prompt, 12, return_token_ids=True)
+        assert got["choices"][0]["token_ids"] == want["choices"][0]["token_ids"]
+        assert got["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"]
+        assert "kv_transfer_params" not in got  # the decoder's answer; only a producer returns them
+        assert _complete(url, prompt, 12, stream=True) == _text(want)
+        chat_want = _chat(prefill.url, f"chat {i}: {prompt}", 10)
+        assert _text(_chat(url, f"chat {i}: {prompt}", 10)) == _text(chat_want)
+        assert _chat(url, f"chat {i}: {prompt}!", 10, stream=True) == _text(_chat(prefill.url,
+                                                                                   f"chat {i}: {prompt}!", 10))
+        n_tokens += 12 + 12 + 10 + 10
+    p1, d1 = _wait_free(prefill), _wait_free(decode)
+    n_pd = 4 * len(prompts)  # requests that went through the router
+    # The decoder generated every output token of the routed requests; the prefill instance one per request
+    # (max_tokens=1) plus the reference requests it served whole.
+    assert d1[P + "engine_generation_tokens_total"] - d0[P + "engine_generation_tokens_total"] == n_tokens
+    ref_tokens = (12 + 10 + 10) * len(prompts)
+    assert p1[P + "engine_generation_tokens_total"] - p0[P + "engine_generation_tokens_total"] == n_pd + ref_tokens
+    assert d1[P + "kv_transfer_loads_total"] - d0[P + "kv_transfer_loads_total"] == n_pd
+    assert d1[P + "kv_transfer_bytes_total"] > d0[P + "kv_transfer_bytes_total"]
+    assert d1[P + "kv_transfer_fallbacks_total"] == d0[P + "kv_transfer_fallbacks_total"]
+    src = P + 'prompt_tokens_by_source_total{source="%s"}'
+    assert d1[src % "local_compute"] - d0[src % "local_compute"] == n_pd  # one (the last) per request
+    assert d1[src % "external_kv_transfer"] > d0[src % "external_kv_transfer"]
+    assert p1[P + "kv_transfer_sends_total"] - p0[P + "kv_transfer_sends_total"] == n_pd
+
+
+def test_decoder_usage_counts_the_received_prompt_as_cached(pd):
+    """The two legs the router runs, by hand: the decoder's own usage says every prompt token but the last (which
+    it computes for its logits) came cached. (vllm-router rewrites usage.prompt_tokens_details in PD mode.)"""
+    prefill, decode, _ = pd
+    prompt = "usage on the decode side, measured directly"
+    first = _complete(prefill.url, prompt, 1, kv_transfer_params={"do_remote_decode": True})
+    got = _complete(decode.url, prompt, 6, kv_transfer_params=first["kv_transfer_params"])
+    n = got["usage"]["prompt_tokens"]
+    assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == n - 1
+    assert _text(got) == _text(_complete(prefill.url, prompt, 6))
+    _wait_free(prefill), _wait_free(decode)
+
+
+def test_bad_kv_transfer_params_are_a_400(pd):
+    _, decode, _ = pd
+    r = httpx.post(decode.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2, "kv_transfer_params": {
+        "do_remote_prefill": True, "remote_engine_id": "e", "remote_request_id": "r", "remote_host": "h",
+        "remote_port": "not a port", "remote_block_ids": [0]}}, timeout=30)
+    assert r.status_code == 400 and "remote_port" in r.text
+    r = httpx.post(decode.url + "/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 2,
+                                                         "kv_transfer_params": {"do_remote_decode": True}}, timeout=30)
+    assert r.status_code == 400 and "kv_transfer_params" in r.text
+
+
+def test_a_reader_that_never_comes_frees_the_producer_after_its_timeout(pd):
+    """The decode side dies after the prefill ran (or never asks): the producer's held blocks go back to the pool
+    after abort_request_timeout_s, and /metrics says so."""
+    prefill, _, _ = pd
+    before = prefill.metrics()
+    first = _complete(prefill.url, "nobody will read this prompt's blocks", 1,
+                      kv_transfer_params={"do_remote_decode": True})
+    assert first["kv_transfer_params"]["remote_block_ids"]
+    m = prefill.metrics()
+    assert m[P + "kv_transfer_held_requests"] == 1 and m[P + "kv_cache_usage_perc"] > 0
+    after = _wait_free(prefill, timeout_s=15)
+    assert after[P + "kv_transfer_sends_expired_total"] == before[P + "kv_transfer_sends_expired_total"] + 1
+
+
+def test_a_transfer_that_never_completes_falls_back(pd):
+    """A producer that accepts the connection and never answers: the read times out, the decoder computes the
+    prompt itself, the answer is the same and nothing stays allocated."""
+    import zmq
+
+    _, decode, _ = pd
+    ctx = zmq.Context()
+    mute = ctx.socket(zmq.ROUTER)
+    port = mute.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        prompt = "a prompt whose producer never answers"
+        want = _complete(decode.url, prompt, 8)
+        _wait_free(decode)
+        before = decode.metrics()[P + "kv_transfer_fallbacks_total"]
+        params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "mute",
+                  "remote_block_ids": [0, 1, 2], "remote_request_id": "x", "remote_host": "127.0.0.1",
+                  "remote_port": port, "tp_size": 1}
+        got = _complete(decode.url, prompt, 8, kv_transfer_params=params)
+        assert _text(got) == _text(want)
+        m = _wait_free(decode)
+        assert m[P + "kv_transfer_fallbacks_total"] == before + 1
+    finally:
+        mute.close(0)
+        ctx.term()
+
+
+def test_prefill_killed_after_prefill_decoder_still_answers_once(pd):
+    """Last in the module: it kills the prefill instance. Its prompt ran and its blocks were held; the decode
+    request then finds nobody to read from, falls back, answers once, and frees everything."""
+    prefill, decode, _ = pd
+    prompt = "kill the producer after this prompt ran"
+    want = _complete(decode.url, prompt, 8)
+    _wait_free(decode)
+    first = _complete(prefill.url, prompt, 1, kv_transfer_params={"do_remote_decode": True})
+    params = first["kv_transfer_params"]
+    assert params["do_remote_prefill"] and params["remote_port"] > 0 and params["remote_block_ids"]
+    prefill.proc.send_signal(signal.SIGKILL)
+    prefill.proc.wait(10)
+    t0 = time.monotonic()
+    got = _complete(decode.url, prompt, 8, kv_transfer_params=params)
+    assert time.monotonic() - t0 < 30
+    assert _text(got) == _text(want)
+    m = _wait_free(decode)
+    assert m[P + "kv_transfer_fallbacks_total"] >= 1
