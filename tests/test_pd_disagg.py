@@ -210,7 +210,7 @@ def test_a_transfer_that_never_completes_falls_back(pd):
 def test_prefill_killed_after_prefill_decoder_still_answers_once(pd):
     """Last in the module: it kills the prefill instance. Its prompt ran and its blocks were held; the decode
     request then finds nobody to read from, falls back, answers once, and frees everything."""
-    prefill, decode, _ = pd
+    prefill, decode, url = pd
     prompt = "kill the producer after this prompt ran"
     want = _complete(decode.url, prompt, 8)
     _wait_free(decode)
@@ -225,3 +225,8 @@ def test_prefill_killed_after_prefill_decoder_still_answers_once(pd):
     assert _text(got) == _text(want)
     m = _wait_free(decode)
     assert m[P + "kv_transfer_fallbacks_total"] >= 1
+    # Through the router, with its prefill instance gone: one clean error, no hang, nothing held on the decoder.
+    t0 = time.monotonic()
+    r = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 4}, timeout=60)
+    assert r.status_code >= 500 and time.monotonic() - t0 < 30
+    assert _wait_free(decode)[P + "num_requests_running"] == 0

@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 # With nothing to compute but KV transfers in flight, how long a step waits before polling them again (the engine
 # loop would otherwise spin a core that the transfer itself needs).
-_POLL_IDLE_S = 0.002
+_POLL_IDLE_S = 0.005
 
 
 class EngineDeadError(RuntimeError):

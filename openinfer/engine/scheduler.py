@@ -115,11 +115,11 @@ class Scheduler:
                                                or bool(self._orphan_loads))
 
     # -- the KV connector ----------------------------------------------------------------------------------
-    def _admit_remote(self, req: Request) -> bool | None:
-        """A waiting request whose prompt KV another instance supplies: allocate its blocks and park it until the
-        read ends. True: parked; False: blocks are short (stop admitting); None: not a remote request."""
+    def _admit_remote(self, req: Request, hit, num_hit: int) -> bool | None:
+        """A waiting request whose prompt KV another instance supplies (past its local prefix hit): allocate its
+        blocks and park it until the read ends. True: parked; False: blocks are short (stop admitting); None: not
+        a remote request (or its read was tried already)."""
         params = req.sampling_params.kv_transfer_params
-        hit, num_hit = self.kv.get_computed_blocks(req)
         num_ext, is_async = self.connector.get_num_new_matched_tokens(req, params, num_hit)
         if num_ext <= 0 or not is_async:
             return None
@@ -234,13 +234,14 @@ class Scheduler:
                     self._error_outputs.append(self._output(req, [], None, None, RequestStatus.FINISHED_ERROR,
                                                             time.monotonic()))
                 continue
-            if self.connector is not None and req.num_computed_tokens == 0:
-                parked = self._admit_remote(req)
+            hit, num_hit = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else (None, 0)
+            if (self.connector is not None and req.num_computed_tokens == 0
+                    and req.sampling_params.kv_transfer_params is not None):
+                parked = self._admit_remote(req, hit, num_hit)
                 if parked is False:
                     break
                 if parked:
                     continue
-            hit, num_hit = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else (None, 0)
             num_new = min(req.num_tokens - req.num_computed_tokens - num_hit, budget)
             if self.kv.allocate_slots(req, num_new + self.config.num_lookahead_tokens, hit) is None:
                 break

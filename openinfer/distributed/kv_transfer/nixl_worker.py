@@ -33,6 +33,14 @@ class _Remote:
     groups: list[list[StoreLayout]]
 
 
+def _check_layout(reply: HandshakeReply, mine: list[list[StoreLayout]]) -> None:
+    if len(reply.groups) != len(mine) or any(
+            len(r) != len(m) or any(a.block_bytes != b.block_bytes for a, b in zip(r, m))
+            for r, m in zip(reply.groups, mine)):
+        raise RuntimeError(f"producer {reply.engine_id}'s KV layout differs from this instance's (another model, "
+                           f"dtype or block size)")
+
+
 @dataclass
 class _Load:
     spec: KVLoad
@@ -83,15 +91,13 @@ class NixlConnectorWorker(KVConnectorWorker):
                 load.handshake = fut
             self._loads[spec.req_id] = load
 
-    def _handshake(self, spec: KVLoad) -> _Remote:
-        reply: HandshakeReply = handshake(spec.remote_host, spec.remote_port, self.engine_id,
-                                          spec.remote_engine_id, min(5.0, self.config.load_timeout_s))
-        if len(reply.groups) != len(self.layout) or any(
-                len(r) != len(m) or any(a.block_bytes != b.block_bytes for a, b in zip(r, m))
-                for r, m in zip(reply.groups, self.layout)):
-            raise RuntimeError(f"producer {spec.remote_engine_id}'s KV layout differs from this instance's "
-                               f"(another model, dtype or block size)")
-        return _Remote(self.agent.add_remote_agent(reply.agent_metadata), reply.groups)
+    def _handshake(self, spec: KVLoad) -> HandshakeReply:
+        """On the handshake thread: ZeroMQ only. The agent is touched on the engine's thread alone (NIXL's
+        default sync mode is not thread-safe), which adds the remote agent when the reply is in."""
+        reply = handshake(spec.remote_host, spec.remote_port, self.engine_id, spec.remote_engine_id,
+                          min(5.0, self.config.load_timeout_s))
+        _check_layout(reply, self.layout)
+        return reply
 
     def _descs(self, spec: KVLoad, remote: _Remote) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
         local_d, remote_d = [], []
@@ -147,7 +153,9 @@ class NixlConnectorWorker(KVConnectorWorker):
                             self._fail(load, "handshake timed out", out)
                             return True
                         return False
-                    self._remotes[spec.remote_engine_id] = load.handshake.result()
+                    reply = load.handshake.result()
+                    self._remotes[spec.remote_engine_id] = _Remote(self.agent.add_remote_agent(reply.agent_metadata),
+                                                                   reply.groups)
                 state = self._start_read(load, self._remotes[spec.remote_engine_id])
                 if load.handle is None:
                     out.finished_recving.append(spec.req_id)
