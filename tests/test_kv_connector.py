@@ -335,3 +335,21 @@ def test_side_channel_speaks_msgpack_not_pickle():
         assert refused.error.startswith("bad handshake") and refused.agent_metadata == b""
     finally:
         server.close()
+
+
+def test_a_request_waiting_for_remote_kv_counts_as_waiting(engines):
+    """Load reports (/metrics, a router's) see a parked request as waiting, as vLLM counts WAITING_FOR_REMOTE_KVS."""
+    from helpers import random_prompts
+
+    _, cons, _ = engines
+    (prompt,) = random_prompts(3, [20])
+    params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "gone2",
+              "remote_block_ids": [0, 1], "remote_request_id": "x", "remote_host": "127.0.0.1", "remote_port": 9,
+              "tp_size": 1}
+    cons.engine.add_request("parked", {"prompt_token_ids": prompt},
+                            SamplingParams(temperature=0, max_tokens=2, kv_transfer_params=params))
+    cons.engine.step()
+    assert cons.engine.core.scheduler.waiting_remote and cons.engine.stats().num_waiting == 1
+    while cons.engine.has_unfinished_requests():  # the handshake times out, the prompt is computed here
+        cons.engine.step()
+    assert cons.engine.core.kv.all_free()

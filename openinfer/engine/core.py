@@ -243,7 +243,7 @@ class EngineCore:
         pools = [kv.groups[0].pool for kv in self.kvs]
         return EngineStats(
             num_running=sum(len(s.running) for s in self.schedulers),
-            num_waiting=sum(len(s.waiting) for s in self.schedulers),
+            num_waiting=sum(len(s.waiting) + len(s.waiting_remote) for s in self.schedulers),  # vLLM counts both
             kv_cache_usage=max(kv.usage for kv in self.kvs),
             num_free_blocks=sum(p.num_free_blocks for p in pools),
             num_blocks=sum(p.num_blocks for p in pools),
