@@ -16,7 +16,13 @@ import pytest
 from server_utils import ServerProcess, shared_checkpoint
 
 from openinfer.bench import slowloris
-from openinfer.server.connections import ConnectionSettings, RateLimitedLog, default_max_connections
+from openinfer.server.connections import (
+    ConnectionSettings,
+    RateLimitedLog,
+    _exception_handler,
+    _RateLimitFilter,
+    default_max_connections,
+)
 
 KEY = "sk-conn"
 HEADER_S, IDLE_S, KEEP_ALIVE_S, CAP = 2.0, 1.5, 1.0, 400
@@ -171,3 +177,36 @@ def test_rate_limited_log(caplog):
         log.interval_s = 0
         log(logging.WARNING, "k", "event %s", "x")
     assert [r.getMessage() for r in caplog.records] == ["event x", "event x (1000 times since the last such message)"]
+
+
+def test_uvicorn_repeats_rate_limited():
+    import logging
+
+    f = _RateLimitFilter()
+
+    def rec(msg):
+        return logging.LogRecord("uvicorn.error", logging.WARNING, __file__, 1, msg, None, None)
+
+    kept = [r for r in (rec("Exceeded concurrency limit.") for _ in range(500)) if f.filter(r)]
+    assert [r.msg for r in kept] == ["Exceeded concurrency limit."]
+    assert f.filter(rec("something else")) and f.filter(rec("something else"))
+
+
+def test_accept_out_of_fds_is_one_line(caplog):
+    import asyncio
+    import errno
+    import logging
+
+    from openinfer.server import connections
+
+    connections.conn_log._last.clear()
+    loop = asyncio.new_event_loop()
+    try:
+        with caplog.at_level(logging.INFO):
+            for _ in range(100):  # asyncio calls this on every failed accept (it retries each second)
+                _exception_handler(loop, {"message": "socket.accept() out of system resource",
+                                          "exception": OSError(errno.EMFILE, "Too many open files")})
+    finally:
+        loop.close()
+    lines = [r for r in caplog.records if "accept" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].exc_info is None and "Too many open files" in lines[0].getMessage()

@@ -130,17 +130,23 @@ class RateLimitedLog:
         self._last: dict[str, float] = {}
         self._count: dict[str, int] = {}
 
-    def __call__(self, level: int, key: str, msg: str, *args) -> None:
+    def due(self, key: str) -> int:
+        """How many ``key`` events this one makes since the last line if a line is due now; else 0."""
         n = self._count.get(key, 0) + 1
         now = time.monotonic()
         if now - self._last.get(key, -1e9) < self.interval_s:
             self._count[key] = n
-            return
+            return 0
         self._last[key], self._count[key] = now, 0
+        return n
+
+    def __call__(self, level: int, key: str, msg: str, *args) -> None:
+        n = self.due(key)
         if n > 1:
             msg += " (%d times since the last such message)"
             args = (*args, n)
-        self.log.log(level, msg, *args)
+        if n:
+            self.log.log(level, msg, *args)
 
 
 conn_log = RateLimitedLog(logger)
@@ -153,6 +159,30 @@ def make_protocol_class(settings: ConnectionSettings) -> type:
     max_connections = settings.resolved_max_connections()
     return type("GuardedH11Protocol", (GuardedH11Protocol,),
                 {"settings": settings, "max_connections": max_connections, "__module__": GuardedH11Protocol.__module__})
+
+
+# uvicorn logs these once per request; a flood of them (every request over --limit-concurrency, a scanner sending
+# junk) would write a line each.
+_UVICORN_REPEATS = ("Exceeded concurrency limit.", "Invalid HTTP request received.")
+
+
+class _RateLimitFilter(logging.Filter):
+    def __init__(self) -> None:
+        super().__init__()
+        self.limiter = RateLimitedLog(logger)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg not in _UVICORN_REPEATS:
+            return True
+        n = self.limiter.due(record.msg)
+        if n > 1:
+            record.msg = f"{record.msg} ({n} times since the last such message)"
+        return n > 0
+
+
+def quiet_uvicorn_logs() -> None:
+    """Rate-limit uvicorn's per-request warnings (call after uvicorn.Config, which configures its loggers)."""
+    logging.getLogger("uvicorn.error").addFilter(_RateLimitFilter())
 
 
 # -- the event loop: EMFILE and friends without a traceback flood ---------------------------------------------------
