@@ -179,6 +179,22 @@ def test_rate_limited_log(caplog):
     assert [r.getMessage() for r in caplog.records] == ["event x", "event x (1000 times since the last such message)"]
 
 
+def test_rate_limited_log_says_the_count_after_a_burst(caplog):
+    import asyncio
+    import logging
+
+    log = RateLimitedLog(logging.getLogger("test-rl2"), interval_s=0.2)
+
+    async def burst():
+        for _ in range(50):
+            log(logging.INFO, "k", "closed")
+        await asyncio.sleep(0.4)  # no further event: the count comes out when the interval is over
+
+    with caplog.at_level(logging.INFO, "test-rl2"):
+        asyncio.run(burst())
+    assert [r.getMessage() for r in caplog.records] == ["closed", "closed (49 times since the last such message)"]
+
+
 def test_uvicorn_repeats_rate_limited():
     import logging
 

@@ -129,6 +129,7 @@ class RateLimitedLog:
         self.interval_s = interval_s
         self._last: dict[str, float] = {}
         self._count: dict[str, int] = {}
+        self._flush_pending: set[str] = set()
 
     def due(self, key: str) -> int:
         """How many ``key`` events this one makes since the last line if a line is due now; else 0."""
@@ -142,11 +143,31 @@ class RateLimitedLog:
 
     def __call__(self, level: int, key: str, msg: str, *args) -> None:
         n = self.due(key)
+        if n:
+            self._emit(level, msg, args, n)
+        elif key not in self._flush_pending:
+            # The count of a burst that ends within the interval would otherwise wait for the next such event
+            # (maybe never): say it when the interval is over.
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                return
+            self._flush_pending.add(key)
+            delay = self._last[key] + self.interval_s - time.monotonic()
+            loop.call_later(max(delay, 0.0), self._flush, level, key, msg, args)
+
+    def _flush(self, level: int, key: str, msg: str, args: tuple) -> None:
+        self._flush_pending.discard(key)
+        n = self._count.get(key, 0)
+        if n:
+            self._last[key], self._count[key] = time.monotonic(), 0
+            self._emit(level, msg, args, n)
+
+    def _emit(self, level: int, msg: str, args: tuple, n: int) -> None:
         if n > 1:
             msg += " (%d times since the last such message)"
             args = (*args, n)
-        if n:
-            self.log.log(level, msg, *args)
+        self.log.log(level, msg, *args)
 
 
 conn_log = RateLimitedLog(logger)

@@ -23,30 +23,6 @@ _HEAD_TIMEOUT = (
 )
 
 
-CLOSES_PER_ITERATION = 64  # timed-out connections closed per event-loop iteration; the rest wait for the next
-
-
-class _CloseBudget:
-    """Thousands of sockets opened together time out together; closing them all in one loop iteration stalls
-    every other connection (3000 at once held /health for ~1.6 s on a loaded 2-core box). Past the budget a close
-    moves to the next iteration, so the loop polls its sockets between batches and /health is answered."""
-
-    def __init__(self) -> None:
-        self.used = 0
-
-    def take(self, loop: asyncio.AbstractEventLoop) -> bool:
-        if self.used == 0:
-            loop.call_soon(self._reset)  # runs at the start of the next iteration, before the deferred closes
-        self.used += 1
-        return self.used <= CLOSES_PER_ITERATION
-
-    def _reset(self) -> None:
-        self.used = 0
-
-
-_budget = _CloseBudget()
-
-
 class GuardedH11Protocol(H11Protocol):
     settings: ConnectionSettings
     max_connections: int
@@ -54,8 +30,8 @@ class GuardedH11Protocol(H11Protocol):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._refused = False
-        self._head_timer: asyncio.Handle | None = None
-        self._idle_timer: asyncio.Handle | None = None
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._idle_timer: asyncio.TimerHandle | None = None
         self._got_bytes = False  # of the request head being waited for
 
     # -- the cap: refuse before reading ----------------------------------------------------------------------
@@ -137,9 +113,6 @@ class GuardedH11Protocol(H11Protocol):
         self._head_timer = None
         if self.transport.is_closing():
             return
-        if not _budget.take(self.loop):
-            self._head_timer = self.loop.call_soon(self._head_timed_out)  # a Handle: _cancel() still works
-            return
         if self._got_bytes:
             self.transport.write(_HEAD_TIMEOUT)
         conn_log(logging.INFO, "head", "closed a connection without a complete request head after %gs "
@@ -152,9 +125,6 @@ class GuardedH11Protocol(H11Protocol):
             return
         if self.conn.their_state is h11.SEND_BODY and self.flow.read_paused:
             return self._arm_idle()  # we stopped reading (the app is slow to take the body): not the client's fault
-        if not _budget.take(self.loop):
-            self._idle_timer = self.loop.call_soon(self._idle_timed_out)
-            return
         conn_log(logging.INFO, "idle", "closed a connection idle for %gs while %s (--idle-timeout-s)",
                  self.settings.idle_timeout_s,
                  "writing to it" if self.flow.write_paused else "reading its request body")
