@@ -104,13 +104,18 @@ def test_keep_alive_timeout(server):
     assert KEEP_ALIVE_S - 0.1 <= waited <= KEEP_ALIVE_S + 1.0, waited
 
 
-def test_mid_upload_disconnects_are_quiet(server):
+def test_mid_upload_and_mid_stream_disconnects_are_quiet(server):
     before = len(_log_lines(server))
     head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
             + b"\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n")
     for _ in range(200):
         with socket.create_connection(("127.0.0.1", server.port)) as s:
             s.sendall(head + b"{" * 1000)
+    body = json.dumps({"prompt": "hello", "max_tokens": 200, "stream": True, "ignore_eos": True}).encode()
+    for _ in range(20):  # and mid-stream: gone after the first chunk
+        with socket.create_connection(("127.0.0.1", server.port)) as s:
+            s.sendall(head.replace(b"100000", str(len(body)).encode()) + body)
+            assert s.recv(4096).startswith(b"HTTP/1.1 200")
     deadline = time.monotonic() + 10
     while httpx.get(server.url + "/health", timeout=5).status_code != 200 and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -5,7 +5,9 @@ running out of file descriptors).
 Why a protocol subclass: uvicorn's HTTP protocols (h11 and httptools alike) only time out a keep-alive connection
 *after* a response. A connection that never sends a byte, or sends its request head one byte a second (slowloris),
 or stops half-way through its body, is held forever; ~20k of them exhaust the file descriptors and the server stops
-answering everyone. uvicorn has no option for this, so ``GuardedH11Protocol`` adds the timers nginx has
+answering everyone. uvicorn has no option for this (its issue #157 has listed "--timeout-request-start" and
+"--timeout-request-complete" as to-do since 2018; h11_max_incomplete_event_size bounds a head's size, not its
+time), and ASGI middleware runs only once the head is parsed, so ``GuardedH11Protocol`` adds the timers nginx has
 (client_header_timeout, client_body_timeout, send_timeout) on top of uvicorn's h11 protocol, and refuses
 connections beyond the cap with a canned 503 before reading anything. It is built on the h11 protocol (what uvicorn
 picks here: httptools is not installed) and is passed to uvicorn explicitly, so the same code runs everywhere.
