@@ -231,3 +231,71 @@ def test_accept_out_of_fds_is_one_line(caplog):
         loop.close()
     lines = [r for r in caplog.records if "accept" in r.getMessage()]
     assert len(lines) == 1 and lines[0].exc_info is None and "Too many open files" in lines[0].getMessage()
+
+
+def test_client_that_stops_reading_is_closed_after_idle_timeout():
+    """The write side of --idle-timeout-s, on the protocol with an in-memory transport: a response the client
+    stops reading (the transport pauses writing) is aborted after the idle timeout, not held forever."""
+    import asyncio
+
+    import uvicorn
+    from uvicorn.server import ServerState
+
+    from openinfer.server.connections import make_protocol_class
+
+    class Transport(asyncio.Transport):
+        def __init__(self, protocol_ref: list) -> None:
+            super().__init__()
+            self.closing = self.aborted = False
+            self.protocol_ref = protocol_ref
+
+        def get_extra_info(self, name, default=None):
+            return {"sockname": ("127.0.0.1", 1), "peername": ("127.0.0.1", 2)}.get(name, default)
+
+        def write(self, data) -> None:
+            pass
+
+        def is_closing(self) -> bool:
+            return self.closing
+
+        def close(self) -> None:
+            self.closing = True
+
+        def abort(self) -> None:
+            self.closing = self.aborted = True
+            asyncio.get_running_loop().call_soon(self.protocol_ref[0].connection_lost, None)
+
+        def pause_reading(self) -> None:
+            pass
+
+        def resume_reading(self) -> None:
+            pass
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        while not transport.closing:
+            await send({"type": "http.response.body", "body": b"x" * 1000, "more_body": True})
+            await asyncio.sleep(0.01)
+
+    async def main() -> tuple[float, bool]:
+        config = uvicorn.Config(app, lifespan="off", log_level="warning")
+        config.load()
+        proto = make_protocol_class(ConnectionSettings(idle_timeout_s=0.3))(
+            config=config, server_state=ServerState(), app_state={})
+        ref[0] = proto
+        proto.connection_made(transport)
+        proto.data_received(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
+        await asyncio.sleep(0.1)
+        proto.pause_writing()  # what the transport does when the client stops reading and its buffer fills
+        t0 = time.monotonic()
+        while not transport.closing and time.monotonic() - t0 < 3:
+            await asyncio.sleep(0.01)
+        waited = time.monotonic() - t0
+        await asyncio.sleep(0.1)  # the app sees the disconnect and returns
+        return waited, all(t.done() for t in proto.tasks)
+
+    ref: list = [None]
+    transport = Transport(ref)
+    waited, app_done = asyncio.run(main())
+    assert transport.aborted and 0.25 <= waited <= 1.0, waited
+    assert app_done
