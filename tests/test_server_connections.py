@@ -170,6 +170,20 @@ def test_settings_and_defaults():
     kw = ConnectionSettings(limit_concurrency=8, timeout_keep_alive_s=3).uvicorn_kwargs()
     assert kw["limit_concurrency"] == 8 and kw["timeout_keep_alive"] == 3
     assert kw["http"].max_connections == default_max_connections()
+    # ... and uvicorn takes them as they are: its protocol, its limit, our loop with the quiet exception handler
+    import uvicorn
+
+    async def app(scope, receive, send):
+        pass
+
+    cfg = uvicorn.Config(app, **kw)
+    cfg.load()
+    assert cfg.http_protocol_class is kw["http"] and cfg.limit_concurrency == 8 and cfg.timeout_keep_alive == 3
+    loop = cfg.get_loop_factory()()
+    try:
+        assert loop.get_exception_handler() is _exception_handler
+    finally:
+        loop.close()
 
 
 def test_rate_limited_log(caplog):
