@@ -16,7 +16,13 @@ import pytest
 from server_utils import ServerProcess, shared_checkpoint
 
 from openinfer.bench import slowloris
-from openinfer.server.connections import ConnectionSettings, RateLimitedLog, default_max_connections
+from openinfer.server.connections import (
+    ConnectionSettings,
+    RateLimitedLog,
+    _exception_handler,
+    _RateLimitFilter,
+    default_max_connections,
+)
 
 KEY = "sk-conn"
 HEADER_S, IDLE_S, KEEP_ALIVE_S, CAP = 2.0, 1.5, 1.0, 400
@@ -98,13 +104,18 @@ def test_keep_alive_timeout(server):
     assert KEEP_ALIVE_S - 0.1 <= waited <= KEEP_ALIVE_S + 1.0, waited
 
 
-def test_mid_upload_disconnects_are_quiet(server):
+def test_mid_upload_and_mid_stream_disconnects_are_quiet(server):
     before = len(_log_lines(server))
     head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
             + b"\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n")
     for _ in range(200):
         with socket.create_connection(("127.0.0.1", server.port)) as s:
             s.sendall(head + b"{" * 1000)
+    body = json.dumps({"prompt": "hello", "max_tokens": 200, "stream": True, "ignore_eos": True}).encode()
+    for _ in range(20):  # and mid-stream: gone after the first chunk
+        with socket.create_connection(("127.0.0.1", server.port)) as s:
+            s.sendall(head.replace(b"100000", str(len(body)).encode()) + body)
+            assert s.recv(4096).startswith(b"HTTP/1.1 200")
     deadline = time.monotonic() + 10
     while httpx.get(server.url + "/health", timeout=5).status_code != 200 and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -159,6 +170,20 @@ def test_settings_and_defaults():
     kw = ConnectionSettings(limit_concurrency=8, timeout_keep_alive_s=3).uvicorn_kwargs()
     assert kw["limit_concurrency"] == 8 and kw["timeout_keep_alive"] == 3
     assert kw["http"].max_connections == default_max_connections()
+    # ... and uvicorn takes them as they are: its protocol, its limit, our loop with the quiet exception handler
+    import uvicorn
+
+    async def app(scope, receive, send):
+        pass
+
+    cfg = uvicorn.Config(app, **kw)
+    cfg.load()
+    assert cfg.http_protocol_class is kw["http"] and cfg.limit_concurrency == 8 and cfg.timeout_keep_alive == 3
+    loop = cfg.get_loop_factory()()
+    try:
+        assert loop.get_exception_handler() is _exception_handler
+    finally:
+        loop.close()
 
 
 def test_rate_limited_log(caplog):
@@ -171,3 +196,120 @@ def test_rate_limited_log(caplog):
         log.interval_s = 0
         log(logging.WARNING, "k", "event %s", "x")
     assert [r.getMessage() for r in caplog.records] == ["event x", "event x (1000 times since the last such message)"]
+
+
+def test_rate_limited_log_says_the_count_after_a_burst(caplog):
+    import asyncio
+    import logging
+
+    log = RateLimitedLog(logging.getLogger("test-rl2"), interval_s=0.2)
+
+    async def burst():
+        for _ in range(50):
+            log(logging.INFO, "k", "closed")
+        await asyncio.sleep(0.4)  # no further event: the count comes out when the interval is over
+
+    with caplog.at_level(logging.INFO, "test-rl2"):
+        asyncio.run(burst())
+    assert [r.getMessage() for r in caplog.records] == ["closed", "closed (49 times since the last such message)"]
+
+
+def test_uvicorn_repeats_rate_limited():
+    import logging
+
+    f = _RateLimitFilter()
+
+    def rec(msg):
+        return logging.LogRecord("uvicorn.error", logging.WARNING, __file__, 1, msg, None, None)
+
+    kept = [r for r in (rec("Exceeded concurrency limit.") for _ in range(500)) if f.filter(r)]
+    assert [r.msg for r in kept] == ["Exceeded concurrency limit."]
+    assert f.filter(rec("something else")) and f.filter(rec("something else"))
+
+
+def test_accept_out_of_fds_is_one_line(caplog):
+    import asyncio
+    import errno
+    import logging
+
+    from openinfer.server import connections
+
+    connections.conn_log._last.clear()
+    loop = asyncio.new_event_loop()
+    try:
+        with caplog.at_level(logging.INFO):
+            for _ in range(100):  # asyncio calls this on every failed accept (it retries each second)
+                _exception_handler(loop, {"message": "socket.accept() out of system resource",
+                                          "exception": OSError(errno.EMFILE, "Too many open files")})
+    finally:
+        loop.close()
+    lines = [r for r in caplog.records if "accept" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].exc_info is None and "Too many open files" in lines[0].getMessage()
+
+
+def test_client_that_stops_reading_is_closed_after_idle_timeout():
+    """The write side of --idle-timeout-s, on the protocol with an in-memory transport: a response the client
+    stops reading (the transport pauses writing) is aborted after the idle timeout, not held forever."""
+    import asyncio
+
+    import uvicorn
+    from uvicorn.server import ServerState
+
+    from openinfer.server.connections import make_protocol_class
+
+    class Transport(asyncio.Transport):
+        def __init__(self, protocol_ref: list) -> None:
+            super().__init__()
+            self.closing = self.aborted = False
+            self.protocol_ref = protocol_ref
+
+        def get_extra_info(self, name, default=None):
+            return {"sockname": ("127.0.0.1", 1), "peername": ("127.0.0.1", 2)}.get(name, default)
+
+        def write(self, data) -> None:
+            pass
+
+        def is_closing(self) -> bool:
+            return self.closing
+
+        def close(self) -> None:
+            self.closing = True
+
+        def abort(self) -> None:
+            self.closing = self.aborted = True
+            asyncio.get_running_loop().call_soon(self.protocol_ref[0].connection_lost, None)
+
+        def pause_reading(self) -> None:
+            pass
+
+        def resume_reading(self) -> None:
+            pass
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        while not transport.closing:
+            await send({"type": "http.response.body", "body": b"x" * 1000, "more_body": True})
+            await asyncio.sleep(0.01)
+
+    async def main() -> tuple[float, bool]:
+        config = uvicorn.Config(app, lifespan="off", log_level="warning")
+        config.load()
+        proto = make_protocol_class(ConnectionSettings(idle_timeout_s=0.3))(
+            config=config, server_state=ServerState(), app_state={})
+        ref[0] = proto
+        proto.connection_made(transport)
+        proto.data_received(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
+        await asyncio.sleep(0.1)
+        proto.pause_writing()  # what the transport does when the client stops reading and its buffer fills
+        t0 = time.monotonic()
+        while not transport.closing and time.monotonic() - t0 < 3:
+            await asyncio.sleep(0.01)
+        waited = time.monotonic() - t0
+        await asyncio.sleep(0.1)  # the app sees the disconnect and returns
+        return waited, all(t.done() for t in proto.tasks)
+
+    ref: list = [None]
+    transport = Transport(ref)
+    waited, app_done = asyncio.run(main())
+    assert transport.aborted and 0.25 <= waited <= 1.0, waited
+    assert app_done

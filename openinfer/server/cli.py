@@ -13,7 +13,7 @@ import sys
 
 from openinfer.engine_args import EngineArgs
 from openinfer.request_limits import RequestLimits
-from openinfer.server.connections import ConnectionSettings, raise_nofile_limit
+from openinfer.server.connections import ConnectionSettings, quiet_uvicorn_logs, raise_nofile_limit
 from openinfer.server.health import HealthSettings
 
 logger = logging.getLogger(__name__)
@@ -141,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
         lifespan="on",
         **connections.uvicorn_kwargs(),  # header / idle / keep-alive timeouts, connection cap, quiet loop
     )
+    quiet_uvicorn_logs()  # after uvicorn.Config: it configures uvicorn's loggers
     server = DrainingServer(uv_config, app, args.drain_timeout_s)
     logger.info("serving %s on http://%s:%d", names[0], args.host, args.port)
     server.run()

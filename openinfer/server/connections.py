@@ -5,7 +5,9 @@ running out of file descriptors).
 Why a protocol subclass: uvicorn's HTTP protocols (h11 and httptools alike) only time out a keep-alive connection
 *after* a response. A connection that never sends a byte, or sends its request head one byte a second (slowloris),
 or stops half-way through its body, is held forever; ~20k of them exhaust the file descriptors and the server stops
-answering everyone. uvicorn has no option for this, so ``GuardedH11Protocol`` adds the timers nginx has
+answering everyone. uvicorn has no option for this (its issue #157 has listed "--timeout-request-start" and
+"--timeout-request-complete" as to-do since 2018; h11_max_incomplete_event_size bounds a head's size, not its
+time), and ASGI middleware runs only once the head is parsed, so ``GuardedH11Protocol`` adds the timers nginx has
 (client_header_timeout, client_body_timeout, send_timeout) on top of uvicorn's h11 protocol, and refuses
 connections beyond the cap with a canned 503 before reading anything. It is built on the h11 protocol (what uvicorn
 picks here: httptools is not installed) and is passed to uvicorn explicitly, so the same code runs everywhere.
@@ -129,14 +131,41 @@ class RateLimitedLog:
         self.interval_s = interval_s
         self._last: dict[str, float] = {}
         self._count: dict[str, int] = {}
+        self._flush_pending: set[str] = set()
 
-    def __call__(self, level: int, key: str, msg: str, *args) -> None:
+    def due(self, key: str) -> int:
+        """How many ``key`` events this one makes since the last line if a line is due now; else 0."""
         n = self._count.get(key, 0) + 1
         now = time.monotonic()
         if now - self._last.get(key, -1e9) < self.interval_s:
             self._count[key] = n
-            return
+            return 0
         self._last[key], self._count[key] = now, 0
+        return n
+
+    def __call__(self, level: int, key: str, msg: str, *args) -> None:
+        n = self.due(key)
+        if n:
+            self._emit(level, msg, args, n)
+        elif key not in self._flush_pending:
+            # The count of a burst that ends within the interval would otherwise wait for the next such event
+            # (maybe never): say it when the interval is over.
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                return
+            self._flush_pending.add(key)
+            delay = self._last[key] + self.interval_s - time.monotonic()
+            loop.call_later(max(delay, 0.0), self._flush, level, key, msg, args)
+
+    def _flush(self, level: int, key: str, msg: str, args: tuple) -> None:
+        self._flush_pending.discard(key)
+        n = self._count.get(key, 0)
+        if n:
+            self._last[key], self._count[key] = time.monotonic(), 0
+            self._emit(level, msg, args, n)
+
+    def _emit(self, level: int, msg: str, args: tuple, n: int) -> None:
         if n > 1:
             msg += " (%d times since the last such message)"
             args = (*args, n)
@@ -153,6 +182,30 @@ def make_protocol_class(settings: ConnectionSettings) -> type:
     max_connections = settings.resolved_max_connections()
     return type("GuardedH11Protocol", (GuardedH11Protocol,),
                 {"settings": settings, "max_connections": max_connections, "__module__": GuardedH11Protocol.__module__})
+
+
+# uvicorn logs these once per request; a flood of them (every request over --limit-concurrency, a scanner sending
+# junk) would write a line each.
+_UVICORN_REPEATS = ("Exceeded concurrency limit.", "Invalid HTTP request received.")
+
+
+class _RateLimitFilter(logging.Filter):
+    def __init__(self) -> None:
+        super().__init__()
+        self.limiter = RateLimitedLog(logger)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg not in _UVICORN_REPEATS:
+            return True
+        n = self.limiter.due(record.msg)
+        if n > 1:
+            record.msg = f"{record.msg} ({n} times since the last such message)"
+        return n > 0
+
+
+def quiet_uvicorn_logs() -> None:
+    """Rate-limit uvicorn's per-request warnings (call after uvicorn.Config, which configures its loggers)."""
+    logging.getLogger("uvicorn.error").addFilter(_RateLimitFilter())
 
 
 # -- the event loop: EMFILE and friends without a traceback flood ---------------------------------------------------

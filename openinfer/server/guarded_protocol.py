@@ -23,7 +23,6 @@ _HEAD_TIMEOUT = (
 )
 
 
-
 class GuardedH11Protocol(H11Protocol):
     settings: ConnectionSettings
     max_connections: int
