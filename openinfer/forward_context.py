@@ -75,6 +75,11 @@ class AttentionMetadata:
     # A forward with nothing scheduled, run only to take part in collectives (lockstep replicas): nothing it
     # computes counts (e.g. toward expert load).
     is_dummy: bool = False
+    # [R] int64: the only rows of the model's output this step reads (None: all of them). A model may leave the
+    # other rows unset and skip work only they need (DeepSeek-V4.1's YOCO consumer layers do); the KV that
+    # the next steps of the same requests read must stay complete. Set by the model runner only when nothing else
+    # reads the hidden states and no later request can resume from this step's blocks (prefix caching off).
+    output_rows: torch.Tensor | None = None
     _decode_bias: dict = field(default_factory=dict, repr=False)
     _decode_mask: torch.Tensor | None = field(default=None, repr=False)
 

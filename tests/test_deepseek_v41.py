@@ -249,3 +249,37 @@ def test_vision_tower_is_refused_naming_the_field(ckpt, tmp_path):
     (dst / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="vision_config: DeepSeek-V4.1's vision tower is not supported"):
         LLM(str(dst), dtype="float32", max_model_len=64, num_kv_blocks=8)
+
+
+@pytest.mark.parametrize("chunk", [None, 8])
+def test_yoco_shortened_prefill_changes_nothing(ckpt, monkeypatch, chunk):
+    """Past the YOCO boundary a prefill computes only the rows the sampled tokens and later steps' windows need
+    (model.consumer_rows): greedy tokens and logprobs are those of computing every row
+    (OPENINFER_SKIP_UNREAD_ROWS=0), through one mixed batch or 8-token chunks, and rows were in fact skipped.
+    With prefix caching on nothing is skipped (a hit may resume at any block) and hits stay exact."""
+    prompts = _prompts(9, [5, 29, 44, 61])
+    g = torch.Generator().manual_seed(5)
+    branches = [prompts[3][:40] + torch.randint(6, 256, (12,), generator=g).tolist(), prompts[2][:33]]
+    kw = dict(max_num_batched_tokens=8) if chunk else {}
+    results = []
+    for skip, caching in (("0", False), ("1", False), ("1", True)):
+        monkeypatch.setenv("OPENINFER_SKIP_UNREAD_ROWS", skip)
+        llm = LLM(str(ckpt), dtype="float32", max_model_len=128, block_size=8, num_kv_blocks=128,
+                  enable_prefix_caching=caching, **kw)
+        model = engine_model(llm).model
+        plans = []
+        consumer_rows = model.consumer_rows
+        monkeypatch.setattr(model, "consumer_rows", lambda md, step: plans.append(consumer_rows(md, step)) or plans[-1])
+        outs = _run(llm, prompts) + _run(llm, branches)
+        assert outs[-2].num_cached_tokens == (40 if caching else 0)
+        results.append([(o.outputs[0].token_ids, [lp[t] for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+                        for o in outs])
+        skipped = sum(int((~k).sum()) for keeps in plans if keeps is not None for k in keeps)
+        assert (skipped > 0) == (skip == "1" and not caching), skipped
+        assert kv_manager(llm).all_free()
+        if caching:
+            _assert_matches_reference(llm, branches, outs[len(prompts):])
+    for other in results[1:]:
+        for (want_toks, want_lps), (toks, lps) in zip(results[0], other):
+            assert toks == want_toks
+            assert max(abs(a - b) for a, b in zip(lps, want_lps)) < 1e-5

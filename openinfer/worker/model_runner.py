@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 
 import torch
@@ -44,6 +45,9 @@ class ModelRunner:
         self.load_time_s = 0.0
         self.input_batch: InputBatch | None = None
         self.kv_connector = None  # the KV connector's worker side (disaggregated prefill/decode)
+        # OPENINFER_SKIP_UNREAD_ROWS=0 keeps every row of every layer (to measure or bisect the saving; the
+        # tokens are the same either way).
+        self.skip_unread_rows = os.environ.get("OPENINFER_SKIP_UNREAD_ROWS", "1") != "0"
 
     def load_model(self) -> None:
         t0 = time.perf_counter()
@@ -131,9 +135,6 @@ class ModelRunner:
             self._dummy_forward()
             return ModelRunnerOutput(expert_load=self._after_forward())
         inputs = batch.prepare(sched)
-        with set_forward_context(inputs.metadata):
-            hidden = self.model(inputs.input_ids, inputs.positions)
-
         # Rows of hidden needed for logits: the last known token of each sampling sequence (and each of its
         # drafts, with speculative decoding), and every position of prompts that asked for prompt logprobs.
         plain: list[tuple[ScheduledRow, int]] = []  # (row, its logits row)
@@ -149,6 +150,14 @@ class ModelRunner:
                 (spec if r.drafts else plain).append((r, len(logit_rows)))
                 logit_rows.extend(range(last_known, last_known + len(r.drafts) + 1))
             off += r.num_tokens
+        # The model may skip rows nobody reads: not when a proposer (it reads every row's hidden state) or prompt
+        # logprobs (every prompt row's logits) are in play, nor with prefix caching (a later request may resume at
+        # any full block, reading the KV of the rows before it, which every row then is).
+        if self.skip_unread_rows and self.proposer is None and not plp and not self.config.cache.enable_prefix_caching:
+            inputs.metadata.output_rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
+        with set_forward_context(inputs.metadata):
+            hidden = self.model(inputs.input_ids, inputs.positions)
+
         out = ModelRunnerOutput()
         if logit_rows:
             logits = self.model.compute_logits(hidden[logit_rows])  # sample() casts to fp32 where it needs

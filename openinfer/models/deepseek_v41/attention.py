@@ -41,6 +41,10 @@ class StepState:
     emitted: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # kv source -> (slots, pre-RoPE entries)
     topk: dict[int, torch.Tensor] = field(default_factory=dict)  # index source -> chosen entries [T, k]
     candidates: torch.Tensor | None = None  # [T, candidate_topk_blocks] block ids
+    # YOCO shortened prefill (model.py): the step's rows the layers compute now (None: all), and the whole step's
+    # index, which compressed-KV sources past the boundary still emit over (from the shared hidden, every row).
+    rows: torch.Tensor | None = None
+    full_step: StepIndex | None = None
 
 
 class Attention(nn.Module):
@@ -96,10 +100,14 @@ class Attention(nn.Module):
         cos, sin = rope[self.rope_name]
         slot_mapping = get_forward_context().group(WINDOW).slot_mapping
         q, q_residual, kv = self.project(x, cos, sin)
-        self.cache.flat("kv").index_copy_(0, slot_mapping, kv.to(self.cache.kv.dtype))
+        own = slot_mapping if state.rows is None else slot_mapping[state.rows]
+        self.cache.flat("kv").index_copy_(0, own, kv.to(self.cache.kv.dtype))
         if self.ratio:
             if self.compressor is not None:
-                self._emit(x if not self.yoco_consumer else state.shared_hidden, step, slot_mapping, rope, state)
+                if self.yoco_consumer:  # entries of every row of the step, from the shared hidden
+                    self._emit(state.shared_hidden, state.full_step or step, slot_mapping, rope, state)
+                else:
+                    self._emit(x, step, slot_mapping, rope, state)
             if self.indexer is not None and self.indexer.wk is not None:
                 self._store_index_keys(step, rope, state)
         # Queries in chunks: a long prefill's [T, entries, d] gathers would not fit otherwise.

@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -81,7 +82,8 @@ class DeepseekV41Model(nn.Module):
         return torch.where(back >= 0, ids, self.cfg.engram.pad_token_id)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        step = StepIndex.build(get_forward_context(), positions)
+        md = get_forward_context()
+        step = StepIndex.build(md, positions)
         rope = self.rope(positions)
         history = self.history(input_ids, step)
         state = StepState([layer.self_attn.cache for layer in self.layers])
@@ -90,14 +92,24 @@ class DeepseekV41Model(nn.Module):
         pre = first_pre(x.shape[0], self.cfg.hc_mult, x.device)
         targets = self.cfg.dspark.target_layer_ids if self.capture_dspark_features else ()
         captured = []
+        boundary = self.cfg.topology.n_prefill_layer
+        keeps = self.consumer_rows(md, step)
         for i, layer in enumerate(self.layers):
+            if keeps is not None and i >= boundary:
+                if i == boundary:  # every row: consumer kv sources compress it
+                    state.shared_hidden = layer.input_layernorm(apply_pre(pre, X))
+                    state.full_step = step
+                sel = keeps[i - boundary] if state.rows is None else keeps[i - boundary][state.rows]
+                if not bool(sel.all()):
+                    sel = sel.nonzero().squeeze(1)
+                    X, pre, step, rope, history = _select_rows(sel, X, pre, step, rope, history, state)
             if layer.engram is not None:
                 X = layer.engram(X, history)
             if i in targets:
                 captured.append(X)
             nxt, post, comb = layer.attn_hc.mixes(X)
             h = layer.input_layernorm(apply_pre(pre, X))
-            if i == self.cfg.topology.n_prefill_layer:
+            if i == boundary and keeps is None:
                 state.shared_hidden = h
             X, pre = hc_post(layer.self_attn(h, step, rope, state), X, post, comb), nxt
             nxt, post, comb = layer.ffn_hc.mixes(X)
@@ -105,7 +117,58 @@ class DeepseekV41Model(nn.Module):
             X, pre = hc_post(y, X, post, comb), nxt
         if captured:
             self.dspark_features = target_features(captured)
-        return self.norm(apply_pre(pre, X))
+        out = self.norm(apply_pre(pre, X))
+        if state.rows is None:
+            return out
+        full = out.new_zeros(positions.shape[0], out.shape[1])  # rows nobody reads stay zero
+        full[state.rows] = out
+        return full
+
+    def consumer_rows(self, md, step: StepIndex) -> list[torch.Tensor] | None:
+        """YOCO shortened prefill, exact: per consumer layer c (0 = the boundary, L of them), which of the step's
+        rows it must compute, or None for all. A consumer layer's window KV comes from its own input, so the rows
+        needed are a trailing run per sequence of this step:
+          - the last consumer layer: the read row (the sequence's last in this step) and its window, W rows, or
+            the W - 1 rows later steps read from the window cache when nothing is read this step;
+          - each earlier layer: W - 1 more, the windows of the rows the next layer computes;
+        i.e. rows with (last position - position) < (L - c)(W - 1) + [the sequence's last row is read]. The rows
+        near the start of a run attend over rows this layer skipped; their outputs feed nothing (the next layer
+        drops them), while their KV, a function of their own input only, is exact. Compressed KV past the
+        boundary comes from the shared hidden, computed for every row. Off (None) when every row is read, when
+        nothing says which rows are read (``output_rows``: the runner gives none with prefix caching, since a
+        request resuming at any full block reads the window rows before it, nor with a proposer or prompt
+        logprobs), for the DSpark feature capture, or with Engram past the boundary (as DeepInfer's compaction).
+        DeepInfer's own bounded replay (``DEEPINFER_YOCO_PREFILL_KEEP_TOKENS``) is approximate instead: it keeps a
+        fixed suffix and narrows the kept rows' windows to it."""
+        cfg = self.cfg
+        consumers = cfg.num_hidden_layers - cfg.topology.n_prefill_layer
+        out = md.output_rows
+        if (out is None or not md.prefills or consumers <= 0 or cfg.sliding_window < 2
+                or self.capture_dspark_features or cfg.engram is not None
+                and any(i >= cfg.topology.n_prefill_layer for i in cfg.engram.layer_ids)):
+            return None
+        seq, pos = step.token_seq, step.positions
+        last = torch.full((int(seq.max()) + 1,), -1, dtype=pos.dtype, device=pos.device)
+        last = last.scatter_reduce(0, seq, pos, "amax")
+        if out.numel() and not bool((pos[out] == last[seq[out]]).all()):
+            return None  # a read row that is not its sequence's last: not this shape
+        read = torch.zeros_like(last)
+        read[seq[out]] = 1
+        back, extra = last[seq] - pos, read[seq]
+        keeps = [back < (consumers - c) * (cfg.sliding_window - 1) + extra for c in range(consumers)]
+        return None if bool(keeps[-1].all()) else keeps  # the last layer keeps the fewest
+
+
+def _select_rows(sel: torch.Tensor, X, pre, step: StepIndex, rope: dict, history, state: StepState):
+    """Keep rows ``sel`` of the current ones: the streams, the step's index and RoPE, Engram's history and the
+    per-row values source layers left for later ones (top-k, candidate blocks)."""
+    rope = {k: v if k.endswith("_fn") else (v[0][sel], v[1][sel]) for k, v in rope.items()}
+    step = dataclasses.replace(step, token_seq=step.token_seq[sel], positions=step.positions[sel])
+    state.topk = {k: v[sel] for k, v in state.topk.items()}
+    if state.candidates is not None:
+        state.candidates = state.candidates[sel]
+    state.rows = sel if state.rows is None else state.rows[sel]
+    return X[sel], pre[sel], step, rope, history[sel] if history is not None else None
 
 
 class DeepseekV41ForCausalLM(nn.Module):
