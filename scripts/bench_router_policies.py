@@ -48,7 +48,8 @@ def requests_served(url: str) -> float:
 def run_policy(args: argparse.Namespace, policy: str, bench_args: list[str], out_dir: Path, tag: str) -> dict:
     port = 31000 + os.getpid() % 1000
     cmd = [sys.executable, "-m", "openinfer", "router", "--start-workers", str(args.workers), "--model", args.model,
-           "--worker-args", args.worker_args, "--policy", policy, "--port", str(port)]
+           "--worker-args", args.worker_args, "--policy", policy, "--port", str(port),
+           "--startup-timeout-s", "900"]
     if policy == "kv_aware":
         cmd.append("--kv-events")
     log = open(out_dir / f"launcher-{tag}.log", "w")
@@ -107,12 +108,13 @@ def main() -> None:
     ap.add_argument("--worker-args", default="")
     ap.add_argument("--policies", nargs="+", default=["round_robin", "cache_aware"])
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--first-round", type=int, default=0, help="number of the first round (names the log files)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     runs = []
-    for r in range(args.rounds):
+    for r in range(args.first_round, args.first_round + args.rounds):
         for policy in args.policies:
             res = run_policy(args, policy, bench_args, out.parent, f"{policy}-{r}")
             print(json.dumps(res), flush=True)

@@ -98,6 +98,12 @@ def test_router_command_flags():
     assert cmd[cmd.index("--worker-urls") + 1:cmd.index("--worker-urls") + 3] == ["http://a:1", "http://b:2"]
     assert cmd[cmd.index("--policy") + 1] == "round_robin" and cmd[-2:] == ["--request-timeout-secs", "5"]
     assert cmd[cmd.index("--prometheus-port") + 1] == "7"
+    kv = router_command(argparse.Namespace(**{**vars(ns), "policy": "kv_aware"}), ["http://a:1"], 7,
+                        {"http://a:1": "tcp://a:5557"}, 32)
+    assert kv[kv.index("--kv-event-source") + 1] == "http://a:1=tcp://a:5557"
+    assert kv[kv.index("--kv-event-block-size") + 1] == "32" and kv[kv.index("--kv-event-model") + 1] == "m"
+    with pytest.raises(ValueError, match="--kv-events needs"):
+        check_args(argparse.Namespace(**{**vars(ns), "kv_events": True}))
     pd = argparse.Namespace(**{**vars(ns), "router": "sglang", "worker_urls": [], "router_args": "",
                                "prefill": [["http://p:1", "9000"]], "decode": ["http://d:2"]})
     check_args(pd)

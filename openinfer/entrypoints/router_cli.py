@@ -176,7 +176,7 @@ class Launcher:
             if a.kv_events:
                 kv_port = free_port(a.worker_host)
                 cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{kv_port}",
-                       "topic": "kv-events"}
+                       "topic": ""}  # vLLM's default, what the router subscribes to
                 cmd += ["--kv-events-config", json.dumps(cfg)]
                 kv_sources[url] = f"tcp://{a.worker_host}:{kv_port}"
             log = None
