@@ -282,13 +282,16 @@ _FLOAT_TYPES = (torch.float32, torch.bfloat16, torch.float16)
 def sink_sparse_attention(q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, token_seq: torch.Tensor,
                           positions: torch.Tensor, block_size: int, window: int, entries: torch.Tensor | None,
                           entry_slots: torch.Tensor | None, sinks: torch.Tensor,
-                          scale: float) -> torch.Tensor | None:
+                          scale: float, ds_mla=None) -> torch.Tensor | None:
     """DeepSeek-V4 attention (``cpu_kernels/sparse_attention.cpp``): per query, its sequence's last ``window``
     positions read from the flat token store ``kv`` [slots, d] through ``tables``, plus the entry rows
     ``entry_slots`` [T, E] (-1 = none) of ``entries``, softmax with a per-head sink logit. q [T, H, d] -> [T, H, d]
-    in q's dtype, or None when the kernel cannot take the call."""
+    in q's dtype, or None when the kernel cannot take the call. ``ds_mla`` (a ``kv_quant.DsMlaLayout``): kv and
+    entries are uint8 [slots, row_bytes] fp8_ds_mla rows, widened in registers."""
     ops = ops_for(q, kv)
     if ops is None or q.dim() != 3 or not kv.is_contiguous() or q.dtype not in _FLOAT_TYPES:
+        return None
+    if ds_mla is not None and (kv.dtype != torch.uint8 or kv.shape[-1] != ds_mla.row_bytes):
         return None
     if entries is not None and (entries.dtype != kv.dtype or not entries.is_contiguous()):
         return None
@@ -298,7 +301,7 @@ def sink_sparse_attention(q: torch.Tensor, kv: torch.Tensor, tables: torch.Tenso
     ops.sink_sparse_attention(out, q, kv, tables.contiguous(), token_seq.contiguous(), positions.contiguous(),
                               int(block_size), int(window), entries,
                               None if entry_slots is None else entry_slots.contiguous(), sinks.float().contiguous(),
-                              float(scale))
+                              float(scale), ds_mla.nope if ds_mla else 0, ds_mla.rope if ds_mla else 0)
     return out
 
 

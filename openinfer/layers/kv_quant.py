@@ -42,3 +42,73 @@ def write_rows(cache_rows: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -
         cache_rows.view(torch.uint8).index_copy_(0, slots, q.view(torch.uint8))
     else:
         cache_rows.index_copy_(0, slots, q)
+
+
+# ---- fp8_ds_mla: DeepSeek's packed fp8 latent rows (vLLM's kv_cache_dtype "fp8_ds_mla" for DeepSeek-V4) ----------
+#
+# One row per cached latent of d = nope + rope values: the nope part as e4m3 in tiles of 64 values, each tile with
+# its own power-of-two scale (UE8M0: one byte, the exponent + 127; scale = 2^ceil(log2(amax / 448)), amax floored
+# at 1e-4), the rope part as bf16 (positions must not lose precision), then the scale bytes padded to a multiple of
+# 8. V4-Flash (d 512, rope 64): 448 + 128 + 8 = 584 bytes instead of 1024 in bf16. vLLM's kernels
+# (deepseek_v4/common/ops/cache_utils.py) hold the same bytes per entry; in a block they put every row's
+# 576 data bytes first and the scales after them, here each row carries its own scales (one row = one slot, which
+# the block tables and the C++ kernel index directly).
+
+DS_MLA_TILE = 64
+
+
+class DsMlaLayout:
+    def __init__(self, dim: int, rope_dim: int) -> None:
+        if not 0 < rope_dim < dim:
+            raise ValueError(f"fp8_ds_mla needs 0 < rope_dim ({rope_dim}) < dim ({dim})")
+        self.dim, self.rope, self.nope = dim, rope_dim, dim - rope_dim
+        self.tiles = -(-self.nope // DS_MLA_TILE)
+        self.scale_bytes = -(-self.tiles // 8) * 8
+        self.row_bytes = self.nope + 2 * rope_dim + self.scale_bytes
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., dim] floats -> [..., row_bytes] uint8. A NaN stays NaN (its tile's values become e4m3 NaN)."""
+        lead = x.shape[:-1]
+        nope = x[..., :self.nope].float()
+        pad = self.tiles * DS_MLA_TILE - self.nope
+        tiles = torch.nn.functional.pad(nope, (0, pad)).view(*lead, self.tiles, DS_MLA_TILE)
+        amax = tiles.abs().amax(dim=-1).clamp(min=1e-4)
+        exp = torch.ceil(torch.log2(amax / FP8_MAX))
+        exp = torch.where(exp.isfinite(), exp, torch.zeros_like(exp))  # a NaN / inf tile: scale 1, values NaN
+        q = (tiles / torch.exp2(exp)[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(torch.uint8)
+        scales = torch.zeros(*lead, self.scale_bytes, dtype=torch.uint8, device=x.device)
+        scales[..., :self.tiles] = (exp + 127).clamp(0, 255).to(torch.uint8)
+        rope = x[..., self.nope:].to(torch.bfloat16).contiguous().view(torch.uint8)
+        return torch.cat([q.reshape(*lead, -1)[..., :self.nope], rope, scales], dim=-1)
+
+    def unpack(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[..., row_bytes] uint8 -> [..., dim] in ``dtype``: only the rows given are widened."""
+        nope = rows[..., :self.nope].contiguous().view(FP8_DTYPE).float()
+        exp = rows[..., self.nope + 2 * self.rope:][..., :self.tiles].float() - 127
+        scale = torch.exp2(exp).repeat_interleave(DS_MLA_TILE, dim=-1)[..., :self.nope]
+        rope = rows[..., self.nope:self.nope + 2 * self.rope].contiguous().view(torch.bfloat16)
+        return torch.cat([(nope * scale).to(dtype), rope.to(dtype)], dim=-1)
+
+
+class PackedRows:
+    """A flat ``[slots, row_bytes]`` uint8 store of fp8_ds_mla rows that reads and writes like a ``[slots, dim]``
+    tensor of ``dtype``: indexing dequantizes the rows picked, writes (``index_copy_``, item assignment) pack."""
+
+    def __init__(self, data: torch.Tensor, layout: DsMlaLayout, dtype: torch.dtype) -> None:
+        self.data, self.layout, self.dtype = data, layout, dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.data.shape[0], self.layout.dim))
+
+    def __getitem__(self, idx) -> torch.Tensor:
+        return self.layout.unpack(self.data[idx], self.dtype)
+
+    def __setitem__(self, idx, value: torch.Tensor) -> None:
+        self.data[idx] = self.layout.pack(value)
+
+    def index_copy_(self, dim: int, slots: torch.Tensor, rows: torch.Tensor) -> PackedRows:
+        if dim != 0:
+            raise ValueError("PackedRows.index_copy_ writes whole rows (dim 0)")
+        self.data.index_copy_(0, slots, self.layout.pack(rows))
+        return self
