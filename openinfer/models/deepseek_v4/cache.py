@@ -43,8 +43,9 @@ Size (``DeepseekV4ForCausalLM.kv_cache_spec`` reports what this layout allocates
   per SWA 1024 B), but a decoding sequence holds at most ceil(127/16) + 2 = 10 of its blocks: 30.8 MB per
   running sequence whatever its length (the long-lived cost of ~4,480 tokens).
 kv_cache_dtype fp8 (fp8_ds_mla, ``DS_MLA_STORES``): the ``kv`` and ``entries`` rows are packed fp8 latents (584 B
-instead of 1024 per 512-d row); V4-Flash then holds 4,264 B/token for its whole life (full group 4,208 + coarse
-52), the indexer keys still in bf16 (vLLM: fp8 with a scale, 132 B per 128-d key).
+instead of 1024 per 512-d row); V4-Flash then holds 4,502 B/token for its whole life (full group 21 x (584 + 256)
+per 4 tokens = 4,410 + coarse 20 x 584 per 128 = 91.25), the indexer keys still in bf16 (vLLM also packs them: fp8
+with an fp32 scale, 132 B per 128-d key, which gives its ~3.85 KB/token).
 Next steps: replacing the raw ``comp`` rows by a per-block online-softmax running state (shrinks the window
 group ~4x); fp8/fp4 indexer keys.
 """
