@@ -319,7 +319,7 @@ def test_fp8_engine_deepseek_v4_agreement(tmp_path, capsys):
         # V4's tiny model is more sensitive to rounding than the others: bf16 weights + bf16 KV already move its
         # chosen logprobs by 0.038 on average against fp32 (Llama: 0.006); fp8 KV moves them ~3x what bf16 does
         # on both (measured 0.11 and 0.017).
-        _report_and_check("tiny DeepSeek-V4 (fp8_ds_mla window latents and entries)", prompts, result, 0.25)
+        _report_and_check("tiny DeepSeek-V4 (fp8_ds_mla latents and entries, fp8 indexer keys)", prompts, result, 0.25)
 
 
 # ---- fp8_ds_mla (DeepSeek-V4) -------------------------------------------------------------------------------------
@@ -346,6 +346,28 @@ def test_ds_mla_layout_matches_vllm_sizes_and_round_trips():
     bad = x[:1].clone()
     bad[0, 3] = float("nan")
     assert lay.unpack(lay.pack(bad), torch.float32)[0, :64].isnan().any()  # a NaN is not hidden
+
+
+def test_fp8_row_layout_and_indexer_kernel_read_packed_keys(kernel_ops):
+    """V4's indexer keys under fp8: 132 B per 128-d key; the top-k kernel over the packed rows picks what it picks
+    over the same keys dequantized."""
+    from openinfer.layers import cpu_ops
+    from openinfer.layers.kv_quant import Fp8RowLayout
+
+    lay = Fp8RowLayout(128)
+    assert lay.row_bytes == 132
+    gen = torch.Generator().manual_seed(5)
+    keys = torch.randn(40, 128, generator=gen) * torch.rand(40, 1, generator=gen) * 10
+    packed = lay.pack(keys)
+    deq = lay.unpack(packed, torch.float32)
+    assert ((deq - keys).abs().amax(-1) <= keys.abs().amax(-1) * 2 ** -4 + 1e-6).all()
+    q = torch.randn(5, 4, 128, generator=gen)
+    head_w = torch.rand(5, 4, generator=gen)
+    seq_slots = torch.randperm(40, generator=gen)[:30].view(2, 15)
+    token_seq, visible = torch.tensor([0, 0, 1, 1, 0]), torch.tensor([3, 15, 9, 0, 12])
+    want = cpu_ops.indexer_topk(q, head_w, deq, seq_slots, token_seq, visible, 6, 0.1)
+    got = cpu_ops.indexer_topk(q, head_w, packed, seq_slots, token_seq, visible, 6, 0.1)
+    assert got is not None and torch.equal(got, want)
 
 
 def test_fp8_v4_sparse_kernel_reads_packed_rows(kernel_ops):
@@ -383,8 +405,9 @@ def test_fp8_kv_bytes_per_token_real_configs():
 
     report = load_script("kv_bytes_report")
     assert report.report_bytes(V4_FLASH, torch.bfloat16, 16) == 6880  # cache.py's docstring figure
-    # entries at 584 B (21 CSA layers x (584 + 256 B bf16 indexer key) per 4 tokens + 20 HCA x 584 per 128)
-    assert report.report_bytes(V4_FLASH, torch.bfloat16, 16, "fp8") == -(-(21 * 840 * 32 + 20 * 584) // 128)
+    # entries at 584 B, indexer keys at 132 B: 21 CSA layers x (584 + 132) per 4 tokens + 20 HCA x 584 per 128 =
+    # 3,850.25 -> 3,851 B/token, vLLM's ~3.85 KB
+    assert report.report_bytes(V4_FLASH, torch.bfloat16, 16, "fp8") == -(-(21 * 716 * 32 + 20 * 584) // 128) == 3851
     assert report.report_bytes(V3, torch.bfloat16, 16, "fp8") == 61 * 576  # the latent in e4m3: half of bf16
 
 

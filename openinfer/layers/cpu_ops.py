@@ -309,9 +309,10 @@ def indexer_topk(q: torch.Tensor, head_w: torch.Tensor, keys: torch.Tensor, seq_
                  token_seq: torch.Tensor, visible: torch.Tensor, k: int, scale: float) -> torch.Tensor | None:
     """V4 lightning indexer (``cpu_kernels/indexer_topk.cpp``): per query t, scores sum_h head_w[t, h] *
     relu(q[t, h] . keys[seq_slots[token_seq[t], w]]) * scale over w < visible[t], and their top k (descending,
-    ties -> lowest w, -1 past visible). -> ids int64 [T, k], or None when the kernel cannot take the call."""
+    ties -> lowest w, -1 past visible). -> ids int64 [T, k], or None when the kernel cannot take the call.
+    uint8 keys [slots, d + 4]: fp8 rows with an fp32 scale each (kv_quant.Fp8RowLayout)."""
     ops = ops_for(q, keys)
-    if ops is None or q.dim() != 3 or q.dtype not in _FLOAT_TYPES or keys.dtype not in _FLOAT_TYPES:
+    if ops is None or q.dim() != 3 or q.dtype not in _FLOAT_TYPES or keys.dtype not in (*_FLOAT_TYPES, torch.uint8):
         return None
     if q.stride(-1) != 1:
         q = q.contiguous()

@@ -90,11 +90,32 @@ class DsMlaLayout:
         return torch.cat([(nope * scale).to(dtype), rope.to(dtype)], dim=-1)
 
 
+class Fp8RowLayout:
+    """kv_cache_dtype fp8 for DeepSeek-V4's indexer keys (as vLLM packs them): d e4m3 values scaled by the row's
+    amax / 448, then that scale as fp32 - 132 B per 128-d key instead of 256 in bf16."""
+
+    def __init__(self, dim: int) -> None:
+        self.dim = dim
+        self.row_bytes = dim + 4
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        amax = xf.abs().amax(dim=-1, keepdim=True).clamp(min=1e-4)
+        scale = torch.where(amax.isfinite(), amax / FP8_MAX, torch.ones_like(amax))  # NaN rows stay NaN
+        q = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(torch.uint8)
+        return torch.cat([q, scale.contiguous().view(torch.uint8)], dim=-1)
+
+    def unpack(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        q = rows[..., :self.dim].contiguous().view(FP8_DTYPE).float()
+        scale = rows[..., self.dim:].contiguous().view(torch.float32)
+        return (q * scale).to(dtype)
+
+
 class PackedRows:
-    """A flat ``[slots, row_bytes]`` uint8 store of fp8_ds_mla rows that reads and writes like a ``[slots, dim]``
+    """A flat ``[slots, row_bytes]`` uint8 store of packed fp8 rows (either layout above) that reads and writes like a ``[slots, dim]``
     tensor of ``dtype``: indexing dequantizes the rows picked, writes (``index_copy_``, item assignment) pack."""
 
-    def __init__(self, data: torch.Tensor, layout: DsMlaLayout, dtype: torch.dtype) -> None:
+    def __init__(self, data: torch.Tensor, layout: DsMlaLayout | Fp8RowLayout, dtype: torch.dtype) -> None:
         self.data, self.layout, self.dtype = data, layout, dtype
 
     @property

@@ -43,9 +43,9 @@ Size (``DeepseekV4ForCausalLM.kv_cache_spec`` reports what this layout allocates
   per SWA 1024 B), but a decoding sequence holds at most ceil(127/16) + 2 = 10 of its blocks: 30.8 MB per
   running sequence whatever its length (the long-lived cost of ~4,480 tokens).
 kv_cache_dtype fp8 (fp8_ds_mla, ``DS_MLA_STORES``): the ``kv`` and ``entries`` rows are packed fp8 latents (584 B
-instead of 1024 per 512-d row); V4-Flash then holds 4,502 B/token for its whole life (full group 21 x (584 + 256)
-per 4 tokens = 4,410 + coarse 20 x 584 per 128 = 91.25), the indexer keys still in bf16 (vLLM also packs them: fp8
-with an fp32 scale, 132 B per 128-d key, which gives its ~3.85 KB/token).
+instead of 1024 per 512-d row) and the indexer keys fp8 with an fp32 scale each (132 B instead of 256,
+``FP8_ROW_STORES``); V4-Flash then holds 3,851 B/token for its whole life (full group 21 x (584 + 132) per 4 tokens
+= 3,759 + coarse 20 x 584 per 128 = 91.25), vLLM's ~3.85 KB.
 Next steps: replacing the raw ``comp`` rows by a per-block online-softmax running state (shrinks the window
 group ~4x); fp8/fp4 indexer keys.
 """
@@ -56,7 +56,7 @@ from dataclasses import dataclass
 import torch
 
 from openinfer.forward_context import AttentionMetadata
-from openinfer.layers.kv_quant import DsMlaLayout, PackedRows, is_fp8
+from openinfer.layers.kv_quant import DsMlaLayout, Fp8RowLayout, PackedRows, is_fp8
 from openinfer.models.deepseek_v4.config import CSA, SLIDING, DeepseekV4Config
 
 
@@ -92,17 +92,27 @@ def coarse_ratio(cfg: DeepseekV4Config, block_size: int) -> int | None:
 # (layers/kv_quant.DsMlaLayout: 584 B for V4-Flash's 512-d). The compressor's raw rows and the indexer's stores keep
 # the model's dtype.
 DS_MLA_STORES = ("kv", "entries")
+# ... and the indexer keys as fp8 with an fp32 scale per key (vLLM's 132 B per 128-d key).
+FP8_ROW_STORES = ("index_entries",)
 
 
 def ds_mla_layout(cfg: DeepseekV4Config) -> DsMlaLayout:
     return DsMlaLayout(cfg.head_dim, cfg.qk_rope_head_dim)
 
 
+def fp8_layout(cfg: DeepseekV4Config, name: str) -> DsMlaLayout | Fp8RowLayout | None:
+    """How store ``name`` is packed under kv_cache_dtype fp8 (None: it keeps the model's dtype)."""
+    if name in DS_MLA_STORES:
+        return ds_mla_layout(cfg)
+    if name in FP8_ROW_STORES:
+        return Fp8RowLayout(cfg.index_head_dim)
+    return None
+
+
 def _store_bytes(cfg: DeepseekV4Config, name: str, width: int, elem_size: int, fp8: bool) -> int:
     """Bytes of one row of store ``name``."""
-    if fp8 and name in DS_MLA_STORES:
-        return ds_mla_layout(cfg).row_bytes
-    return elem_size * width
+    layout = fp8_layout(cfg, name) if fp8 else None
+    return layout.row_bytes if layout is not None else elem_size * width
 
 
 def layer_bytes_per_block(cfg: DeepseekV4Config, layer_idx: int, block_size: int,
@@ -137,7 +147,9 @@ class V4LayerCache:
                  dtype: torch.dtype, device: torch.device, kv_dtype: torch.dtype | None = None) -> None:
         """``dtype``: the model's; ``kv_dtype`` float8_e4m3fn packs the latent stores as fp8_ds_mla."""
         self.block_size = block_size
-        self.ds_mla = ds_mla_layout(cfg) if kv_dtype is not None and is_fp8(kv_dtype) else None
+        fp8 = kv_dtype is not None and is_fp8(kv_dtype)
+        self.ds_mla = ds_mla_layout(cfg) if fp8 else None
+        self.layouts = {n: fp8_layout(cfg, n) for n in DS_MLA_STORES + FP8_ROW_STORES} if fp8 else {}
         self.dtype = dtype
         self.ratio = cfg.compress_ratios[layer_idx]
         self.coarse = bool(self.ratio) and self.ratio == coarse_ratio(cfg, block_size)
@@ -152,17 +164,17 @@ class V4LayerCache:
 
     def _store(self, name: str, lead: tuple[int, int], width: int, device: torch.device) -> torch.Tensor:
         if self.packed(name):
-            return torch.zeros(*lead, self.ds_mla.row_bytes, dtype=torch.uint8, device=device)
+            return torch.zeros(*lead, self.layouts[name].row_bytes, dtype=torch.uint8, device=device)
         return torch.zeros(*lead, width, dtype=self.dtype, device=device)
 
     def packed(self, name: str) -> bool:
-        return self.ds_mla is not None and name in DS_MLA_STORES
+        return name in self.layouts
 
     def flat(self, name: str) -> torch.Tensor | PackedRows:
         """[slots, width] rows of store ``name``; a packed store reads and writes through ``PackedRows``."""
         t = getattr(self, name)
         rows = t.view(-1, t.shape[-1])
-        return PackedRows(rows, self.ds_mla, self.dtype) if self.packed(name) else rows
+        return PackedRows(rows, self.layouts[name], self.dtype) if self.packed(name) else rows
 
     def raw(self, name: str) -> torch.Tensor:
         """The store's own [slots, row] tensor (packed bytes for a packed store): what the C++ kernel reads."""
