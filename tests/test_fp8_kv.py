@@ -113,6 +113,36 @@ def test_fp8_decode_is_exact_for_every_code(kernel_ops):
     assert got.isnan().all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_rotary_cache_write_kernel_matches_torch_write(kernel_ops, dtype):
+    """Llama's fused rotary + cache write into fp8 caches stores the bytes the torch write stores (saturation at
+    448 included), so the fast path and the reference backend read the same cache."""
+    from openinfer.layers import cpu_ops
+    from openinfer.layers.kv_quant import write_rows
+    from openinfer.layers.rotary import RotaryEmbedding, apply_neox
+
+    gen = torch.Generator().manual_seed(4)
+    t, hq, hk, d, bs = 21, 4, 2, 64, 16
+    rope = RotaryEmbedding(d, {"rope_theta": 10000.0, "rope_type": "default"}, 512)
+    qkv = (torch.randn(t, (hq + 2 * hk) * d, generator=gen) * 200).to(dtype)  # many values beyond 448
+    positions = torch.randint(0, 512, (t,), generator=gen)
+    slots = torch.randperm(4 * bs, generator=gen)[:t]
+    qk = apply_neox(qkv[:, :(hq + hk) * d].view(t, hq + hk, d), *rope.cos_sin(positions))
+    want_k = torch.zeros(4 * bs, hk, d, dtype=FP8_DTYPE)
+    want_v = torch.zeros(4 * bs, hk, d, dtype=FP8_DTYPE)
+    write_rows(want_k, slots, qk[:, hq:])
+    write_rows(want_v, slots, qkv[:, (hq + hk) * d:].view(t, hk, d))
+    kc = torch.zeros(4, bs, hk, d, dtype=FP8_DTYPE)
+    vc = torch.zeros(4, bs, hk, d, dtype=FP8_DTYPE)
+    assert cpu_ops.rotary_cache_write_(qkv, positions, rope.cos, rope.sin, kc, vc, slots, hq, hk, d, d)
+    assert torch.equal(vc.view(-1, hk, d).view(torch.uint8), want_v.view(torch.uint8))
+    assert kc.view(-1, hk, d).float().abs().max() == 448.0
+    if dtype == torch.float32:  # the kernel's rotation rounds like torch's in fp32; bf16 may differ by 1 ulp first
+        assert torch.equal(kc.view(-1, hk, d).view(torch.uint8), want_k.view(torch.uint8))
+    else:
+        assert (kc.view(-1, hk, d).float() - want_k.float()).abs().max() <= 32  # one e4m3 step at the top
+
+
 def _mla_batch(lens, bs, d, gen, spare=3):
     need = [-(-n // bs) for n in lens]
     nb = sum(need) + spare

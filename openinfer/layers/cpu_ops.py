@@ -216,9 +216,10 @@ def rotary_cache_write_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.T
                         num_heads: int, num_kv_heads: int, head_dim: int, rot_dim: int) -> bool:
     """In place on a fused [T, (Hq + 2 Hk) * D] projection: rotary on the q and k heads (NeoX layout, first
     rot_dim dims, fp32 cos/sin tables [max_pos, rot_dim / 2]), then k and v copied into the paged caches at
-    ``slot_mapping``."""
+    ``slot_mapping`` (float8_e4m3fn caches: saturated and rounded as ``kv_quant.to_cache`` does)."""
     ops = ops_for(qkv, k_cache)
-    if (ops is None or not _rows(qkv) or k_cache.dtype != qkv.dtype or cos.dtype != torch.float32
+    if (ops is None or not _rows(qkv) or k_cache.dtype not in (qkv.dtype, torch.float8_e4m3fn)
+            or cos.dtype != torch.float32
             or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
         return False
     ops.rotary_cache_write(qkv, positions.contiguous(), cos, sin, k_cache, v_cache, slot_mapping.contiguous(),
