@@ -129,6 +129,10 @@ class ModelConfig:
         )
 
 
+# fp8_e5m2 (vLLM's other fp8) is not offered: e4m3's extra mantissa bit is what a scale-1.0 cache wants.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_ds_mla")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
@@ -139,6 +143,10 @@ class CacheConfig:
     memory_utilization: float = 0.9
     # Exact block count (tests use it to force preemption); overrides the memory-based size.
     num_kv_blocks: int | None = None
+    # What the cache stores (vLLM's names): "auto" = the model's dtype; "fp8" / "fp8_e4m3" = float8_e4m3fn with
+    # scale 1.0 (layers/kv_quant.py); "fp8_ds_mla" = DeepSeek-V4's packed fp8 entry layout (what "fp8" selects
+    # on V4 anyway).
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -149,6 +157,13 @@ class CacheConfig:
             raise ValueError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; choose one of "
+                             f"{', '.join(KV_CACHE_DTYPES)}")
+
+    @property
+    def fp8_kv(self) -> bool:
+        return self.kv_cache_dtype != "auto"
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,9 @@ class EngineArgs:
     memory_utilization: float = _arg(0.9, "fraction of free memory the KV cache may take when "
                                           "--kv-cache-memory-gb is unset, in (0, 1]")
     num_kv_blocks: int | None = _arg(None, "exact KV block count (overrides the memory-based size)")
+    kv_cache_dtype: str = _arg("auto", "what the KV cache stores: auto (the model's dtype) | fp8 / fp8_e4m3 "
+                                       "(float8_e4m3fn, scale 1.0: half of bf16's bytes) | fp8_ds_mla "
+                                       "(DeepSeek-V4's packed fp8 layout, what fp8 picks on V4)")
     seed: int = _arg(0, "random seed of the engine (sampling without a per-request seed)")
     attention_backend: str = _arg("auto", "auto | sdpa | reference (the plain torch attention)")
     tensor_parallel_size: int = _arg(1, "ranks that split every layer (heads, MLP, vocabulary), one process each")
@@ -156,15 +159,14 @@ class EngineArgs:
 
                 if not uses_dspark(model.architecture):  # DSpark blocks load with the target (proposers/dspark.py)
                     resolve_mtp_class(model.architecture)  # the architecture has an MTP layer openinfer can run
+        cache = CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
+                            kv_cache_memory_gb=self.kv_cache_memory_gb, memory_utilization=self.memory_utilization,
+                            num_kv_blocks=self.num_kv_blocks, kv_cache_dtype=self.kv_cache_dtype)
+        if cache.fp8_kv:
+            _check_kv_cache_dtype(cache.kv_cache_dtype, model.architecture, speculative)
         return EngineConfig(
             model=model,
-            cache=CacheConfig(
-                block_size=self.block_size,
-                enable_prefix_caching=self.enable_prefix_caching,
-                kv_cache_memory_gb=self.kv_cache_memory_gb,
-                memory_utilization=self.memory_utilization,
-                num_kv_blocks=self.num_kv_blocks,
-            ),
+            cache=cache,
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       num_lookahead_tokens=speculative.num_lookahead_tokens if speculative else 0),
@@ -176,6 +178,24 @@ class EngineArgs:
             tokenizer_mode=self.tokenizer_mode,
             kv_transfer=KVTransferConfig.parse(self.kv_transfer_config),
         )
+
+
+def _check_kv_cache_dtype(kv_cache_dtype: str, architecture: str, speculative) -> None:
+    """A quantized cache only where every model that writes it (the target, a draft or MTP module) has the
+    cache-write and read paths for it: each class lists what it supports in ``supported_kv_cache_dtypes``."""
+    from openinfer.models.registry import resolve_model_class, resolve_mtp_class, uses_dspark
+
+    classes = [(architecture, resolve_model_class(architecture))]
+    if speculative is not None and speculative.method == "mtp" and not uses_dspark(architecture):
+        classes.append((f"{architecture} MTP", resolve_mtp_class(architecture)))
+    if speculative is not None and speculative.method == "draft_model":
+        draft = json.loads(open(f"{speculative.model}/config.json").read()).get("architectures") or [""]
+        classes.append((f"draft model {draft[0]}", resolve_model_class(draft[0])))
+    for name, cls in classes:
+        ok = getattr(cls, "supported_kv_cache_dtypes", ("auto",))
+        if kv_cache_dtype not in ok:
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported by {name}; it supports "
+                             f"{', '.join(ok)}")
 
 
 def _scalar_type(hint: Any) -> type:

@@ -18,6 +18,7 @@ from openinfer.config import AttentionBackend
 from openinfer.forward_context import AttentionMetadata, KVGroupTables, get_forward_context
 from openinfer.kv_cache_interface import KVGroupSpec
 from openinfer.layers import cpu_ops
+from openinfer.layers.kv_quant import as_cached, is_fp8, write_rows
 from openinfer.platform import cpu_has_fast_bf16
 
 # The one KV group of a model whose layers all attend over the whole sequence.
@@ -51,8 +52,8 @@ class Attention(nn.Module):
         if not kv_cached:
             kc = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
             vc = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
-            kc.index_copy_(0, tables.slot_mapping, k.to(kc.dtype))
-            vc.index_copy_(0, tables.slot_mapping, v.to(vc.dtype))
+            write_rows(kc, tables.slot_mapping, k)
+            write_rows(vc, tables.slot_mapping, v)
         if self.backend == AttentionBackend.REFERENCE:
             out = reference_paged_attention(q, md, tables, self.k_cache, self.v_cache, self.scale)
         else:
@@ -73,6 +74,8 @@ class Attention(nn.Module):
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata,
               tables: KVGroupTables) -> torch.Tensor:
         out = torch.empty_like(q)
+        if md.prefills:  # fresh chunks attend over their K/V as the cache holds them (kv_quant.as_cached)
+            k, v = as_cached(k, self.k_cache.dtype), as_cached(v, self.v_cache.dtype)
         gqa = self.num_heads != self.num_kv_heads
         nd = md.num_decodes
         # On CPU the C++ kernel reads K/V straight from the paged cache into out[:nd]; it returns None where
@@ -112,6 +115,11 @@ class Attention(nn.Module):
         dt = _decode_dtype(qd)
         kd = _gather_blocks(self.k_cache, tables.decode_block_tables).view(shape).transpose(1, 2).to(dt)
         vd = _gather_blocks(self.v_cache, tables.decode_block_tables).view(shape).transpose(1, 2).to(dt)
+        if is_fp8(self.k_cache.dtype):
+            # The gathered blocks' slots past each sequence's length are stale: in e4m3 they may hold NaN (a NaN
+            # once written stays), and NaN * a masked-out weight of 0 is still NaN. Zero them.
+            valid = md.decode_mask.view(nd, 1, -1, 1)
+            kd, vd = kd.masked_fill(~valid, 0), vd.masked_fill(~valid, 0)
         od = F.scaled_dot_product_attention(qd.unsqueeze(2).to(dt), kd, vd, attn_mask=md.decode_bias(dt),
                                             scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
         return od.squeeze(2).to(qd.dtype)

@@ -216,9 +216,10 @@ def rotary_cache_write_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.T
                         num_heads: int, num_kv_heads: int, head_dim: int, rot_dim: int) -> bool:
     """In place on a fused [T, (Hq + 2 Hk) * D] projection: rotary on the q and k heads (NeoX layout, first
     rot_dim dims, fp32 cos/sin tables [max_pos, rot_dim / 2]), then k and v copied into the paged caches at
-    ``slot_mapping``."""
+    ``slot_mapping`` (float8_e4m3fn caches: saturated and rounded as ``kv_quant.to_cache`` does)."""
     ops = ops_for(qkv, k_cache)
-    if (ops is None or not _rows(qkv) or k_cache.dtype != qkv.dtype or cos.dtype != torch.float32
+    if (ops is None or not _rows(qkv) or k_cache.dtype not in (qkv.dtype, torch.float8_e4m3fn)
+            or cos.dtype != torch.float32
             or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
         return False
     ops.rotary_cache_write(qkv, positions.contiguous(), cos, sin, k_cache, v_cache, slot_mapping.contiguous(),
@@ -282,13 +283,16 @@ _FLOAT_TYPES = (torch.float32, torch.bfloat16, torch.float16)
 def sink_sparse_attention(q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, token_seq: torch.Tensor,
                           positions: torch.Tensor, block_size: int, window: int, entries: torch.Tensor | None,
                           entry_slots: torch.Tensor | None, sinks: torch.Tensor,
-                          scale: float) -> torch.Tensor | None:
+                          scale: float, ds_mla=None) -> torch.Tensor | None:
     """DeepSeek-V4 attention (``cpu_kernels/sparse_attention.cpp``): per query, its sequence's last ``window``
     positions read from the flat token store ``kv`` [slots, d] through ``tables``, plus the entry rows
     ``entry_slots`` [T, E] (-1 = none) of ``entries``, softmax with a per-head sink logit. q [T, H, d] -> [T, H, d]
-    in q's dtype, or None when the kernel cannot take the call."""
+    in q's dtype, or None when the kernel cannot take the call. ``ds_mla`` (a ``kv_quant.DsMlaLayout``): kv and
+    entries are uint8 [slots, row_bytes] fp8_ds_mla rows, widened in registers."""
     ops = ops_for(q, kv)
     if ops is None or q.dim() != 3 or not kv.is_contiguous() or q.dtype not in _FLOAT_TYPES:
+        return None
+    if ds_mla is not None and (kv.dtype != torch.uint8 or kv.shape[-1] != ds_mla.row_bytes):
         return None
     if entries is not None and (entries.dtype != kv.dtype or not entries.is_contiguous()):
         return None
@@ -298,7 +302,7 @@ def sink_sparse_attention(q: torch.Tensor, kv: torch.Tensor, tables: torch.Tenso
     ops.sink_sparse_attention(out, q, kv, tables.contiguous(), token_seq.contiguous(), positions.contiguous(),
                               int(block_size), int(window), entries,
                               None if entry_slots is None else entry_slots.contiguous(), sinks.float().contiguous(),
-                              float(scale))
+                              float(scale), ds_mla.nope if ds_mla else 0, ds_mla.rope if ds_mla else 0)
     return out
 
 
@@ -306,9 +310,10 @@ def indexer_topk(q: torch.Tensor, head_w: torch.Tensor, keys: torch.Tensor, seq_
                  token_seq: torch.Tensor, visible: torch.Tensor, k: int, scale: float) -> torch.Tensor | None:
     """V4 lightning indexer (``cpu_kernels/indexer_topk.cpp``): per query t, scores sum_h head_w[t, h] *
     relu(q[t, h] . keys[seq_slots[token_seq[t], w]]) * scale over w < visible[t], and their top k (descending,
-    ties -> lowest w, -1 past visible). -> ids int64 [T, k], or None when the kernel cannot take the call."""
+    ties -> lowest w, -1 past visible). -> ids int64 [T, k], or None when the kernel cannot take the call.
+    uint8 keys [slots, d + 4]: fp8 rows with an fp32 scale each (kv_quant.Fp8RowLayout)."""
     ops = ops_for(q, keys)
-    if ops is None or q.dim() != 3 or q.dtype not in _FLOAT_TYPES or keys.dtype not in _FLOAT_TYPES:
+    if ops is None or q.dim() != 3 or q.dtype not in _FLOAT_TYPES or keys.dtype not in (*_FLOAT_TYPES, torch.uint8):
         return None
     if q.stride(-1) != 1:
         q = q.contiguous()

@@ -22,6 +22,7 @@ from torch import nn
 from openinfer.config import AttentionBackend
 from openinfer.forward_context import AttentionMetadata, KVGroupTables, get_forward_context
 from openinfer.layers import cpu_ops
+from openinfer.layers.kv_quant import as_cached, is_fp8, write_rows
 from openinfer.layers.attention import FULL_ATTENTION_GROUP
 
 
@@ -55,7 +56,7 @@ class MLAAttention(nn.Module):
             raise RuntimeError("MLA layer has no latent KV cache bound")
         latent = torch.cat((c_kv, k_pe), dim=-1)
         flat = self.kv_cache.view(-1, self.latent_dim)
-        flat.index_copy_(0, tables.slot_mapping, latent.to(flat.dtype))
+        write_rows(flat, tables.slot_mapping, latent)
         if self.backend == AttentionBackend.REFERENCE:
             out = reference_mla(q_nope, q_pe, md, tables, self.kv_cache, kv_b_weight, self.kv_lora_rank,
                                 self.scale)
@@ -87,13 +88,15 @@ class MLAAttention(nn.Module):
                                              self.scale, lr)
             if o is None:
                 kv = self.kv_cache[tables.decode_block_tables].view(nd, 1, -1, self.latent_dim).to(q.dtype)
+                if is_fp8(self.kv_cache.dtype):  # stale e4m3 slots may hold NaN, which a 0 weight keeps: zero them
+                    kv = kv.masked_fill(~md.decode_mask.view(nd, 1, -1, 1), 0)
                 o = F.scaled_dot_product_attention(q.unsqueeze(2), kv, kv[..., :lr], attn_mask=md.decode_mask,
                                                    scale=self.scale, enable_gqa=True).squeeze(2)  # [B, H, L]
             out[:nd] = torch.einsum("bhl,hvl->bhv", o, w_uv)
         for span in md.prefills:
             s, n, ctx = span.query_start, span.query_len, span.context_len
-            if ctx == n:  # nothing cached before this chunk: use the fresh latents, skip the gather
-                lat = latent[s:s + n]
+            if ctx == n:  # nothing cached before this chunk: use the fresh latents (as cached), skip the gather
+                lat = as_cached(latent[s:s + n], self.kv_cache.dtype)
             else:
                 lat = self.kv_cache[tables.table(span)].view(-1, self.latent_dim)[:ctx].to(q_nope.dtype)
             k, v = decompress(lat, kv_b_weight, h, self.qk_nope_head_dim, lr)

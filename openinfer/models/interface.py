@@ -38,7 +38,9 @@ class CausalLM(Protocol):
         ...
 
     def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> list[KVGroupSpec]:
-        """The KV groups this model's layers read and write, with their exact bytes per block."""
+        """The KV groups this model's layers read and write, with their exact bytes per block. ``dtype`` here and
+        in ``bind_kv_cache`` is what the cache stores: the model's dtype, or float8_e4m3fn for kv_cache_dtype fp8
+        (only for a class whose ``supported_kv_cache_dtypes`` lists it; engine_args checks)."""
         ...
 
     def bind_kv_cache(self, num_blocks: Mapping[str, int], block_size: int, dtype: torch.dtype,

@@ -16,6 +16,7 @@ from openinfer.config import AttentionBackend, EngineConfig
 from openinfer.forward_context import AttentionMetadata, set_forward_context
 from openinfer.layers import cpu_ops
 from openinfer.layers.attention import Attention
+from openinfer.layers.kv_quant import FP8_DTYPE
 from openinfer.layers.linear import prepack_linears
 from openinfer.kv_cache_interface import KVGroupSpec, blocks_for_tokens, check_groups
 from openinfer.sampling_params import SamplingParams
@@ -37,6 +38,10 @@ class ModelRunner:
         self.config = config
         self.device = device
         self.dtype = config.model.dtype
+        # What the KV stores hold: the model's dtype, or float8_e4m3fn for kv_cache_dtype fp8 (layers/kv_quant.py;
+        # DeepSeek-V4 packs its own fp8 layout from it). Models receive it as the dtype of kv_cache_spec /
+        # bind_kv_cache; they compute in self.dtype.
+        self.kv_dtype = FP8_DTYPE if config.cache.fp8_kv else self.dtype
         self.block_size = config.cache.block_size
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(config.seed)
@@ -66,9 +71,9 @@ class ModelRunner:
     # -- KV cache ----------------------------------------------------------------------------------------
     def kv_cache_spec(self) -> list[KVGroupSpec]:
         """The target's groups, then a drafting model's (they share the block manager)."""
-        specs = list(self.model.kv_cache_spec(self.block_size, self.dtype))
+        specs = list(self.model.kv_cache_spec(self.block_size, self.kv_dtype))
         if self.proposer is not None:
-            specs += self.proposer.kv_cache_spec(self.block_size, self.dtype)
+            specs += self.proposer.kv_cache_spec(self.block_size, self.kv_dtype)
         check_groups(specs, self.block_size)
         return specs
 
@@ -79,9 +84,9 @@ class ModelRunner:
         if self.config.parallel.lockstep:
             num_blocks = {name: n + 1 for name, n in num_blocks.items()}
             self._dummy_blocks = {name: n - 1 for name, n in num_blocks.items()}
-        self.model.bind_kv_cache(num_blocks, self.block_size, self.dtype, self.device)
+        self.model.bind_kv_cache(num_blocks, self.block_size, self.kv_dtype, self.device)
         if self.proposer is not None:
-            self.proposer.bind_kv_cache(num_blocks, self.block_size, self.dtype, self.device)
+            self.proposer.bind_kv_cache(num_blocks, self.block_size, self.kv_dtype, self.device)
         self.input_batch = InputBatch([s.name for s in specs],
                                       {s.name: s.tokens_per_block(self.block_size) for s in specs},
                                       self.block_size, self.device)

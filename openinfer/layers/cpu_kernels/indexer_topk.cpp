@@ -18,15 +18,20 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
+#include <cstring>
 #include <vector>
 
 #include "vec.h"
 
 namespace {
 
+// KT: the key store's element type; uint8_t: kv_cache_dtype fp8 rows of d e4m3 values then their fp32 scale
+// (layers/kv_quant.py Fp8RowLayout, vLLM's 132 B per 128-d indexer key).
 template <typename KT>
 void run(int64_t* ids, const at::Tensor& q, const float* head_w, const KT* keys, const int64_t* seq_slots,
          int64_t W, const int64_t* token_seq, const int64_t* visible, int64_t K, float scale) {
+  constexpr bool kRowScaled = std::is_same_v<KT, uint8_t>;
   const int64_t T = q.size(0), nh = q.size(1), d = q.size(2);
   const at::ScalarType qt = q.scalar_type();
   const char* qp = static_cast<const char*>(q.const_data_ptr());
@@ -39,7 +44,15 @@ void run(int64_t* ids, const at::Tensor& q, const float* head_w, const KT* keys,
       const int64_t nv = std::min<int64_t>(visible[t], W);
       const int64_t* slots = seq_slots + token_seq[t] * W;
       for (int64_t w = 0; w < nv; ++w) {
-        load_row(keys + slots[w] * d, key.data(), d);
+        if constexpr (kRowScaled) {
+          const uint8_t* row = keys + slots[w] * (d + 4);
+          load_row(reinterpret_cast<const c10::Float8_e4m3fn*>(row), key.data(), d);
+          float rs;
+          std::memcpy(&rs, row + d, sizeof(rs));
+          for (int64_t i = 0; i < d; ++i) key[i] *= rs;
+        } else {
+          load_row(keys + slots[w] * d, key.data(), d);
+        }
         float s = 0.0f;
         for (int64_t h = 0; h < nh; ++h) {
           const float* qh = qf.data() + h * d;
@@ -70,7 +83,9 @@ void indexer_topk(at::Tensor ids, const at::Tensor& q, const at::Tensor& head_w,
               "ids must be a contiguous int64 [T, k]");
   TORCH_CHECK(head_w.dim() == 2 && head_w.size(0) == T && head_w.size(1) == nh && head_w.scalar_type() == at::kFloat &&
                   head_w.is_contiguous(), fn, "head_w must be a contiguous fp32 [T, heads]");
-  TORCH_CHECK(keys.dim() == 2 && keys.size(1) == d && keys.is_contiguous(), fn, "keys must be a contiguous [slots, d]");
+  const bool row_scaled = keys.scalar_type() == at::kByte;  // fp8 keys + an fp32 scale per row
+  TORCH_CHECK(keys.dim() == 2 && keys.size(1) == d + (row_scaled ? 4 : 0) && keys.is_contiguous(), fn,
+              "keys must be a contiguous [slots, d] (uint8 fp8 rows: [slots, d + 4])");
   TORCH_CHECK(seq_slots.dim() == 2 && seq_slots.scalar_type() == at::kLong && seq_slots.is_contiguous(), fn,
               "seq_slots must be a contiguous int64 [S, W]");
   TORCH_CHECK(token_seq.dim() == 1 && token_seq.size(0) == T && token_seq.scalar_type() == at::kLong &&
@@ -98,6 +113,7 @@ void indexer_topk(at::Tensor ids, const at::Tensor& q, const at::Tensor& head_w,
     case at::kFloat: return run<float>(ip, q, hw, keys.const_data_ptr<float>(), ss, W, ts, vis, K, sc);
     case at::kBFloat16: return run<c10::BFloat16>(ip, q, hw, keys.const_data_ptr<c10::BFloat16>(), ss, W, ts, vis, K, sc);
     case at::kHalf: return run<c10::Half>(ip, q, hw, keys.const_data_ptr<c10::Half>(), ss, W, ts, vis, K, sc);
+    case at::kByte: return run<uint8_t>(ip, q, hw, keys.const_data_ptr<uint8_t>(), ss, W, ts, vis, K, sc);
     default: TORCH_CHECK(false, fn, "unsupported key dtype ", keys.scalar_type());
   }
 }

@@ -142,7 +142,20 @@ inline void rotate_head(T* __restrict__ h, const float* __restrict__ c, const fl
   store_row(y, h, rot_dim);
 }
 
+// A K or V row into an fp8 cache (kv_cache_dtype fp8): saturate at +-448 (a NaN stays NaN: both compares are
+// false), then c10's round-to-nearest-even e4m3 conversion - what torch's cast does after kv_quant.to_cache's
+// clamp, so the fused write and the torch write store the same bytes.
 template <typename T>
+inline void store_fp8_row(c10::Float8_e4m3fn* __restrict__ dst, const T* __restrict__ src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    float f = static_cast<float>(src[i]);
+    f = f > 448.0f ? 448.0f : (f < -448.0f ? -448.0f : f);
+    dst[i] = c10::Float8_e4m3fn(f);
+  }
+}
+
+// T: qkv's type; CT: the caches' (T, or float8_e4m3fn for kv_cache_dtype fp8).
+template <typename T, typename CT = T>
 void rotary_cache_write_impl(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
                              const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
                              const at::Tensor& slots, int64_t hq, int64_t hk, int64_t d, int64_t rot_dim) {
@@ -153,8 +166,8 @@ void rotary_cache_write_impl(at::Tensor& qkv, const at::Tensor& positions, const
   const int64_t* slot = slots.data_ptr<int64_t>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
-  T* kc = k_cache.data_ptr<T>();
-  T* vc = v_cache.data_ptr<T>();
+  CT* kc = k_cache.data_ptr<CT>();
+  CT* vc = v_cache.data_ptr<CT>();
   const int64_t kv_row = hk * d, num_slots = k_cache.numel() / kv_row;
   for (int64_t t = 0; t < T_; ++t) {  // checked up front: an out-of-range index must not write anywhere
     TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "rotary_cache_write: position ", pos[t], " outside [0, ",
@@ -169,8 +182,13 @@ void rotary_cache_write_impl(at::Tensor& qkv, const at::Tensor& positions, const
       const float* c = cp + pos[t] * half;
       const float* s = sp + pos[t] * half;
       for (int64_t h = 0; h < hq + hk; ++h) rotate_head(row + h * d, c, s, buf.data(), rot_dim);
-      std::memcpy(kc + slot[t] * kv_row, row + hq * d, kv_row * sizeof(T));
-      std::memcpy(vc + slot[t] * kv_row, row + (hq + hk) * d, kv_row * sizeof(T));
+      if constexpr (std::is_same_v<CT, T>) {
+        std::memcpy(kc + slot[t] * kv_row, row + hq * d, kv_row * sizeof(T));
+        std::memcpy(vc + slot[t] * kv_row, row + (hq + hk) * d, kv_row * sizeof(T));
+      } else {
+        store_fp8_row(kc + slot[t] * kv_row, row + hq * d, kv_row);
+        store_fp8_row(vc + slot[t] * kv_row, row + (hq + hk) * d, kv_row);
+      }
     }
   });
 }
@@ -289,10 +307,20 @@ void rotary_cache_write(at::Tensor qkv, const at::Tensor& positions, const at::T
                   positions.is_contiguous() && slot_mapping.is_contiguous() && positions.numel() == qkv.size(0) &&
                   slot_mapping.numel() == qkv.size(0),
               "rotary_cache_write: positions and slot_mapping must be contiguous int64 [T]");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == qkv.scalar_type() &&
-                  v_cache.scalar_type() == qkv.scalar_type() && k_cache.sizes() == v_cache.sizes() &&
+  const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  (k_cache.scalar_type() == qkv.scalar_type() || fp8) &&
+                  v_cache.scalar_type() == k_cache.scalar_type() && k_cache.sizes() == v_cache.sizes() &&
                   k_cache.size(-1) == head_dim && k_cache.size(-2) == num_kv_heads,
-              "rotary_cache_write: caches must be contiguous [..., num_kv_heads, head_dim] in qkv's dtype");
+              "rotary_cache_write: caches must be contiguous [..., num_kv_heads, head_dim] in qkv's dtype or "
+              "float8_e4m3fn");
+  if (fp8) {
+    OI_DISPATCH(qkv.scalar_type(), "rotary_cache_write",
+                (rotary_cache_write_impl<scalar_t, c10::Float8_e4m3fn>(qkv, positions, cos, sin, k_cache, v_cache,
+                                                                        slot_mapping, num_heads, num_kv_heads,
+                                                                        head_dim, rot_dim)));
+    return;
+  }
   OI_DISPATCH(qkv.scalar_type(), "rotary_cache_write",
               rotary_cache_write_impl<scalar_t>(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads,
                                                 num_kv_heads, head_dim, rot_dim));

@@ -14,7 +14,8 @@
 //   - per block: scores in register tiles of 2 heads x 4 keys (the 4 rows, 9 KB in fp32, stay in L1 while the
 //     heads go by), an online softmax per head, then P V in tiles of 2 heads x 4 vectors of columns (the column
 //     slice of the block's rows stays in L1);
-//   - fp32 caches are read in place; bf16 / fp16 blocks are widened to fp32 once and serve both products.
+//   - fp32 caches are read in place; bf16 / fp16 / fp8 e4m3 blocks are widened to fp32 once and serve both
+//     products (fp8: kv_cache_dtype fp8, converted in registers, vec.h).
 // Rows at or past a sequence's length are never read (stale slots may hold anything, NaN included); an empty
 // sequence gives zeros. fp32 accumulation throughout.
 //
@@ -198,6 +199,7 @@ void mla_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor&
     case at::kFloat: return dispatch<float>(pb, o, qp, cache);
     case at::kBFloat16: return dispatch<c10::BFloat16>(pb, o, qp, cache);
     case at::kHalf: return dispatch<c10::Half>(pb, o, qp, cache);
+    case at::kFloat8_e4m3fn: return dispatch<c10::Float8_e4m3fn>(pb, o, qp, cache);  // kv_cache_dtype fp8
     default: TORCH_CHECK(false, fn, "unsupported cache dtype ", cache.scalar_type());
   }
 }

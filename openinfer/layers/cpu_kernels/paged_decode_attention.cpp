@@ -9,7 +9,8 @@
 // One task per (sequence, kv head): its G query rows are loaded once as fp32 (pre-scaled), then each cache
 // block is read once: the block's K rows are converted to fp32, G x n scores computed, the running max / sum
 // of an online softmax updated (accumulators rescaled when the max grows), and the block's V rows
-// accumulated into G fp32 rows. Everything is fp32 internally; bf16 -> fp32 is a 16-bit shift. The inner
+// accumulated into G fp32 rows. Everything is fp32 internally; bf16 -> fp32 is a 16-bit shift, fp8 e4m3 -> fp32
+// (kv_cache_dtype fp8) a few integer ops in registers (vec.h). The inner
 // loops are plain loops over head_dim that the compiler vectorises (-O3 -march=native).
 //
 // Built at run time by openinfer/layers/cpu_ops.py and registered as torch.ops.openinfer_cpu.*.
@@ -340,9 +341,11 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
     case at::kFloat: return dispatch_dim<float>(pb, o, qp, k_cache, v_cache);
     case at::kBFloat16: return dispatch_dim<c10::BFloat16>(pb, o, qp, k_cache, v_cache);
     case at::kHalf: return dispatch_dim<c10::Half>(pb, o, qp, k_cache, v_cache);
+    // kv_cache_dtype fp8: rows widened in registers block by block (vec.h), never a bf16 copy of the cache
+    case at::kFloat8_e4m3fn: return dispatch_dim<c10::Float8_e4m3fn>(pb, o, qp, k_cache, v_cache);
     default:
       TORCH_CHECK(false, fn, "unsupported cache dtype ", k_cache.scalar_type(),
-                  " (float32, bfloat16 or float16)");
+                  " (float32, bfloat16, float16 or float8_e4m3fn)");
   }
 }
 

@@ -11,6 +11,10 @@
 // the end. Positions are never read past the query (causal by construction), entries with slot -1 are skipped,
 // so stale slots are never read. One task per (query, chunk of heads), off a shared counter.
 //
+// kv_cache_dtype fp8 (DeepSeek's fp8_ds_mla, layers/kv_quant.py DsMlaLayout): kv and entries are uint8 rows of
+// [nope e4m3 | rope bf16 | one power-of-two scale byte per 64 nope values], widened the same way per row (no
+// bf16 copy of the store).
+//
 // Built at run time by openinfer/layers/cpu_ops.py and registered as torch.ops.openinfer_cpu.*.
 
 #include <ATen/Parallel.h>
@@ -25,6 +29,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "attn_tiles.h"
@@ -44,10 +49,29 @@ struct SparseProblem {
   const float* sinks;        // [H]
   at::ScalarType qtype;
   size_t qsize;
+  int64_t row_bytes;             // bytes per store row: d * sizeof(element), or a packed fp8_ds_mla row
+  int64_t ds_nope, ds_rope;      // fp8_ds_mla: the e4m3 and bf16 parts of a row (0: not packed)
 };
 
+// One fp8_ds_mla row -> d floats: e4m3 tiles of 64 times 2^(scale byte - 127), then the bf16 rope values.
+inline void load_ds_mla_row(const uint8_t* row, float* __restrict__ dst, int64_t nope, int64_t rope) {
+  const uint8_t* scales = row + nope + 2 * rope;
+  load_row(reinterpret_cast<const c10::Float8_e4m3fn*>(row), dst, nope);
+  for (int64_t t = 0; t * 64 < nope; ++t) {
+    // 2^(e - 127) as the fp32 with exponent field e (e in 1..254; the writer's amax floor keeps e >= 105)
+    const float s = __builtin_bit_cast(float, static_cast<uint32_t>(scales[t]) << 23);
+    const int64_t end = std::min<int64_t>(nope, (t + 1) * 64);
+    for (int64_t i = t * 64; i < end; ++i) dst[i] *= s;
+  }
+  load_row(reinterpret_cast<const c10::BFloat16*>(row + nope), dst + nope, rope);
+}
+
+// CT: the store's element type (uint8_t: fp8_ds_mla rows).
 template <typename CT>
-void run(const SparseProblem& pb, char* out, const char* q, const CT* kv, const CT* ent) {
+void run(const SparseProblem& pb, char* out, const char* q, const CT* kv_, const CT* ent_) {
+  const char* kv = reinterpret_cast<const char*>(kv_);
+  const char* ent = reinterpret_cast<const char*>(ent_);
+  const int64_t rb = pb.row_bytes;
   const int64_t d = pb.d, bs = pb.bs, GC = pb.heads_per_task;
   constexpr int64_t kChunk = 16;  // keys per online-softmax step
   const int64_t ld = kChunk;
@@ -62,7 +86,7 @@ void run(const SparseProblem& pb, char* out, const char* q, const CT* kv, const 
     float* __restrict__ buf = sc + GC * ld;   // [kChunk, d] this chunk's key rows in fp32
     float* __restrict__ mx = buf + kChunk * d;
     float* __restrict__ sum = mx + GC;
-    std::vector<const CT*> rows(kChunk);
+    std::vector<const char*> rows(kChunk);
     for (int64_t w = w0; w < w1; ++w) {
       for (int64_t task = next.fetch_add(1); task < ntasks; task = next.fetch_add(1)) {
         const int64_t t = task / pb.chunks, h0 = (task % pb.chunks) * GC;
@@ -85,13 +109,19 @@ void run(const SparseProblem& pb, char* out, const char* q, const CT* kv, const 
           int64_t n = 0;
           for (; n < kChunk && j < nwin; ++n, ++j) {
             const int64_t pos = first + j;
-            rows[n] = kv + (table[pos / bs] * bs + pos % bs) * d;
+            rows[n] = kv + (table[pos / bs] * bs + pos % bs) * rb;
           }
           for (; n < kChunk && eslots && e < pb.E; ++e) {
-            if (eslots[e] >= 0) rows[n++] = ent + eslots[e] * d;
+            if (eslots[e] >= 0) rows[n++] = ent + eslots[e] * rb;
           }
           if (n == 0) break;
-          for (int64_t r = 0; r < n; ++r) load_row(rows[r], buf + r * d, d);
+          for (int64_t r = 0; r < n; ++r) {
+            if constexpr (std::is_same_v<CT, uint8_t>) {
+              load_ds_mla_row(reinterpret_cast<const uint8_t*>(rows[r]), buf + r * d, pb.ds_nope, pb.ds_rope);
+            } else {
+              load_row(reinterpret_cast<const CT*>(rows[r]), buf + r * d, d);
+            }
+          }
           chunk_scores(qf, G, buf, n, d, sc, ld);
           online_softmax_chunk(sc, ld, n, G, mx, sum, acc, d);
           chunk_values(acc, G, d, sc, ld, buf, n, d);
@@ -114,13 +144,20 @@ void run(const SparseProblem& pb, char* out, const char* q, const CT* kv, const 
 void sink_sparse_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& kv, const at::Tensor& tables,
                            const at::Tensor& token_seq, const at::Tensor& positions, int64_t block_size,
                            int64_t window, const c10::optional<at::Tensor>& entries,
-                           const c10::optional<at::Tensor>& entry_slots, const at::Tensor& sinks, double scale) {
+                           const c10::optional<at::Tensor>& entry_slots, const at::Tensor& sinks, double scale,
+                           int64_t ds_nope, int64_t ds_rope) {
   const char* fn = "sink_sparse_attention: ";
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, fn, "q must be [T, H, d] with a contiguous last dim");
   TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type() && out.stride(2) == 1, fn,
               "out must match q");
   const int64_t T = q.size(0), H = q.size(1), d = q.size(2);
-  TORCH_CHECK(kv.dim() == 2 && kv.size(1) == d && kv.is_contiguous(), fn, "kv must be a contiguous [slots, d]");
+  const bool packed = ds_nope > 0;
+  // a packed row: nope e4m3 bytes, 2 * rope bf16 bytes, the scale bytes padded to a multiple of 8
+  const int64_t row = packed ? ds_nope + 2 * ds_rope + ((ds_nope + 63) / 64 + 7) / 8 * 8 : d;
+  TORCH_CHECK(!packed || (ds_rope > 0 && ds_nope + ds_rope == d && kv.scalar_type() == at::kByte), fn,
+              "fp8_ds_mla rows need nope + rope == d and a uint8 store");
+  TORCH_CHECK(kv.dim() == 2 && kv.size(1) == row && kv.is_contiguous(), fn, "kv must be a contiguous [slots, ",
+              row, "]");
   TORCH_CHECK(tables.dim() == 2 && tables.scalar_type() == at::kLong && tables.is_contiguous(), fn,
               "tables must be a contiguous int64 [S, blocks]");
   TORCH_CHECK(token_seq.dim() == 1 && token_seq.size(0) == T && token_seq.scalar_type() == at::kLong &&
@@ -133,7 +170,7 @@ void sink_sparse_attention(at::Tensor out, const at::Tensor& q, const at::Tensor
   const bool has_entries = entries.has_value() && entries->defined() && entry_slots.has_value() &&
                            entry_slots->defined() && entry_slots->size(1) > 0;
   if (has_entries) {
-    TORCH_CHECK(entries->dim() == 2 && entries->size(1) == d && entries->is_contiguous() &&
+    TORCH_CHECK(entries->dim() == 2 && entries->size(1) == row && entries->is_contiguous() &&
                     entries->scalar_type() == kv.scalar_type(), fn, "entries must be a contiguous [slots, d] like kv");
     TORCH_CHECK(entry_slots->dim() == 2 && entry_slots->size(0) == T && entry_slots->scalar_type() == at::kLong &&
                     entry_slots->is_contiguous(), fn, "entry_slots must be a contiguous int64 [T, E]");
@@ -155,6 +192,9 @@ void sink_sparse_attention(at::Tensor out, const at::Tensor& q, const at::Tensor
   pb.sinks = sinks.const_data_ptr<float>();
   pb.qtype = qt;
   pb.qsize = q.element_size();
+  pb.row_bytes = packed ? row : d * static_cast<int64_t>(kv.element_size());
+  pb.ds_nope = ds_nope;
+  pb.ds_rope = ds_rope;
   // Every row the kernel will read is checked first: a bad table or slot is an error, never a wild read.
   const int64_t kv_blocks = kv.size(0) / block_size, S = tables.size(0);
   for (int64_t t = 0; t < T; ++t) {
@@ -173,6 +213,10 @@ void sink_sparse_attention(at::Tensor out, const at::Tensor& q, const at::Tensor
   }
   char* o = static_cast<char*>(out.data_ptr());
   const char* qp = static_cast<const char*>(q.const_data_ptr());
+  if (packed) {
+    return run<uint8_t>(pb, o, qp, kv.const_data_ptr<uint8_t>(),
+                        has_entries ? entries->const_data_ptr<uint8_t>() : nullptr);
+  }
   switch (kv.scalar_type()) {
     case at::kFloat:
       return run<float>(pb, o, qp, kv.const_data_ptr<float>(), has_entries ? entries->const_data_ptr<float>() : nullptr);
@@ -191,6 +235,7 @@ void sink_sparse_attention(at::Tensor out, const at::Tensor& q, const at::Tensor
 TORCH_LIBRARY_FRAGMENT(openinfer_cpu, m) {
   m.def(
       "sink_sparse_attention(Tensor(a!) out, Tensor q, Tensor kv, Tensor tables, Tensor token_seq, Tensor positions, "
-      "int block_size, int window, Tensor? entries, Tensor? entry_slots, Tensor sinks, float scale) -> ()");
+      "int block_size, int window, Tensor? entries, Tensor? entry_slots, Tensor sinks, float scale, "
+      "int ds_nope=0, int ds_rope=0) -> ()");
   m.impl("sink_sparse_attention", c10::DispatchKey::CPU, &sink_sparse_attention);
 }

@@ -1,9 +1,10 @@
-// Shared helpers of the CPU kernels: 16-float vectors, a fast exp, and rows of fp32 / bf16 / fp16 converted
-// to fp32 and back. Header-only (inline, in an anonymous namespace): each kernel file gets its own copy.
+// Shared helpers of the CPU kernels: 16-float vectors, a fast exp, and rows of fp32 / bf16 / fp16 (and fp8 e4m3,
+// read only) converted to fp32 and back. Header-only (inline, in an anonymous namespace): each kernel file gets its own copy.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
@@ -110,6 +111,51 @@ inline void load_row(const c10::BFloat16* __restrict__ src, float* __restrict__ 
 
 inline void load_row(const c10::Half* __restrict__ src, float* __restrict__ dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+typedef uint8_t vubyte __attribute__((vector_size(16)));
+
+// 16 float8_e4m3fn bytes -> fp32, in registers (x86 has no fp8 conversion before AVX10.2; these are integer
+// shifts, adds and selects that map to AVX2 or AVX-512 alike). Byte s eeee mmm (bias 7):
+//   - eeee > 0: the fp32 with exponent field eeee + 120 and mantissa mmm << 20, i.e. (em << 20) + (120 << 23);
+//   - eeee = 0 (zero and subnormals): mmm * 2^-9, an exact int -> float conversion and a power-of-two scale;
+//   - s 1111 111 is NaN (e4m3fn has no infinity): a quiet NaN;
+// then the sign bit on top. Exact for every one of the 256 codes (tests compare with torch's cast).
+// Signed int lanes throughout: AVX2 has no unsigned compare or unsigned int -> float conversion, and the compiler's
+// emulation of them made the conversion the bottleneck (2x slower than reading bf16 at B=64).
+inline vfloat fp8_e4m3_to_f32(vubyte b) {
+  const vint u = __builtin_convertvector(b, vint);
+  const vint em = u & 0x7F;
+  const vint normal = (em << 20) + (120 << 23);
+  const vint sub = (vint)(__builtin_convertvector(em, vfloat) * 0.001953125f);  // 2^-9
+  vint r = em < 8 ? sub : normal;
+  r = em == 0x7F ? vint{} + 0x7FC00000 : r;
+  return (vfloat)(r | ((u & 0x80) << 24));
+}
+
+// The 256 e4m3 codes as floats, built once from the vector conversion above.
+struct Fp8Lut {
+  alignas(64) float v[256];
+  Fp8Lut() {
+    for (int c = 0; c < 256; c += kW) {
+      vubyte b;
+      for (int j = 0; j < kW; ++j) b[j] = static_cast<uint8_t>(c + j);
+      storev(v + c, fp8_e4m3_to_f32(b));
+    }
+  }
+};
+
+inline const float* fp8_lut() {
+  static const Fp8Lut lut;
+  return lut.v;
+}
+
+// A table lookup per value (the 1 KB table stays in L1): measured faster than the in-register arithmetic on
+// AVX2, where widening 16 bytes to 16 int lanes and back costs more than the loads.
+inline void load_row(const c10::Float8_e4m3fn* __restrict__ src, float* __restrict__ dst, int64_t n) {
+  const uint8_t* __restrict__ s = reinterpret_cast<const uint8_t*>(src);
+  const float* __restrict__ lut = fp8_lut();
+  for (int64_t i = 0; i < n; ++i) dst[i] = lut[s[i]];
 }
 
 inline void store_row(const float* __restrict__ src, float* __restrict__ dst, int64_t n) {

@@ -68,6 +68,8 @@ class DeepseekV3Model(nn.Module):
 
 
 class DeepseekV3ForCausalLM(nn.Module):
+    supported_kv_cache_dtypes = ("auto", "fp8", "fp8_e4m3")  # the latent cache in e4m3 (layers/mla.py)
+
     def __init__(self, cfg: dict[str, Any], *, attention_backend: AttentionBackend = AttentionBackend.SDPA) -> None:
         super().__init__()
         self.config = cfg

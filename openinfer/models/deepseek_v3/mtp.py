@@ -42,6 +42,8 @@ class DeepseekV3MTP(DeepseekV3DecoderLayer):
     """MTP layer ``index`` (0-based); its parameters are named as in the checkpoint after the
     ``model.layers.{num_hidden_layers + index}.`` prefix."""
 
+    supported_kv_cache_dtypes = ("auto", "fp8", "fp8_e4m3")  # its MLA latent cache, as the target's
+
     def __init__(self, cfg: dict[str, Any], index: int = 0, *,
                  attention_backend: AttentionBackend = AttentionBackend.SDPA) -> None:
         self.args = DeepseekV3Args.from_hf(cfg)

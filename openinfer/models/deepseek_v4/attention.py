@@ -106,7 +106,7 @@ class DeepseekV4Attention(nn.Module):
         kv = apply_interleaved(self.kv_norm(self.kv_proj(x)), cos, sin)
 
         cache = self.cache
-        cache.flat("kv").index_copy_(0, slot_mapping, kv.to(cache.kv.dtype))
+        cache.flat("kv").index_copy_(0, slot_mapping, kv.to(cache.dtype))  # packs, for an fp8_ds_mla store
         if self.compressor is not None:
             self.compressor.store_rows(x, slot_mapping, cache.flat("comp"))
         if self.indexer is not None:
@@ -159,10 +159,12 @@ class DeepseekV4Attention(nn.Module):
         if windows is not None:
             entry_slots = step.entry_slots(seq, windows, self.ratio, cache.entry_cap)
         # CPU kernel: the window and the chosen entries read in place, no [T, keys, d] gather
+        # (fp8_ds_mla stores: the kernel widens the packed rows it reads in registers)
         out = cpu_ops.sink_sparse_attention(
-            q, cache.flat("kv"), step.token_tables, step.token_seq, pos, step.block_size, self.sliding_window,
-            None if windows is None else cache.flat("entries"),
-            None if windows is None else torch.where(windows >= 0, entry_slots, -1), self.sinks, self.scale)
+            q, cache.raw("kv"), step.token_tables, step.token_seq, pos, step.block_size, self.sliding_window,
+            None if windows is None else cache.raw("entries"),
+            None if windows is None else torch.where(windows >= 0, entry_slots, -1), self.sinks, self.scale,
+            ds_mla=cache.ds_mla)
         if out is not None:
             return out
         win_pos = pos[:, None] - (self.sliding_window - 1) + torch.arange(self.sliding_window, device=pos.device)

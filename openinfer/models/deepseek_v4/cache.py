@@ -42,8 +42,12 @@ Size (``DeepseekV4ForCausalLM.kv_cache_spec`` reports what this layout allocates
 - window group: 192,512 B/token (per CSA layer 2*(512 + 2048 + 512) = 6144 B, per HCA 2*(512 + 1024) = 3072 B,
   per SWA 1024 B), but a decoding sequence holds at most ceil(127/16) + 2 = 10 of its blocks: 30.8 MB per
   running sequence whatever its length (the long-lived cost of ~4,480 tokens).
+kv_cache_dtype fp8 (fp8_ds_mla, ``DS_MLA_STORES``): the ``kv`` and ``entries`` rows are packed fp8 latents (584 B
+instead of 1024 per 512-d row) and the indexer keys fp8 with an fp32 scale each (132 B instead of 256,
+``FP8_ROW_STORES``); V4-Flash then holds 3,851 B/token for its whole life (full group 21 x (584 + 132) per 4 tokens
+= 3,759 + coarse 20 x 584 per 128 = 91.25), vLLM's ~3.85 KB.
 Next steps: replacing the raw ``comp`` rows by a per-block online-softmax running state (shrinks the window
-group ~4x); fp8 entries/latents and fp8/fp4 indexer keys.
+group ~4x); fp8/fp4 indexer keys.
 """
 from __future__ import annotations
 
@@ -52,6 +56,7 @@ from dataclasses import dataclass
 import torch
 
 from openinfer.forward_context import AttentionMetadata
+from openinfer.layers.kv_quant import DsMlaLayout, Fp8RowLayout, PackedRows, is_fp8
 from openinfer.models.deepseek_v4.config import CSA, SLIDING, DeepseekV4Config
 
 
@@ -82,16 +87,46 @@ def coarse_ratio(cfg: DeepseekV4Config, block_size: int) -> int | None:
     return m if m > block_size and m % block_size == 0 else None
 
 
+# kv_cache_dtype fp8 (= fp8_ds_mla on V4, as in vLLM): the stores of head_dim latents - the window's token
+# latents and the compressed entries, the rows attention reads - hold packed fp8_ds_mla rows
+# (layers/kv_quant.DsMlaLayout: 584 B for V4-Flash's 512-d). The compressor's raw rows and the indexer's stores keep
+# the model's dtype.
+DS_MLA_STORES = ("kv", "entries")
+# ... and the indexer keys as fp8 with an fp32 scale per key (vLLM's 132 B per 128-d key).
+FP8_ROW_STORES = ("index_entries",)
+
+
+def ds_mla_layout(cfg: DeepseekV4Config) -> DsMlaLayout:
+    return DsMlaLayout(cfg.head_dim, cfg.qk_rope_head_dim)
+
+
+def fp8_layout(cfg: DeepseekV4Config, name: str) -> DsMlaLayout | Fp8RowLayout | None:
+    """How store ``name`` is packed under kv_cache_dtype fp8 (None: it keeps the model's dtype)."""
+    if name in DS_MLA_STORES:
+        return ds_mla_layout(cfg)
+    if name in FP8_ROW_STORES:
+        return Fp8RowLayout(cfg.index_head_dim)
+    return None
+
+
+def _store_bytes(cfg: DeepseekV4Config, name: str, width: int, elem_size: int, fp8: bool) -> int:
+    """Bytes of one row of store ``name``."""
+    layout = fp8_layout(cfg, name) if fp8 else None
+    return layout.row_bytes if layout is not None else elem_size * width
+
+
 def layer_bytes_per_block(cfg: DeepseekV4Config, layer_idx: int, block_size: int,
-                          elem_size: int) -> tuple[int, int, int]:
+                          elem_size: int, fp8: bool = False) -> tuple[int, int, int]:
     """(window-group bytes per block, full-group bytes per block, coarse-group bytes per coarse block) this
-    layer takes, blocks of ``block_size`` tokens (coarse blocks: ``coarse_ratio`` tokens)."""
+    layer takes, blocks of ``block_size`` tokens (coarse blocks: ``coarse_ratio`` tokens). ``elem_size``: the
+    model dtype's; ``fp8``: the latent stores packed as fp8_ds_mla."""
     tok, ent = layer_store_widths(cfg, layer_idx)
     ratio = cfg.compress_ratios[layer_idx]
-    window = elem_size * block_size * sum(tok.values())
+    window = block_size * sum(_store_bytes(cfg, n, w, elem_size, fp8) for n, w in tok.items())
+    entry = sum(_store_bytes(cfg, n, w, elem_size, fp8) for n, w in ent.items())
     if ratio and ratio == coarse_ratio(cfg, block_size):
-        return window, 0, elem_size * sum(ent.values())
-    return window, elem_size * entries_per_block(block_size, max(ratio, 1)) * sum(ent.values()), 0
+        return window, 0, entry
+    return window, entries_per_block(block_size, max(ratio, 1)) * entry, 0
 
 
 def lookback_tokens(cfg: DeepseekV4Config) -> int:
@@ -109,8 +144,13 @@ class V4LayerCache:
     """One layer's paged stores (see the module docstring); tensors are attributes named like the stores."""
 
     def __init__(self, cfg: DeepseekV4Config, layer_idx: int, num_blocks: dict[str, int], block_size: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, kv_dtype: torch.dtype | None = None) -> None:
+        """``dtype``: the model's; ``kv_dtype`` float8_e4m3fn packs the latent stores as fp8_ds_mla."""
         self.block_size = block_size
+        fp8 = kv_dtype is not None and is_fp8(kv_dtype)
+        self.ds_mla = ds_mla_layout(cfg) if fp8 else None
+        self.layouts = {n: fp8_layout(cfg, n) for n in DS_MLA_STORES + FP8_ROW_STORES} if fp8 else {}
+        self.dtype = dtype
         self.ratio = cfg.compress_ratios[layer_idx]
         self.coarse = bool(self.ratio) and self.ratio == coarse_ratio(cfg, block_size)
         self.entry_cap = 1 if self.coarse else entries_per_block(block_size, max(self.ratio, 1))
@@ -120,11 +160,26 @@ class V4LayerCache:
         # The KV group whose blocks each store's first dimension indexes (what a KV connector transfers).
         self.store_groups = {**{n: WINDOW for n in tok}, **{n: COARSE if self.coarse else FULL for n in ent}}
         for name, width in tok.items():  # the window group's blocks
-            setattr(self, name, torch.zeros(num_blocks[WINDOW], block_size, width, dtype=dtype, device=device))
+            setattr(self, name, self._store(name, (num_blocks[WINDOW], block_size), width, device))
         for name, width in ent.items():  # the full (or coarse) group's blocks
-            setattr(self, name, torch.zeros(num_entry_blocks, self.entry_cap, width, dtype=dtype, device=device))
+            setattr(self, name, self._store(name, (num_entry_blocks, self.entry_cap), width, device))
 
-    def flat(self, name: str) -> torch.Tensor:
+    def _store(self, name: str, lead: tuple[int, int], width: int, device: torch.device) -> torch.Tensor:
+        if self.packed(name):
+            return torch.zeros(*lead, self.layouts[name].row_bytes, dtype=torch.uint8, device=device)
+        return torch.zeros(*lead, width, dtype=self.dtype, device=device)
+
+    def packed(self, name: str) -> bool:
+        return name in self.layouts
+
+    def flat(self, name: str) -> torch.Tensor | PackedRows:
+        """[slots, width] rows of store ``name``; a packed store reads and writes through ``PackedRows``."""
+        t = getattr(self, name)
+        rows = t.view(-1, t.shape[-1])
+        return PackedRows(rows, self.layouts[name], self.dtype) if self.packed(name) else rows
+
+    def raw(self, name: str) -> torch.Tensor:
+        """The store's own [slots, row] tensor (packed bytes for a packed store): what the C++ kernel reads."""
         t = getattr(self, name)
         return t.view(-1, t.shape[-1])
 

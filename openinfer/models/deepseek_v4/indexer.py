@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from openinfer.layers import cpu_ops
+from openinfer.layers.kv_quant import PackedRows
 from openinfer.models.deepseek_v4.cache import StepIndex
 from openinfer.distributed.parallel_state import get_tp_group
 from openinfer.layers.parallel_linear import ColumnParallelLinear, divide
@@ -67,7 +68,8 @@ class Indexer(nn.Module):
         if self.tp.world_size == 1:
             # CPU kernel: each query's visible keys scored in place and only k of them selected
             seqs = torch.arange(step.tables.shape[0], device=x.device)
-            chosen = cpu_ops.indexer_topk(q, head_w, index_entries,
+            raw = index_entries.data if isinstance(index_entries, PackedRows) else index_entries  # fp8 rows as is
+            chosen = cpu_ops.indexer_topk(q, head_w, raw,
                                           step.entry_slots(seqs[:, None], windows[None, :], m, cap),
                                           step.token_seq, visible, k, self.head_dim ** -0.5)
             if chosen is not None:

@@ -18,6 +18,7 @@ from torch import nn
 
 from openinfer.config import AttentionBackend
 from openinfer.forward_context import get_forward_context
+from openinfer.layers.kv_quant import is_fp8
 from openinfer.kv_cache_interface import KVGroupSpec
 from openinfer.models.deepseek_v4.attention import DeepseekV4Attention
 from openinfer.models.deepseek_v4.cache import (COARSE, FULL, WINDOW, StepIndex, V4LayerCache, coarse_ratio,
@@ -95,6 +96,9 @@ class DeepseekV4Model(nn.Module):
 
 
 class DeepseekV4ForCausalLM(nn.Module):
+    # fp8 on V4 is vLLM's fp8_ds_mla layout (cache.DS_MLA_STORES), as vLLM picks it for V4
+    supported_kv_cache_dtypes = ("auto", "fp8", "fp8_e4m3", "fp8_ds_mla")
+
     def __init__(self, hf_config: dict[str, Any], *,
                  attention_backend: AttentionBackend = AttentionBackend.SDPA) -> None:
         super().__init__()
@@ -140,8 +144,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         within ``lookback_tokens`` of the query) in the window group, and the entries of a ratio spanning whole
         blocks (V4-Flash's HCA, m = 128) in a coarse group of one block per entry. Exact bytes per block; entry
         stores hold ceil(block_size / ratio) entries per block, so the full group is not linear in block_size."""
-        elem = torch.empty((), dtype=dtype).element_size()
-        per_layer = [layer_bytes_per_block(self.config, i, block_size, elem)
+        elem = self.lm_head.weight.element_size()  # the model's dtype: ``dtype`` may be the fp8 cache's
+        per_layer = [layer_bytes_per_block(self.config, i, block_size, elem, is_fp8(dtype))
                      for i in range(self.config.num_hidden_layers)]
         groups = [KVGroupSpec(FULL, sum(f for _, f, _ in per_layer)),
                   KVGroupSpec(WINDOW, sum(w for w, _, _ in per_layer),
@@ -155,7 +159,8 @@ class DeepseekV4ForCausalLM(nn.Module):
                       device: torch.device) -> None:
         self.model.coarse_tokens = coarse_ratio(self.config, block_size)
         for i, attn in enumerate(self.attention_layers()):
-            attn.cache = V4LayerCache(self.config, i, num_blocks, block_size, dtype, device)
+            attn.cache = V4LayerCache(self.config, i, num_blocks, block_size, self.lm_head.weight.dtype, device,
+                                      kv_dtype=dtype)
 
     def free_kv_cache(self) -> None:
         for attn in self.attention_layers():

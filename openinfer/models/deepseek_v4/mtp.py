@@ -19,6 +19,7 @@ from torch import nn
 
 from openinfer.forward_context import get_forward_context
 from openinfer.kv_cache_interface import KVGroupSpec
+from openinfer.layers.kv_quant import is_fp8
 from openinfer.models.deepseek_v4.cache import (COARSE, FULL, WINDOW, StepIndex, V4LayerCache, coarse_ratio,
                                                 layer_bytes_per_block, lookback_tokens)
 from openinfer.models.deepseek_v4.hc import fused_post_pre, hc_post
@@ -27,6 +28,7 @@ from openinfer.models.deepseek_v4.hc import fused_post_pre, hc_post
 class DeepseekV4MTP(nn.Module):
     # Built from the loaded target (its mtp layers, embedding and head), not from the checkpoint again.
     shares_target = True
+    supported_kv_cache_dtypes = ("auto", "fp8", "fp8_e4m3", "fp8_ds_mla")  # its stores, as the target's
 
     def __init__(self, target: nn.Module, index: int = 0) -> None:
         super().__init__()
@@ -62,8 +64,8 @@ class DeepseekV4MTP(nn.Module):
 
     # -- KV cache: the MTP layer's stores, groups like the target's --------------------------------------------
     def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> list[KVGroupSpec]:
-        elem = torch.empty((), dtype=dtype).element_size()
-        window, full, coarse = layer_bytes_per_block(self.cfg, self.layer_idx, block_size, elem)
+        elem = self._target.lm_head.weight.element_size()  # the model's dtype: ``dtype`` may be the fp8 cache's
+        window, full, coarse = layer_bytes_per_block(self.cfg, self.layer_idx, block_size, elem, is_fp8(dtype))
         groups = [KVGroupSpec(FULL, full), KVGroupSpec(WINDOW, window, lookback_tokens=lookback_tokens(self.cfg))]
         ratio = coarse_ratio(self.cfg, block_size)
         if ratio is not None:
@@ -73,7 +75,8 @@ class DeepseekV4MTP(nn.Module):
     def bind_kv_cache(self, num_blocks: Mapping[str, int], block_size: int, dtype: torch.dtype,
                       device: torch.device) -> None:
         self.coarse_tokens = coarse_ratio(self.cfg, block_size)
-        self.layer.self_attn.cache = V4LayerCache(self.cfg, self.layer_idx, num_blocks, block_size, dtype, device)
+        self.layer.self_attn.cache = V4LayerCache(self.cfg, self.layer_idx, num_blocks, block_size,
+                                                  self._target.lm_head.weight.dtype, device, kv_dtype=dtype)
 
     def free_kv_cache(self) -> None:
         self.layer.self_attn.cache = None
