@@ -224,6 +224,8 @@ def over_cap(host: str, port: int, n: int, wait_s: float = 2.0) -> dict:
     report = summarize(socks)["burst"]
     refused = [s.closed_s - s.opened_s for s in socks if s.first_bytes.startswith(b"HTTP/1.1 503") and s.closed_s]
     report.update(_quantiles(refused, "refused_closed_after_s", (50,)))
+    held = [s.closed_s - s.opened_s for s in socks if not s.first_bytes.startswith(b"HTTP/1.1 503") and s.closed_s]
+    report["held_closed_after_s_min"] = round(min(held), 4) if held else None  # by a timeout, if within wait_s
     report["connect_failed"] = failed
     report["open_all_s"] = round(open_s, 3)  # the close times above include up to this much of the client's own
     return report
