@@ -13,3 +13,11 @@ python scripts/bench_router_policies.py --model .bench/llama-30m --workers 2 \
   --worker-args "--dtype float32 --max-model-len 4096 --num-kv-blocks 512" \
   --policies round_robin cache_aware --rounds 2 --out benchmarks/results/router-policies/policies.json -- \
   --synthetic-sessions 8 --synthetic-turns 3 --concurrency 4 --seed 0 --salt router-policies --no-think-time
+# Round 0 ran as above (--rounds 2) and its two runs are in round0.jsonl (round 1 of that invocation never started:
+# its workers hung on a stale kernel-cache lock). Round 1, policies in
+# the other order, into policies.json:
+python scripts/bench_router_policies.py --model .bench/llama-30m --workers 2 \
+  --worker-args "--dtype float32 --max-model-len 4096 --num-kv-blocks 512" \
+  --policies cache_aware round_robin --rounds 1 --first-round 1 --out benchmarks/results/router-policies/policies.json -- \
+  --synthetic-sessions 8 --synthetic-turns 3 --concurrency 4 --seed 0 --salt router-policies --no-think-time
+# summary.json = round0.jsonl + policies.json runs side by side (merged by hand with a few lines of Python).
