@@ -134,10 +134,26 @@ def _kv_events_wire(ckpt: Path) -> None:
         ctx.term()
 
 
+def _kv_transfer_side_channel(ckpt: Path) -> None:
+    """The KV connector's side channel: the NIXL handshake (agent metadata as opaque bytes, the KV layout), both
+    the accepted and the refused (wrong engine id) exchange. The block ids themselves travel in kv_transfer_params
+    over HTTP (checked by the HTTP test) and the read's completion as a NIXL notification carrying the request id."""
+    from openinfer.distributed.kv_transfer.side_channel import SideChannelServer, StoreLayout, handshake
+
+    server = SideChannelServer("127.0.0.1", 0, "prod", b"\x80\x04agent-bytes", [[StoreLayout(4096, 64, 8)]])
+    try:
+        reply = handshake("127.0.0.1", server.port, "me", "prod", 5.0)
+        assert reply.agent_metadata == b"\x80\x04agent-bytes"  # opaque bytes inside msgpack, not a frame of their own
+        with pytest.raises(RuntimeError):
+            handshake("127.0.0.1", server.port, "me", "other", 5.0)
+    finally:
+        server.close()
+
+
 WIRES: dict[str, Callable[[Path], None]] = {
     "executor-step-messages": _executor_wire,
     "kv-events": _kv_events_wire,
-    # The KV connector's side channel (NIXL handshake, block lists, notifications) joins here once merged.
+    "kv-transfer-side-channel": _kv_transfer_side_channel,
 }
 
 
