@@ -309,24 +309,31 @@ class SpeculativeConfig:
     @classmethod
     def parse(cls, value: str | dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
         """JSON text, a dict or None (``"null"`` too) -> the config; unknown keys are an error naming them."""
-        if value is None or isinstance(value, cls):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config must be JSON, got {value!r}: {e}") from None
-            if value is None:
-                return None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"speculative_config has unknown keys {unknown}; known: {sorted(known)}")
-        if "method" not in value or "num_speculative_tokens" not in value:
-            raise ValueError("speculative_config needs 'method' and 'num_speculative_tokens'")
-        return cls(**value)
+        return _parse_json_config(cls, value, "speculative_config", ("method", "num_speculative_tokens"))
+
+
+def _parse_json_config(cls, value, name: str, required: tuple[str, ...]):
+    """A JSON-valued config option (``--speculative-config``, ``--kv-transfer-config``): JSON text, a dict, an
+    instance or None (``"null"`` too) -> the config; unknown keys and missing required ones are errors naming them."""
+    if value is None or isinstance(value, cls):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name} must be JSON, got {value!r}: {e}") from None
+        if value is None:
+            return None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object, got {value!r}")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"{name} has unknown keys {unknown}; known: {sorted(known)}")
+    missing = [k for k in required if k not in value]
+    if missing:
+        raise ValueError(f"{name} needs " + " and ".join(repr(k) for k in required))
+    return cls(**value)
 
 
 KV_CONNECTORS = ("NixlConnector",)
@@ -376,24 +383,7 @@ class KVTransferConfig:
     @classmethod
     def parse(cls, value: str | dict | KVTransferConfig | None) -> KVTransferConfig | None:
         """JSON text, a dict or None -> the config; unknown keys are an error naming them."""
-        if value is None or isinstance(value, cls):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv_transfer_config must be JSON, got {value!r}: {e}") from None
-            if value is None:
-                return None
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_transfer_config must be a JSON object, got {value!r}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"kv_transfer_config has unknown keys {unknown}; known: {sorted(known)}")
-        if "kv_connector" not in value or "kv_role" not in value:
-            raise ValueError("kv_transfer_config needs 'kv_connector' and 'kv_role'")
-        return cls(**value)
+        return _parse_json_config(cls, value, "kv_transfer_config", ("kv_connector", "kv_role"))
 
 
 @dataclass(frozen=True)

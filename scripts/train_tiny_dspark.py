@@ -58,6 +58,16 @@ from train_tiny_mtp import corpus  # noqa: E402
 from openinfer.models.deepseek_v4.loading import canonical_name  # noqa: E402
 
 
+
+def optimizer_step(opt, sched, params, loss) -> float:
+    """One clipped AdamW step on ``loss``; returns the loss value."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    sched.step()
+    return loss.item()
+
 def prompts(text: str, n: int, chars: int, seed: int) -> list[str]:
     g = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, len(text) - chars, (n,), generator=g).tolist()
@@ -147,12 +157,7 @@ def train_target(model, data: torch.Tensor, steps: int, batch: int, seq_len: int
         with set_forward_context(md):
             hidden = model(seqs[:, :-1].reshape(-1), md.positions)
         loss = F.cross_entropy(model.compute_logits(hidden).float(), seqs[:, 1:].reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
-        losses.append(loss.item())
+        losses.append(optimizer_step(opt, sched, params, loss))
         if step % 25 == 0 or step == steps - 1:
             print(f"target step {step}: loss {losses[-1]:.3f} ({time.perf_counter() - t0:.0f} s)", flush=True)
     else:
@@ -297,12 +302,7 @@ def main(argv: list[str] | None = None) -> dict:
             break
         idx = torch.randint(0, len(train.anchors), (args.batch,), generator=gen).tolist()
         loss, _ = draft_loss(model, *train.batch(idx))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
-        losses.append(loss.item())
+        losses.append(optimizer_step(opt, sched, params, loss))
         if step % 50 == 0 or step == args.steps - 1:
             print(f"step {step}: loss {losses[-1]:.3f} ({time.perf_counter() - t1:.0f} s)", flush=True)
     else:
