@@ -156,8 +156,11 @@ def test_hung_step_fails_liveness_and_exits(ckpt):
 
 
 def test_dead_engine_thread_fails_requests_and_exits(ckpt):
+    # The step after 3 steps with work dies. The stream must be admitted before that (its first token means it was),
+    # else it is the plain request's steps that kill the engine and the stream is answered 503 at the door.
     with ServerProcess(ckpt, *ARGS, env={ENV: "engine_dies:3"}) as s:
         stream = _Call(s.url, 200, stream=True)
+        assert stream.first.wait(20) and stream.events, stream.failure
         plain = _Call(s.url, 200, stream=False)
         code = _wait_exit(s, 20)
         assert code == 1, s.log()
