@@ -56,6 +56,24 @@ def test_every_output_validates_against_its_schema(llm, schemas, greedy):
             jsonschema.validate(json.loads(c.text), schema)
 
 
+def test_json_strings_never_hold_raw_control_characters(llm):
+    """Strict JSON escapes U+0000-U+001F inside strings. xgrammar's string rule admits a raw tab (its characters
+    are [^"\\\r\n]); the backend takes such tokens out of JSON masks. A logit bias makes the tab the model's
+    favourite token, so without that this fails every time."""
+    tok = llm.get_tokenizer()
+    tab = tok.encode("\t", add_special_tokens=False)
+    assert len(tab) == 1
+    schema = {"type": "array", "items": {"type": "string", "maxLength": 4}, "minItems": 1, "maxItems": 2}
+    for spec in (SO(json=schema), SO(json_object=True)):
+        sp = SamplingParams(n=2, max_tokens=60, temperature=1.0, seed=3, logit_bias={tab[0]: 50.0},
+                            structured_outputs=spec)
+        for o in llm.generate(PROMPTS, sp, use_tqdm=False):
+            for c in o.outputs:
+                assert not any(ord(ch) < 0x20 for ch in c.text), repr(c.text)
+                if c.finish_reason == "stop":
+                    json.loads(c.text)
+
+
 def test_speculative_drafts_are_checked_against_the_grammar(ckpt):
     """The n-gram proposer drafts from the prompt, whose text breaks the schema: drafts are proposed, most are
     cut or rejected, and the outputs still validate."""

@@ -9,6 +9,9 @@ import json
 import re
 from typing import Any
 
+import numpy as np
+import torch
+
 from openinfer.sampling_params import StructuredOutputsParams
 from openinfer.structured_outputs.backend import CompiledGrammar, GrammarBackend, GrammarMatcher
 
@@ -20,18 +23,35 @@ except ImportError:  # the seam reports it where the backend is chosen
 MAX_ROLLBACK_TOKENS = 64  # at least the most speculative tokens one step verifies
 
 
+class _NoControlChars:
+    """Tokens whose text holds a raw control character (U+0000-U+001F). xgrammar's JSON string rule admits them
+    (its string characters are `[^"\\\r\n]`: a raw tab passes), but strict JSON forbids them inside strings and
+    compact JSON has no whitespace between tokens, so in compact JSON no such token is ever valid: the JSON
+    grammars take them out of every mask and refuse them as drafts."""
+
+    def __init__(self, info: Any) -> None:
+        self.ids = frozenset(i for i, b in enumerate(info.decoded_vocab) if any(c < 0x20 for c in b))
+        words = np.full(xgr.allocate_token_bitmask(1, info.vocab_size).shape[1], 0xFFFFFFFF, dtype=np.uint32)
+        for i in self.ids:
+            words[i // 32] &= np.uint32(~(1 << (i % 32)) & 0xFFFFFFFF)
+        self.allowed = torch.from_numpy(words.view(np.int32))  # xgrammar's masks are int32 words
+
+
 class XGrammarMatcher(GrammarMatcher):
-    def __init__(self, compiled: Any, vocab_size: int) -> None:
+    def __init__(self, compiled: Any, vocab_size: int, forbid: _NoControlChars | None) -> None:
         self._m = xgr.GrammarMatcher(compiled, max_rollback_tokens=MAX_ROLLBACK_TOKENS)
         self._mask = xgr.allocate_token_bitmask(1, vocab_size)
+        self._forbid = forbid
 
     def accept_token(self, token_id: int) -> bool:
+        if self._forbid is not None and token_id in self._forbid.ids:
+            return False
         return bool(self._m.accept_token(token_id))
 
     def validate_tokens(self, token_ids: list[int]) -> int:
         n = 0
         for t in token_ids:
-            if not self._m.accept_token(t):
+            if not self.accept_token(t):
                 break
             n += 1
         self.rollback(n)
@@ -43,6 +63,8 @@ class XGrammarMatcher(GrammarMatcher):
 
     def bitmask(self) -> bytes:
         self._m.fill_next_token_bitmask(self._mask, 0)
+        if self._forbid is not None:
+            self._mask[0] &= self._forbid.allowed
         return self._mask[0].numpy().tobytes()
 
     @property
@@ -51,12 +73,13 @@ class XGrammarMatcher(GrammarMatcher):
 
 
 class XGrammarGrammar(CompiledGrammar):
-    def __init__(self, compiled: Any, vocab_size: int) -> None:
+    def __init__(self, compiled: Any, vocab_size: int, forbid: _NoControlChars | None = None) -> None:
         self._compiled = compiled
         self._vocab_size = vocab_size
+        self._forbid = forbid
 
     def new_matcher(self) -> GrammarMatcher:
-        return XGrammarMatcher(self._compiled, self._vocab_size)
+        return XGrammarMatcher(self._compiled, self._vocab_size, self._forbid)
 
 
 class XGrammarBackend(GrammarBackend):
@@ -70,14 +93,15 @@ class XGrammarBackend(GrammarBackend):
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=sorted(eos_token_ids) or None)
         self._compiler = xgr.GrammarCompiler(info)
+        self._no_control_chars = _NoControlChars(info)
 
     def compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
         kind = spec.kind
         c = self._compiler
         try:
             # Compact JSON, as llguidance writes it: xgrammar's default (any_whitespace) lets a model that is
-            # unsure emit whitespace until max_tokens, and its flexible-whitespace string rule admits raw control
-            # characters that strict JSON parsers refuse.
+            # unsure emit whitespace until max_tokens; raw control characters, which its string rule still admits,
+            # are masked out (_NoControlChars).
             if kind == "json":
                 compiled = c.compile_json_schema(spec.json if isinstance(spec.json, str) else json.dumps(spec.json),
                                                  any_whitespace=False)
@@ -101,4 +125,5 @@ class XGrammarBackend(GrammarBackend):
         except Exception as e:  # xgrammar raises RuntimeError for bad grammars, prefixed "[time] file.cc:line: "
             why = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(e)).strip()
             raise ValueError(f"structured_outputs.{kind} is invalid: {why}") from None
-        return XGrammarGrammar(compiled, self.vocab_size)
+        return XGrammarGrammar(compiled, self.vocab_size,
+                               self._no_control_chars if kind in ("json", "json_object") else None)
