@@ -1,7 +1,7 @@
 """The xgrammar backend: an optional extra (``pip install 'openinfer[xgrammar]'``; xgrammar pulls triton, ~1 GB).
 
 The test command installs it without its dependencies (triton is only needed for GPU masks) and the structured
-outputs tests run on both backends; the llguidance backend is the default. xgrammar fills masks into torch tensors, so this plugin imports torch - the bytes it returns are what the engine
+outputs tests run on both backends; the llguidance backend is the default. xgrammar fills masks into its own (torch) tensors; this plugin never imports torch itself - the bytes it returns are what the engine
 sees, as with llguidance."""
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import re
 from typing import Any
 
 import numpy as np
-import torch
 
 from openinfer.sampling_params import StructuredOutputsParams
 from openinfer.structured_outputs.backend import CompiledGrammar, GrammarBackend, GrammarMatcher
@@ -34,7 +33,8 @@ class _NoControlChars:
         words = np.full(xgr.allocate_token_bitmask(1, info.vocab_size).shape[1], 0xFFFFFFFF, dtype=np.uint32)
         for i in self.ids:
             words[i // 32] &= np.uint32(~(1 << (i % 32)) & 0xFFFFFFFF)
-        self.allowed = torch.from_numpy(words.view(np.int32))  # xgrammar's masks are int32 words
+        self.allowed = xgr.allocate_token_bitmask(1, info.vocab_size)[0]  # xgrammar's tensor
+        self.allowed.numpy()[:] = words.view(np.int32)  # int32 words, shared memory
 
 
 class XGrammarMatcher(GrammarMatcher):
