@@ -1,9 +1,10 @@
 """Request bodies parsed into their pydantic models without holding the event loop for long.
 
 A body of token ids is the expensive case: pydantic-core validates a 6 MB list of ints in ~0.8 s and holds the
-GIL all the while, so a worker thread alone would not free the loop. Large bodies therefore go to one parsing thread where
-msgspec (about 10x faster on int lists) decodes the JSON, the caller's O(1) size checks run (a 600k-item stop list
-is refused before anything walks it), and the token-id fields are checked against their exact types; pydantic then
+GIL all the while, so a worker thread alone would not free the loop. Large bodies therefore go to one parsing thread
+where the caller's size checks run first on the raw body (a 600k-item stop list or a prompt past the context is
+refused before anything is decoded: body_precheck.py), then msgspec (about 10x faster on int lists) decodes the
+JSON and the token-id fields are checked against their exact types; pydantic then
 validates the rest of the decoded object with a one-element stand-in for each id list, and the checked list is put
 back. Small bodies, and bodies that are not valid JSON, take pydantic's JSON path unchanged.
 """
@@ -13,14 +14,16 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 from pydantic import BaseModel, ValidationError
 
 from openinfer.server.errors import APIError, validation_message
+from openinfer.server.raw_json import split_top_level
 
 M = TypeVar("M", bound=BaseModel)
+Precheck = Callable[[dict[str, msgspec.Raw]], None]
 
 LARGE_BODY_BYTES = 128 * 1024
 # One thread for all large bodies: each new thread gets its own malloc arena, and arenas keep freed memory, so a
@@ -42,15 +45,17 @@ def parse(model: type[M], body: bytes) -> M:
         raise APIError(message, 400, param) from None
 
 
-def _parse_large(model: type[M], body: bytes, precheck: Callable[[dict], None] | None) -> M:
-    try:
-        obj = msgspec.json.decode(body)
-    except (msgspec.DecodeError, ValueError):  # malformed (or ints past 64 bits): pydantic says what is wrong
-        return parse(model, body)
-    if not isinstance(obj, dict):
+def _parse_large(model: type[M], body: bytes, precheck: Precheck | None) -> M:
+    top = split_top_level(body)
+    if top is None:  # not a JSON object: pydantic says what is wrong
         return parse(model, body)
     if precheck is not None:
-        precheck(obj)  # O(1) size checks first: a 600k-item stop list is refused before pydantic walks it
+        precheck(top)
+    del top
+    try:
+        obj = msgspec.json.decode(body)
+    except (msgspec.DecodeError, ValueError):  # ints past 64 bits: pydantic says what is wrong
+        return parse(model, body)
     checked: dict[str, list] = {}
     for name, types in _ID_FIELDS.items():
         value = obj.get(name)
@@ -75,9 +80,25 @@ def _parse_large(model: type[M], body: bytes, precheck: Callable[[dict], None] |
     return req
 
 
-async def parse_request(model: type[M], body: bytes, precheck: Callable[[dict], None] | None = None) -> M:
+async def parse_request(model: type[M], body: bytes, precheck: Precheck | None = None) -> M:
     """Parse ``body`` as ``model``; a 400 naming the field when it does not fit. For a large body,
-    ``precheck(decoded JSON object)`` runs before full validation and may raise an ``APIError``."""
+    ``precheck(its top-level fields as raw JSON)`` runs before anything is decoded and may raise an ``APIError``."""
     if len(body) < LARGE_BODY_BYTES:
         return parse(model, body)
     return await asyncio.get_running_loop().run_in_executor(_POOL, _parse_large, model, body, precheck)
+
+
+def _decode_large(body: bytes, precheck: Precheck | None) -> Any:
+    top = split_top_level(body)
+    if top is not None and precheck is not None:
+        precheck(top)
+    del top
+    return msgspec.json.decode(body)
+
+
+async def decode_json(body: bytes, precheck: Precheck | None = None) -> Any:
+    """The body as plain JSON values (msgspec.DecodeError when it is not JSON); a large one decoded off the event
+    loop after ``precheck`` on its raw top-level fields, as ``parse_request``."""
+    if len(body) < LARGE_BODY_BYTES:
+        return msgspec.json.decode(body)
+    return await asyncio.get_running_loop().run_in_executor(_POOL, _decode_large, body, precheck)

@@ -23,6 +23,7 @@ from openinfer.kv_events import KVEventsConfig
 from openinfer.request_limits import DEFAULT_LIMITS, RequestLimits, check_counts
 from openinfer.sampling_params import SamplingParams, StructuredOutputsParams
 from openinfer.server.async_engine import AsyncEngine, EngineOverloaded, EngineUnavailable, RequestStream
+from openinfer.server.body_precheck import precheck
 from openinfer.server.errors import APIError
 from openinfer.server.health import HealthSettings
 from openinfer.server.messages import AddRequest, RequestUpdate
@@ -93,21 +94,22 @@ class ServingContext:
         return parse(model, body)
 
     async def parse_request(self, model: type[M], body: bytes) -> M:
-        """``parse`` for route handlers: large bodies are decoded off the event loop, their list sizes checked
-        against the caps before full validation."""
+        """``parse`` for route handlers: large bodies are decoded off the event loop, their sizes checked in the
+        raw body before anything is decoded (body_precheck.py)."""
         return await parse_request(model, body, self._check_sizes)
 
-    def _check_sizes(self, obj: dict) -> None:
-        def count(name: str) -> int:
-            v = obj.get(name)
-            return len(v) if isinstance(v, (list, dict)) else 0
+    def _check_sizes(self, top: dict[str, msgspec.Raw]) -> None:
+        precheck(self, top)
 
-        try:
-            check_counts(self.vocab_size, self.limits, stop=count("stop"), stop_token_ids=count("stop_token_ids"),
-                         logit_bias=count("logit_bias"), allowed_token_ids=count("allowed_token_ids"),
-                         bad_words=count("bad_words"))
-        except ValueError as e:
-            raise APIError(str(e), 400, str(e).split(" ", 1)[0]) from None
+    def check_num_sequences(self, num_prompts: int, n: int) -> None:
+        """Before tokenizing anything: the request's sequences (prompts x n) must fit what the server holds."""
+        if num_prompts * n > self.async_engine.capacity:
+            raise APIError(
+                f"this request asks for {num_prompts * n} sequences ({num_prompts} prompts, n={n}) but the server "
+                f"holds at most {self.async_engine.capacity} (max_num_seqs + max_queue)",
+                400,
+                "n" if num_prompts == 1 else "prompt",
+            )
 
     def check_model(self, name: str | None) -> str:
         if name is None or name in self.settings.served_model_names:

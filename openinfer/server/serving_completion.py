@@ -98,13 +98,7 @@ async def create_completion(ctx: ServingContext, request: Request, body: bytes) 
     if req.kv_transfer_params is not None and len(raw_prompts) != 1:
         raise APIError(f"kv_transfer_params moves one prompt's KV; this request has {len(raw_prompts)} prompts",
                        400, "kv_transfer_params")
-    if len(raw_prompts) * req.n > ctx.async_engine.capacity:  # before tokenizing any of them
-        raise APIError(
-            f"this request asks for {len(raw_prompts) * req.n} sequences ({len(raw_prompts)} prompts, n={req.n}) "
-            f"but the server holds at most {ctx.async_engine.capacity} (max_num_seqs + max_queue)",
-            400,
-            "n" if len(raw_prompts) == 1 else "prompt",
-        )
+    ctx.check_num_sequences(len(raw_prompts), req.n)  # before tokenizing any of them
     constraint = from_body(req.structured_outputs, None)
     await compile_or_400(ctx.engine.grammar_compiler, constraint)
     rid = ctx.new_id("cmpl")

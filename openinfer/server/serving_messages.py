@@ -18,10 +18,12 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from openinfer.server.body_precheck import precheck
 from openinfer.server.chat_tools import ChoiceDelta, ChoiceParser
 from openinfer.server.errors import APIError
 from openinfer.server.messages import AddRequest
 from openinfer.server.protocol import ChatCompletionRequest
+from openinfer.server.request_parsing import decode_json
 from openinfer.server.serving import (
     ClientDisconnected,
     EngineStreamingResponse,
@@ -147,15 +149,15 @@ def to_chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
         raise _fail(f"invalid request: {e}", "body") from None
 
 
-def _parse_body(body: bytes) -> dict[str, Any]:
+async def _parse_body(ctx: ServingContext, body: bytes) -> dict[str, Any]:
     try:
-        return msgspec.json.decode(body or b"null")
+        return await decode_json(body or b"null", lambda top: precheck(ctx, top, anthropic=True))
     except msgspec.DecodeError as e:
         raise _fail(f"the body is not valid JSON ({e})", "body") from None
 
 
 async def count_tokens(ctx: ServingContext, body: bytes) -> Response:
-    raw = _parse_body(body)
+    raw = await _parse_body(ctx, body)
     if isinstance(raw, dict):
         raw = {**raw, "max_tokens": 1}
     req = to_chat_request(raw)
@@ -181,7 +183,7 @@ def _tool_block(call: dict[str, Any]) -> dict[str, Any]:
 
 async def create_message(ctx: ServingContext, request: Request, body: bytes) -> Response:
     arrival_s = time.monotonic()
-    req = to_chat_request(_parse_body(body))
+    req = to_chat_request(await _parse_body(ctx, body))
     model = ctx.check_model(req.model)
     prep = await prepare_chat(ctx, req)
     rid = "msg_" + uuid.uuid4().hex[:24]
