@@ -81,6 +81,7 @@ def _build():
     if root:
         build_dir = os.path.join(root, name)
         os.makedirs(build_dir, exist_ok=True)
+    _clear_stale_lock(build_dir or cpp_extension._get_build_directory(name, verbose=False))
     t0 = time.perf_counter()
     cpp_extension.load(name=name, sources=[str(s) for s in _SOURCES], extra_cflags=cflags,
                        extra_ldflags=_LDFLAGS, build_directory=build_dir, is_python_module=False,
@@ -95,6 +96,39 @@ def _build():
     ops.decode_attention_use_amx(use_amx)
     ops.mla_decode_use_amx(use_amx)
     return ops
+
+
+def _clear_stale_lock(build_dir: str) -> None:
+    """torch's build lock is a file that a killed build leaves behind, and every later load then waits on it
+    forever (a hang in nanosleep at engine start). A build takes seconds to a few minutes, so a lock older than
+    ``OPENINFER_KERNEL_LOCK_STALE_S`` (default 600) belongs to no live build: it is removed, with a warning. When
+    the lock is younger, another process may be building: a watcher thread removes it if it outlives the bound
+    while this process waits on it (never this process's own lock: it only watches a lock that existed before)."""
+    lock = os.path.join(build_dir, "lock")
+    stale_s = float(os.environ.get("OPENINFER_KERNEL_LOCK_STALE_S", "600"))
+
+    def remove_if_stale() -> bool:
+        try:
+            age = time.time() - os.path.getmtime(lock)
+        except OSError:
+            return True  # gone: the other build finished
+        if age <= stale_s:
+            return False
+        logger.warning("removing a stale kernel build lock %s (%.0f s old: a build that was killed); "
+                       "OPENINFER_KERNEL_LOCK_STALE_S sets the age", lock, age)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(lock)
+        return True
+
+    if not os.path.exists(lock) or remove_if_stale():
+        return
+    logger.info("waiting for another process's kernel build (lock %s; removed as stale after %.0f s)", lock, stale_s)
+
+    def watch() -> None:
+        while not remove_if_stale():
+            time.sleep(1.0)
+
+    threading.Thread(target=watch, name="kernel-lock-watch", daemon=True).start()
 
 
 def _reason(e: Exception) -> str:

@@ -1,0 +1,33 @@
+"""A kernel build lock left by a killed build does not hang the next engine start (layers/cpu_ops.py)."""
+import os
+import threading
+import time
+
+from openinfer.layers import cpu_ops
+
+
+def test_an_old_lock_is_removed_at_once(tmp_path, monkeypatch):
+    lock = tmp_path / "lock"
+    lock.touch()
+    old = time.time() - 3600
+    os.utime(lock, (old, old))
+    cpu_ops._clear_stale_lock(str(tmp_path))
+    assert not lock.exists()
+
+
+def test_a_young_lock_is_waited_on_then_removed_when_it_outlives_the_bound(tmp_path, monkeypatch):
+    monkeypatch.setenv("OPENINFER_KERNEL_LOCK_STALE_S", "1.5")
+    lock = tmp_path / "lock"
+    lock.touch()
+    cpu_ops._clear_stale_lock(str(tmp_path))
+    assert lock.exists()  # another process may still be building
+    deadline = time.monotonic() + 10
+    while lock.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not lock.exists()
+
+
+def test_no_lock_no_watcher(tmp_path):
+    before = {t.name for t in threading.enumerate()}
+    cpu_ops._clear_stale_lock(str(tmp_path))
+    assert "kernel-lock-watch" not in {t.name for t in threading.enumerate()} - before
