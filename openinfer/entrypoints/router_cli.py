@@ -118,8 +118,7 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def router_command(args: argparse.Namespace, workers: list[str], prometheus_port: int,
-                   kv_sources: dict[str, str] | None = None, kv_block_size: int | None = None,
-                   kv_model: str | None = None) -> list[str]:
+                   kv_sources: dict[str, str] | None = None, kv_block_size: int | None = None) -> list[str]:
     """The router's command line for ``args`` (pure: tested without starting anything)."""
     exe = router_executable(ROUTERS[args.router])
     cmd = [exe] + (["launch"] if args.router == "sglang" else [])
@@ -138,9 +137,7 @@ def router_command(args: argparse.Namespace, workers: list[str], prometheus_port
     for url, endpoint in (kv_sources or {}).items():
         cmd += ["--kv-event-source", f"{url}={endpoint}"]
     if kv_sources:
-        # The router files events under this model name and looks requests up under theirs ("model"): the name
-        # the workers serve (--served-model-name), not the checkpoint path.
-        cmd += ["--kv-event-model", kv_model or args.model, "--kv-event-block-size", str(kv_block_size or 16)]
+        cmd += ["--kv-event-model", args.model, "--kv-event-block-size", str(kv_block_size or 16)]
     return cmd + shlex.split(args.router_args)
 
 
@@ -253,11 +250,9 @@ def run(args: argparse.Namespace) -> int:
             launcher.wait_healthy(url, "worker", deadline)
         prometheus_port = free_port()
         # The router hashes token blocks itself to match the events: it needs the workers' block size.
-        block_size = kv_model = None
-        if kv_sources:
-            block_size = httpx.get(started[0] + "/get_server_info", timeout=10).json()["block_size"]
-            kv_model = httpx.get(started[0] + "/v1/models", timeout=10).json()["data"][0]["id"]
-        cmd = router_command(args, workers, prometheus_port, kv_sources, block_size, kv_model)
+        block_size = httpx.get(started[0] + "/get_server_info", timeout=10).json()["block_size"] if kv_sources \
+            else None
+        cmd = router_command(args, workers, prometheus_port, kv_sources, block_size)
         router_url = f"http://{args.host}:{args.port}"
         router = launcher.spawn(f"{ROUTERS[args.router]} ({router_url})", cmd, router_url, None)
         launcher.wait_healthy(router_url, ROUTERS[args.router], deadline)
