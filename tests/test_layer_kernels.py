@@ -130,7 +130,7 @@ def test_layer_kernel_modules_take_the_kernel_and_fall_back(kernel_ops, monkeypa
         _close(f, s, torch.float32)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_layer_kernel_argmax_rows(kernel_ops, dtype):
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(40, 1003, generator=gen).round().to(dtype)  # rounded: many tied maxima; 1003 = lanes + tail
@@ -144,3 +144,15 @@ def test_layer_kernel_argmax_rows(kernel_ops, dtype):
     assert torch.equal(want, x.float().argmax(dim=-1))  # the index greedy decoding has always taken
     strided = torch.randn(6, 2048, generator=gen).to(dtype)[:, 100:1100]
     assert torch.equal(cpu_ops.argmax_rows(strided), strided.max(dim=-1).indices)
+    # vocabulary-sized rows (512-wide blocks, then the scan of the winning block for the first index):
+    # the maximum in the first block, in the tail, tied across blocks / within a block / between a block and the
+    # tail, an all -inf row, a NaN
+    wide = torch.randn(8, 32003, generator=gen).to(dtype)
+    wide[0, 5] = wide[1, 16 + 3] = wide[2, 32001] = 50.0
+    wide[3, 40] = wide[3, 31000] = 50.0
+    wide[4, 17] = wide[4, 3] = 50.0
+    wide[5] = float("-inf")
+    wide[6, 20000] = float("nan")
+    wide[7, 100] = wide[7, 32002] = 50.0  # tied between a whole block and the tail: the block's index
+    assert torch.equal(cpu_ops.argmax_rows(wide), wide.max(dim=-1).indices)
+    assert cpu_ops.argmax_rows(wide).tolist() == [5, 19, 32001, 40, 3, 0, 20000, 100]

@@ -117,6 +117,27 @@ def test_mla_kernel_rejects_bad_tables(kernel_ops):
         _run(kernel_ops, q, cache, tables, torch.tensor([40]), 0.1, 32)
 
 
+def test_mla_kernel_head_major_views_same_bits(kernel_ops):
+    """The layer hands the kernel [B, H, .] views of head-major [H, B, .] buffers (q from the W_UK GEMM, o for
+    the W_UV one): read and written through their strides, the result is the contiguous call's, bit for bit;
+    an ``out`` of the wrong shape or dtype is refused by name."""
+    gen = torch.Generator().manual_seed(9)
+    cache, tables, lens = _paged([1, 17, 40], 16, 576, torch.float32, gen)
+    q_hm = torch.randn(8, 3, 576, generator=gen)
+    want = _run(kernel_ops, q_hm.transpose(0, 1).contiguous(), cache, tables, lens, 0.05, 512)
+    o_hm = torch.full((8, 3, 512), float("nan"))
+    got = cpu_ops.mla_decode_attention(q_hm.transpose(0, 1), cache, tables, lens, 0.05, 512,
+                                       out=o_hm.transpose(0, 1))
+    assert got.data_ptr() == o_hm.data_ptr()
+    assert torch.equal(o_hm.transpose(0, 1), want)
+    with pytest.raises(ValueError, match="out must be"):
+        cpu_ops.mla_decode_attention(q_hm.transpose(0, 1), cache, tables, lens, 0.05, 512,
+                                     out=torch.empty(3, 8, 511))
+    with pytest.raises(ValueError, match="out must be"):
+        cpu_ops.mla_decode_attention(q_hm.transpose(0, 1), cache, tables, lens, 0.05, 512,
+                                     out=torch.empty(3, 8, 512, dtype=torch.float64))
+
+
 def _decode_metadata(lens, tables, bs):
     rows = [tables[b, :-(-n // bs)].tolist() for b, n in enumerate(lens)]
     return AttentionMetadata.build([1] * len(lens), lens, {"full": rows}, {"full": bs}, bs, torch.device("cpu"))

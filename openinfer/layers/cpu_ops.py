@@ -185,17 +185,25 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 def mla_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                         seq_lens: torch.Tensor, scale: float, v_dim: int) -> torch.Tensor | None:
+                         seq_lens: torch.Tensor, scale: float, v_dim: int,
+                         out: torch.Tensor | None = None) -> torch.Tensor | None:
     """Absorbed MLA decode over the paged latent cache (``cpu_kernels/mla_decode.cpp``). q: [B, H, D] with
     D = kv_lora_rank + rope (= the cache's last dim); the values are each row's first ``v_dim`` entries.
     Returns [B, H, v_dim] in q's dtype, or None when the kernel cannot take the call (the caller keeps its
-    torch path)."""
+    torch path). q and ``out`` may be strided over B and H (e.g. head-major views): the kernel reads and
+    writes through their strides; ``out`` [B, H, v_dim] with a contiguous last dim is written in place."""
     ops = ops_for(q, kv_cache)
     if ops is None or kv_cache.dim() != 3 or not kv_cache.is_contiguous() or q.shape[-1] != kv_cache.shape[-1]:
         return None
     if q.stride(-1) != 1:
         q = q.contiguous()
-    out = torch.empty(q.shape[0], q.shape[1], v_dim, dtype=q.dtype)
+    if out is None:
+        out = torch.empty(q.shape[0], q.shape[1], v_dim, dtype=q.dtype)
+    elif (tuple(out.shape) != (q.shape[0], q.shape[1], v_dim) or out.dtype != q.dtype or out.stride(-1) != 1
+          or out.device.type != "cpu"):
+        raise ValueError(f"mla_decode_attention: out must be a CPU {q.dtype} [{q.shape[0]}, {q.shape[1]}, "
+                         f"{v_dim}] with a contiguous last dim, got {out.dtype} {tuple(out.shape)} "
+                         f"strides {out.stride()}")
     ops.mla_decode_attention(out, q, kv_cache, block_tables.contiguous(), seq_lens.contiguous(), float(scale))
     return out
 

@@ -80,19 +80,25 @@ class MLAAttention(nn.Module):
         out = q_nope.new_empty(q_nope.shape[0], h, dv)
         nd = md.num_decodes
         if nd:
-            q_lat = torch.einsum("bhd,hdl->bhl", q_nope[:nd], w_uk)
-            q = torch.cat((q_lat, q_pe[:nd]), dim=-1)  # [B, H, L+R]
+            # Head-major throughout: W_UK and W_UV are applied as one batched GEMM over the heads each
+            # ([H, B, Dn] @ [H, Dn, L], [H, B, L] @ [H, L, Dv], the weights read as strided views of kv_b),
+            # and the attention reads q and writes o through [B, H, .] views of head-major buffers, so no
+            # permuted copy is made on the way in or out (einsum made one of q and o per call).
+            q_lat = torch.bmm(q_nope[:nd].transpose(0, 1), w_uk)
+            q = torch.cat((q_lat, q_pe[:nd].transpose(0, 1)), dim=-1).transpose(0, 1)  # [B, H, L+R] view
             # The C++ kernel reads each sequence's latent rows in place (cpu_kernels/mla_decode.cpp); the torch
             # path below gathers them into a tensor padded to the longest sequence.
+            o_hm = q.new_empty(h, nd, lr)
             o = cpu_ops.mla_decode_attention(q, self.kv_cache, tables.decode_block_tables, md.decode_seq_lens,
-                                             self.scale, lr)
+                                             self.scale, lr, out=o_hm.transpose(0, 1))
             if o is None:
                 kv = self.kv_cache[tables.decode_block_tables].view(nd, 1, -1, self.latent_dim).to(q.dtype)
                 if is_fp8(self.kv_cache.dtype):  # stale e4m3 slots may hold NaN, which a 0 weight keeps: zero them
                     kv = kv.masked_fill(~md.decode_mask.view(nd, 1, -1, 1), 0)
                 o = F.scaled_dot_product_attention(q.unsqueeze(2), kv, kv[..., :lr], attn_mask=md.decode_mask,
                                                    scale=self.scale, enable_gqa=True).squeeze(2)  # [B, H, L]
-            out[:nd] = torch.einsum("bhl,hvl->bhv", o, w_uv)
+                o_hm = o.transpose(0, 1)
+            out[:nd] = torch.bmm(o_hm, w_uv.transpose(1, 2)).transpose(0, 1)
         for span in md.prefills:
             s, n, ctx = span.query_start, span.query_len, span.context_len
             if ctx == n:  # nothing cached before this chunk: use the fresh latents (as cached), skip the gather
