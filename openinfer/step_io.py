@@ -41,12 +41,17 @@ class KVLoad(msgspec.Struct):
     remote_request_id: str
     remote_host: str
     remote_port: int
+    push: bool = False  # the producer writes into local_block_ids (send_type PUT) instead of this side reading
 
 
 class KVConnectorMetadata(msgspec.Struct):
-    """What the scheduler side of a KV connector tells its worker side each step."""
+    """What the scheduler side of a KV connector tells its worker side each step; a producer also names the
+    requests it now holds for a remote decoder (request id -> block ids per group, -1 = none there) and those it
+    stopped holding (expired): a decoder asking for a push is served from these, never from blocks it names."""
 
     loads: list[KVLoad] = []
+    held: dict[str, list[list[int]]] = {}
+    released: list[str] = []
 
 
 class KVConnectorOutput(msgspec.Struct):
