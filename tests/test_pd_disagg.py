@@ -1,6 +1,6 @@
 """Disaggregated prefill/decode with real processes on 127.0.0.1: two ``openinfer serve`` instances started with
 the same ``--kv-transfer-config`` and nothing but different ports, paired by the unmodified ``vllm-router`` in PD
-mode. The KV moves over NIXL (pull); output is token-identical to one instance; faults end each request once."""
+mode. The KV moves over NIXL (pull; push in one test); output is token-identical to one instance; faults end each request once."""
 from __future__ import annotations
 
 import json
@@ -31,30 +31,16 @@ def pd(tmp_path_factory):
         pytest.skip("vllm-router is not installed (pip install 'openinfer[pd]')")
     model = shared_checkpoint(tmp_path_factory)
     cfg = ("--kv-transfer-config", json.dumps(KV))
-    prefill = ServerProcess(model, *COMMON, *cfg, wait=False)
+    # The prefill instance also decodes by push (send_type only matters on the decoding side): the push test runs
+    # a second router with the two roles swapped, rather than paying for a third server.
+    push_cfg = ("--kv-transfer-config", json.dumps({**KV, "kv_connector_extra_config": {"send_type": "PUT"}}))
+    prefill = ServerProcess(model, *COMMON, *push_cfg, wait=False)
     decode = ServerProcess(model, *COMMON, *cfg, wait=False)
     router = None
     try:
         prefill.wait_ready()
         decode.wait_ready()
-        port = free_port()
-        log = open(f"/tmp/openinfer-test-router-{port}.log", "w")
-        router = subprocess.Popen([ROUTER, "--vllm-pd-disaggregation", "--prefill", prefill.url, "--decode",
-                                   decode.url, "--host", "127.0.0.1", "--port", str(port),
-                                   "--worker-startup-check-interval", "1", "--request-timeout-secs", "60",
-                                   "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
-                                  stdout=log, stderr=subprocess.STDOUT)
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while True:
-            assert router.poll() is None, open(log.name).read()[-3000:]
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "router not up in 30 s"
-            time.sleep(0.2)
+        router, url = _start_router(prefill.url, decode.url)
         yield prefill, decode, url
     finally:
         if router is not None:
@@ -62,6 +48,32 @@ def pd(tmp_path_factory):
             router.wait(10)
         prefill.stop()
         decode.stop()
+
+
+def _start_router(prefill_url, decode_url):
+    port = free_port()
+    log = open(f"/tmp/openinfer-test-router-{port}.log", "w")
+    router = subprocess.Popen([ROUTER, "--vllm-pd-disaggregation", "--prefill", prefill_url, "--decode",
+                               decode_url, "--host", "127.0.0.1", "--port", str(port),
+                               "--worker-startup-check-interval", "1", "--request-timeout-secs", "60",
+                               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
+                              stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    try:
+        while True:
+            assert router.poll() is None, open(log.name).read()[-3000:]
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    return router, url
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "router not up in 30 s"
+            time.sleep(0.2)
+    except BaseException:
+        router.terminate()
+        router.wait(10)
+        raise
 
 
 def _wait_free(server, timeout_s=10.0) -> dict:
@@ -205,6 +217,34 @@ def test_a_transfer_that_never_completes_falls_back(pd):
     finally:
         mute.close(0)
         ctx.term()
+
+
+def test_router_pd_push_is_token_identical(pd):
+    """Push (send_type PUT) through the same unmodified vllm-router, roles swapped (the module's prefill instance
+    decodes, by push): the router runs the prefill leg first, so the decoder learns of the request from the prefill
+    answer, registers its blocks with the producer over the side channel, and the producer NIXL-WRITEs them. Same
+    tokens as one instance; the decoder computed only each prompt's last token; both sides free everything."""
+    decoder, producer, _ = pd  # swapped: the module's decode instance produces, its prefill one decodes
+    router, url = _start_router(producer.url, decoder.url)
+    try:
+        p0, d0 = producer.metrics(), decoder.metrics()
+        prompts = ["pushed: the quick brown fox jumps over the lazy dog"]
+        for prompt in prompts:
+            want = _complete(producer.url, prompt, 8, return_token_ids=True)
+            got = _complete(url, prompt, 8, return_token_ids=True)
+            assert got["choices"][0]["token_ids"] == want["choices"][0]["token_ids"]
+        assert _chat(url, "pushed chat", 8, stream=True) == _text(_chat(producer.url, "pushed chat", 8))
+        p1, d1 = _wait_free(producer), _wait_free(decoder)
+        n = len(prompts) + 1
+        assert d1[P + "kv_transfer_loads_total"] - d0[P + "kv_transfer_loads_total"] == n
+        assert d1[P + "kv_transfer_fallbacks_total"] == d0[P + "kv_transfer_fallbacks_total"]
+        assert d1[P + "kv_transfer_bytes_total"] > d0[P + "kv_transfer_bytes_total"]
+        src = P + 'prompt_tokens_by_source_total{source="%s"}'
+        assert d1[src % "local_compute"] - d0[src % "local_compute"] == n
+        assert p1[P + "kv_transfer_sends_total"] - p0[P + "kv_transfer_sends_total"] == n
+    finally:
+        router.terminate()
+        router.wait(10)
 
 
 def test_prefill_killed_after_prefill_decoder_still_answers_once(pd):
