@@ -185,6 +185,13 @@ def test_kv_transfer_config_parsing():
         KVTransferConfig.parse('{"kv_connector": "NixlConnector", "kv_role": "both"}')
     with pytest.raises(ValueError, match="unknown keys"):
         KVTransferConfig.parse('{"kv_connector": "NixlConnector", "kv_role": "kv_both", "x": 1}')
+    base = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+    assert not KVTransferConfig.parse(base).push
+    assert KVTransferConfig.parse({**base, "kv_connector_extra_config": {"send_type": "PUT"}}).push
+    with pytest.raises(ValueError, match="send_type"):
+        KVTransferConfig.parse({**base, "kv_connector_extra_config": {"send_type": "push"}})
+    with pytest.raises(ValueError, match="kv_connector_extra_config has unknown keys"):
+        KVTransferConfig.parse({**base, "kv_connector_extra_config": {"backends": ["UCX"]}})
 
 
 # -- two engines in one process, real NIXL ---------------------------------------------------------------------
@@ -348,8 +355,9 @@ def test_side_channel_speaks_msgpack_not_pickle():
 
     import zmq
 
-    from openinfer.distributed.kv_transfer.side_channel import (HandshakeRequest, SideChannelServer, StoreLayout,
-                                                                handshake)
+    from openinfer.distributed.kv_transfer.side_channel import (HandshakeRequest, PushRefused, PushRequest,
+                                                                SideChannelServer, StoreLayout, handshake,
+                                                                register_push)
 
     server = SideChannelServer("127.0.0.1", 0, "prod", b"\x00agent-bytes", [[StoreLayout(4096, 64, 8)]])
     try:
@@ -370,6 +378,17 @@ def test_side_channel_speaks_msgpack_not_pickle():
 
         refused = msgspec.msgpack.decode(raw, type=HandshakeReply)
         assert refused.error.startswith("bad handshake") and refused.agent_metadata == b""
+        # Push registrations: msgpack too; an instance that is no producer refuses them, a producer queues them.
+        push = PushRequest("me", "prod", b"\x00me", [[StoreLayout(0, 64, 8)]], "r", "p-1", [[3, 4]])
+        with pytest.raises(PushRefused, match="not a kv_producer"):
+            register_push("127.0.0.1", server.port, push, 5.0)
+    finally:
+        server.close()
+    got = []
+    server = SideChannelServer("127.0.0.1", 0, "prod", b"", [], on_push=lambda r: got.append(r) or "")
+    try:
+        register_push("127.0.0.1", server.port, push, 5.0)
+        assert got == [push]
     finally:
         server.close()
 

@@ -83,9 +83,6 @@ class PushWriter:
         self._inbox.put(req)
         return ""
 
-    def busy(self) -> bool:
-        return bool(self._writes) or not self._inbox.empty()
-
     def step(self, out: KVConnectorOutput) -> None:
         while True:
             try:
