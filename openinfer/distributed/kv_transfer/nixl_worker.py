@@ -15,7 +15,8 @@ Push loads: the registration goes out on the handshake thread; then the load wai
 (or failure) notification. A refusal fails it at once (nothing will be written); no answer or no notification
 within twice ``load_timeout_s`` (the producer gives up its write after one) fails it too.
 
-Everything here runs on the engine's thread, between steps, except the handshakes.
+Everything here runs on the engine's thread, between steps, except the handshakes and push registrations (ZeroMQ
+only) and the side channel's listener.
 """
 from __future__ import annotations
 
