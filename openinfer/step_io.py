@@ -61,12 +61,13 @@ class KVConnectorOutput(msgspec.Struct):
     finished_recving: list[str] = []
     failed_recving: dict[str, str] = {}
     finished_sending: list[str] = []
+    sending_started: list[str] = []  # producer: held requests a push write now reads from (they must not expire)
     bytes_received: int = 0
     seconds_receiving: float = 0.0
 
     @property
     def empty(self) -> bool:
-        return not (self.finished_recving or self.failed_recving or self.finished_sending)
+        return not (self.finished_recving or self.failed_recving or self.finished_sending or self.sending_started)
 
 
 class SchedulerOutput(msgspec.Struct):

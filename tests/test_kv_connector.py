@@ -126,10 +126,26 @@ def test_producer_frees_held_blocks_after_the_abort_timeout():
     step(s)
     assert not kv.all_free()
     time.sleep(0.06)
-    step(s)
-    assert kv.all_free() and conn.stats.sends_expired == 1
+    sched, _, _ = step(s)
+    assert kv.all_free() and conn.stats.sends_expired == 1 and sched.kv_connector_metadata.released == ["p"]
+    # The step that freed it carried the release to the worker side (it stops serving pushes from those blocks),
+    # and the engine runs it although nothing computes.
+    assert s.has_connector_work()
     step(s, KVConnectorOutput(finished_sending=["p"]))  # a late reader changes nothing
     assert kv.all_free() and conn.stats.sends_ok == 0
+
+
+def test_a_held_prompt_being_pushed_does_not_expire_until_the_write_is_over():
+    s, kv, conn = make("kv_producer", timeout=0.05)
+    add(s, "p", 10, max_tokens=1, params={"do_remote_decode": True})
+    sched, _, _ = step(s)
+    assert step(s)[0].kv_connector_metadata.held == {"p": kv.block_ids("p")}  # the worker side learns what it holds
+    step(s, KVConnectorOutput(sending_started=["p"]))
+    time.sleep(0.06)
+    step(s)
+    assert not kv.all_free() and conn.stats.sends_expired == 0  # past the timeout, but a write reads from it
+    step(s, KVConnectorOutput(finished_sending=["p"]))
+    assert kv.all_free() and conn.stats.sends_ok == 1 and not s.has_connector_work()
 
 
 def test_an_errored_request_holds_nothing():

@@ -123,6 +123,7 @@ class PushWriter:
             return
         w = _Write(req.remote_request_id, peer, notif_id, handle, time.monotonic() + self.config.load_timeout_s,
                    sum(n for _, n, _ in local_d))
+        out.sending_started.append(w.rid)  # the scheduler side must not expire (free) its blocks meanwhile
         try:
             if self.agent.transfer(handle) == "ERR":
                 w.failed = "NIXL write error at post"

@@ -58,6 +58,8 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         self._sends: dict[str, float] = {}  # producer: held request id -> deadline (time.monotonic)
         self._new_held: dict[str, list[list[int]]] = {}  # producer: held since the last step, for the worker side
         self._released: list[str] = []  # producer: expired since the last step
+        self._undelivered = False  # the last metadata built names held or released prompts
+        self._writing: set[str] = set()  # producer: held requests a push write reads from (never expired meanwhile)
 
     def set_side_channel(self, info: dict[str, Any]) -> None:
         self.host, self.port = info["host"], info["port"]
@@ -115,6 +117,9 @@ class NixlConnectorScheduler(KVConnectorScheduler):
     def build_connector_meta(self) -> KVConnectorMetadata:
         meta = KVConnectorMetadata(loads=self._pending, held=self._new_held, released=self._released)
         self._pending, self._new_held, self._released = [], {}, []
+        # This step must reach the worker side even if it computes nothing: a release it missed would leave the
+        # worker serving a push from blocks already back in the pool.
+        self._undelivered = bool(meta.held or meta.released)
         return meta
 
     def update_connector_output(self, out: KVConnectorOutput) -> None:
@@ -129,7 +134,10 @@ class NixlConnectorScheduler(KVConnectorScheduler):
                 self.stats.fallbacks += 1
         self.stats.bytes_received += out.bytes_received
         self.stats.seconds_receiving += out.seconds_receiving
+        self._writing.update(out.sending_started)
         for rid in out.finished_sending:
+            self._writing.discard(rid)
+            self._new_held.pop(rid, None)  # freed before the worker side heard it was held: it never will
             if self._sends.pop(rid, None) is not None:
                 self.stats.sends_ok += 1
 
@@ -154,7 +162,9 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         }
 
     def expired_sends(self, now: float) -> list[str]:
-        gone = [rid for rid, deadline in self._sends.items() if deadline <= now]
+        # A prompt a push write still reads from stays until the write is over (it ends within load_timeout_s, or
+        # once NIXL can abort it): its blocks freed now could be refilled while the write sends them.
+        gone = [rid for rid, deadline in self._sends.items() if deadline <= now and rid not in self._writing]
         for rid in gone:
             del self._sends[rid]
             self._new_held.pop(rid, None)
@@ -166,4 +176,4 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         return gone
 
     def has_pending_work(self) -> bool:
-        return bool(self._sends or self._loading or self._pending or self._released)
+        return bool(self._sends or self._loading or self._pending or self._released or self._undelivered)
