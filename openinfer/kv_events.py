@@ -1,10 +1,14 @@
 """KV cache events in vLLM's wire format, for KV-aware routers (shared vocabulary: the block pool records them,
 the server publishes them, subscribers decode them).
 
-The schema is vLLM's (vllm/distributed/kv_events.py): msgspec structs encoded as msgpack positional arrays
-(``array_like``) with the class name as the tag, so an event is ``["BlockStored", block_hashes, parent_block_hash,
-token_ids, block_size, lora_id, medium, lora_name]`` and a batch is ``[ts, events, data_parallel_rank]``. That is
-what vllm-router's ``kv_aware`` policy and vLLM's own subscriber example decode. No pickle anywhere.
+The schema is vLLM's (vllm/distributed/kv_events.py): msgspec structs in msgpack. An event is a map tagged with
+its class name under ``"type"`` (``tag=True``, not ``array_like``): ``{"type": "BlockStored", "block_hashes": [...],
+"parent_block_hash": ..., "token_ids": [...], "block_size": 16, "lora_id": null, "medium": "GPU", "lora_name":
+null}``; a batch is the positional array ``[ts, events, data_parallel_rank]``. That is what vllm-router 0.1.17's
+``kv_aware`` policy decodes: it refuses an event sent as a positional array ("KV event must be a tagged map", every
+lookup then a miss) and a batch sent as a map ("KV event batch must be an array"). It re-hashes each block's
+``token_ids`` itself (the block hashes only chain parents and name removals) and tokenizes requests with the
+worker's ``/tokenize``, so ``block_size`` must equal its ``--kv-event-block-size``. No pickle anywhere.
 
 Block hashes are openinfer's prefix-cache chain hashes (``hash((parent_hash, token_ids))`` of ints, the same in
 every process) as unsigned 64-bit integers; a chain's first block has ``parent_block_hash=None``.
@@ -27,8 +31,8 @@ def external_hash(h: int) -> int:
     return h & _U64
 
 
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    """Base of the three events; the tag is the class name."""
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """Base of the three events: msgpack maps, the class name under ``"type"``."""
 
 
 class BlockStored(KVCacheEvent):
@@ -36,8 +40,7 @@ class BlockStored(KVCacheEvent):
     parent_block_hash: int | None
     token_ids: list[int]
     block_size: int
-    # No defaults: with omit_defaults a default would drop off the end of the array, and vllm-router reads all
-    # eight positions.
+    # No defaults, as in vLLM: always on the wire (omit_defaults would drop a defaulted field).
     lora_id: int | None
     medium: str | None
     lora_name: str | None

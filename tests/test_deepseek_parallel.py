@@ -60,6 +60,14 @@ def test_v3(v3, layout):
         # One request: replica 1 has nothing to do at every step and runs dummy forwards through the MoE's
         # all-to-all; replica 0's tokens are unchanged.
         same(run(llm, V3_PROMPTS[1:2]), one[1:2])
+        # What /get_load reports per dp_rank: two requests, one on each replica.
+        for i, p in enumerate(V3_PROMPTS[:2]):
+            llm.engine.add_request(f"load{i}", {"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=2))
+        llm.engine.step()
+        loads = llm.engine.stats().rank_loads
+        assert [(running + waiting, free < blocks) for running, waiting, free, blocks, _ in loads] == [(1, True)] * 2
+        while llm.engine.has_unfinished_requests():
+            llm.engine.step()
     assert all(kv.all_free() for kv in llm.engine.core.kvs)
     llm.engine.shutdown()
 

@@ -241,7 +241,7 @@ def test_fp8_attention_layer_sdpa_matches_reference(kernel_ops):
 
 
 @pytest.mark.skipif(bool(__import__("os").environ.get("OPENINFER_KERNEL_CFLAGS")), reason="already a variant")
-def test_fp8_kernels_avx2_build(kernel_ops):
+def test_fp8_kernels_avx2_build(kernel_ops, avx2_variant):
     """The kernel tests above against the x86-64-v3 (AVX2, no AVX-512) build the other AVX2 tests use."""
     import os
     import platform

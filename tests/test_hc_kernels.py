@@ -199,7 +199,7 @@ def test_v4_model_same_with_and_without_kernels(kernel_ops, ckpt, dtype, monkeyp
 
 
 @pytest.mark.skipif(bool(__import__("os").environ.get("OPENINFER_KERNEL_CFLAGS")), reason="already a variant")
-def test_kernels_avx2_build(kernel_ops):
+def test_kernels_avx2_build(kernel_ops, avx2_variant):
     """The extension is built with -march=native; CI may run on an AVX2-only CPU, where the 16-float vectors
     become pairs of registers. Run the kernel tests against an x86-64-v3 build (the same build
     test_kernels.py's AVX2 test makes, so one compile serves both)."""

@@ -233,7 +233,7 @@ def test_attention_falls_back_without_kernel(how, monkeypatch, caplog):
 
 
 @pytest.mark.skipif(bool(__import__("os").environ.get("OPENINFER_KERNEL_CFLAGS")), reason="already a variant")
-def test_paged_decode_kernel_avx2_build(kernel_ops, tmp_path):
+def test_paged_decode_kernel_avx2_build(kernel_ops, avx2_variant, tmp_path):
     """The kernel is built with -march=native; CI may run on an AVX2-only CPU. Build it for x86-64-v3 (AVX2,
     FMA, no AVX-512) in a subprocess and run the kernel tests (this file's and test_layer_kernels.py's) against
     that build."""

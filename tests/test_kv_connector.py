@@ -172,6 +172,9 @@ def test_every_kv_group_goes_through_the_seam_as_block_lists():
     (load,) = sched.kv_connector_metadata.loads
     assert load.remote_block_ids == [full, window, coarse]
     assert [len(g) for g in load.local_block_ids] == [5, 5, 2]
+    # The decoder holds no window block where the producer sent none: nothing would ever fill it.
+    assert load.local_block_ids[1][:3] == [-1, -1, -1] and min(load.local_block_ids[1][3:]) >= 0
+    assert ckv.groups[1].num_held("d") == 2
 
 
 @pytest.mark.parametrize("params, field", [
@@ -342,6 +345,59 @@ def test_nixl_pull_deepseek_groups_token_identical(arch, send_type, tmp_path):
         assert d.outputs[0].token_ids == want
     stats = cons.engine.stats()
     assert stats.kv_transfer.loads_ok == 2 and stats.kv_transfer.fallbacks == 0 and stats.prompt_tokens_computed == 2
+    for _ in range(200):
+        if not prod.engine.has_unfinished_requests():
+            break
+        prod.engine.step()
+    assert prod.engine.core.kv.all_free() and cons.engine.core.kv.all_free()
+    for llm in (prod, cons):
+        llm.engine.shutdown()
+
+
+def test_nixl_pull_deepseek_v41_token_identical(tmp_path):
+    """Every DeepSeek-V4.1 store goes through the connector: window rows (every layer's ``kv``, the C2 sources'
+    ``comp``), the Engram token ids, and the full group's compressed entries and index keys, held only by the KV /
+    index source layers (YOCO consumers and sharing layers read their sources'). The producer runs without prefix
+    caching, where YOCO's shortened prefill would skip consumer-layer rows; it computes every row of a prompt it
+    hands on, since the decoder (here with prefix caching) keeps the received blocks for later requests: one
+    resuming inside them reads window rows older than the producer's last query did."""
+    pytest.importorskip("nixl")
+    from helpers import load_script, random_prompts
+
+    from openinfer.entrypoints.llm import LLM
+
+    ck = load_script("make_deepseek_v41_checkpoint").make_checkpoint(tmp_path / "v41", "tiny", seed=0,
+                                                                      quantize=False)
+    kw = dict(dtype="float32", max_model_len=256, num_kv_blocks=64, block_size=8)
+
+    def pd(role, **extra):
+        return LLM(str(ck), kv_transfer_config=json.dumps({"kv_connector": "NixlConnector", "kv_role": role}),
+                   **kw, **extra)
+
+    # The producer (no prefix cache: every prompt computed whole) is the single-instance reference too.
+    prod, cons = pd("kv_producer", enable_prefix_caching=False), pd("kv_consumer")
+    ref = prod
+    assert [s.name for s in cons.engine.core.kv_specs] == ["full", "window"]
+    (prompt, tail) = random_prompts(4, [60, 9])
+    want = greedy(ref, prompt, 6).outputs[0].token_ids
+    p = greedy(prod, prompt, 1, {"do_remote_decode": True})
+    full, window = p.kv_transfer_params["remote_block_ids"]
+    assert len(full) == len(window) == 8 and -1 in window and min(full) >= 0
+    d = greedy(cons, prompt, 6, p.kv_transfer_params)
+    assert d.outputs[0].token_ids == want and d.num_cached_tokens == len(prompt) - 1
+    # Later requests on the decoder sharing the prompt's head. Resuming at 56 reads window rows 50..57 of every
+    # layer (rows YOCO's shortened prefill skips in the last layers); a resume at 48 would read window block 5,
+    # which the producer released and never sent: the decoder holds nothing there, so that prefix is no hit.
+    # Greedy tokens of a tiny random model barely move for a few wrong rows: compare the log-probabilities.
+    lp = SamplingParams(temperature=0, max_tokens=3, logprobs=1)
+    for cut, cached in ((56, 56), (48, 0)):
+        again = prompt[:cut] + tail[:2]
+        hit, exact = (llm.generate([again], lp, use_tqdm=False)[0] for llm in (cons, ref))
+        assert hit.num_cached_tokens == cached and hit.outputs[0].token_ids == exact.outputs[0].token_ids
+        for got_lp, want_lp in zip(hit.outputs[0].logprobs, exact.outputs[0].logprobs):
+            assert got_lp == pytest.approx(want_lp, abs=1e-4)
+    stats = cons.engine.stats()
+    assert stats.kv_transfer.loads_ok == 1 and stats.kv_transfer.fallbacks == 0
     for _ in range(200):
         if not prod.engine.has_unfinished_requests():
             break

@@ -1,5 +1,5 @@
 """KV cache events in vLLM's format: the block pool records them, the server publishes them over ZeroMQ, a SUB
-client decodes them with msgspec (positional arrays, as vllm-router reads them)."""
+client decodes them with msgspec (a positional batch of tagged maps, as vllm-router reads them)."""
 
 from __future__ import annotations
 
@@ -46,12 +46,15 @@ def test_block_pool_records_stored_removed_cleared():
         AllBlocksCleared(),
     ]
     assert pool.take_events() == []
-    # vLLM's wire layout: positional arrays tagged with the class name, eight BlockStored positions.
+    # vLLM's wire layout: the batch a positional array, each event a map tagged with its class name (vllm-router
+    # 0.1.17 refuses an event sent as an array, and every kv_aware lookup then misses: test_router_launcher.py).
     raw = msgspec.msgpack.decode(encode_batch(KVEventBatch(1.5, events, 0)))
     assert raw[0] == 1.5 and raw[2] == 0
-    assert raw[1][0] == ["BlockStored", [external_hash(hash(k2))], external_hash(hash(k1)), [3, 4], 2, None, "GPU",
-                         None]
-    assert raw[1][1] == ["BlockRemoved", [external_hash(hash(k2))], "GPU"] and raw[1][2] == ["AllBlocksCleared"]
+    assert raw[1][0] == {"type": "BlockStored", "block_hashes": [external_hash(hash(k2))],
+                         "parent_block_hash": external_hash(hash(k1)), "token_ids": [3, 4], "block_size": 2,
+                         "lora_id": None, "medium": "GPU", "lora_name": None}
+    assert raw[1][1] == {"type": "BlockRemoved", "block_hashes": [external_hash(hash(k2))], "medium": "GPU"}
+    assert raw[1][2] == {"type": "AllBlocksCleared"}
 
 
 def test_config_is_checked():

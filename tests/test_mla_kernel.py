@@ -158,7 +158,7 @@ def test_mla_layer_decode_kernel_and_torch_path_match_reference(kernel_ops, monk
 
 
 @pytest.mark.skipif(bool(__import__("os").environ.get("OPENINFER_KERNEL_CFLAGS")), reason="already a variant")
-def test_mla_kernel_avx2_build(kernel_ops):
+def test_mla_kernel_avx2_build(kernel_ops, avx2_variant):
     """The extension is built with -march=native; CI may run elsewhere. Run the DeepSeek kernel tests (this
     file's, test_moe_kernel.py's, test_v4_sparse_kernel.py's; not the model-level ones) against an x86-64-v3
     (AVX2, no AVX-512, no AMX) build, the one test_kernels.py's AVX2 test makes: one subprocess for all three."""

@@ -1,6 +1,7 @@
 """Disaggregated prefill/decode with real processes on 127.0.0.1: two ``openinfer serve`` instances started with
 the same ``--kv-transfer-config`` and nothing but different ports, paired by the unmodified ``vllm-router`` in PD
-mode. The KV moves over NIXL (pull; push in one test); output is token-identical to one instance; faults end each request once."""
+mode. The KV moves over NIXL (pull; push in one test); output is token-identical to one instance; faults end each
+request once."""
 from __future__ import annotations
 
 import json
@@ -25,36 +26,12 @@ KV = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "load_timeout_s": 3
 COMMON = ("--dtype", "float32", "--max-model-len", "512", "--num-kv-blocks", "96", "--max-num-seqs", "8")
 
 
-@pytest.fixture(scope="module")
-def pd(tmp_path_factory):
-    if not os.path.exists(ROUTER):
-        pytest.skip("vllm-router is not installed (pip install 'openinfer[pd]')")
-    model = shared_checkpoint(tmp_path_factory)
-    cfg = ("--kv-transfer-config", json.dumps(KV))
-    # The prefill instance also decodes by push (send_type only matters on the decoding side): the push test runs
-    # a second router with the two roles swapped, rather than paying for a third server.
-    push_cfg = ("--kv-transfer-config", json.dumps({**KV, "kv_connector_extra_config": {"send_type": "PUT"}}))
-    prefill = ServerProcess(model, *COMMON, *push_cfg, wait=False)
-    decode = ServerProcess(model, *COMMON, *cfg, wait=False)
-    router = None
-    try:
-        prefill.wait_ready()
-        decode.wait_ready()
-        router, url = _start_router(prefill.url, decode.url)
-        yield prefill, decode, url
-    finally:
-        if router is not None:
-            router.terminate()
-            router.wait(10)
-        prefill.stop()
-        decode.stop()
-
-
-def _start_router(prefill_url, decode_url):
+def _start_router(prefill, decode):
+    """vllm-router in PD mode over the two instances; returns (process, url) once it answers /health."""
     port = free_port()
     log = open(f"/tmp/openinfer-test-router-{port}.log", "w")
-    router = subprocess.Popen([ROUTER, "--vllm-pd-disaggregation", "--prefill", prefill_url, "--decode",
-                               decode_url, "--host", "127.0.0.1", "--port", str(port),
+    router = subprocess.Popen([ROUTER, "--vllm-pd-disaggregation", "--prefill", prefill.url, "--decode",
+                               decode.url, "--host", "127.0.0.1", "--port", str(port),
                                "--worker-startup-check-interval", "1", "--request-timeout-secs", "60",
                                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
                               stdout=log, stderr=subprocess.STDOUT)
@@ -71,9 +48,38 @@ def _start_router(prefill_url, decode_url):
             assert time.monotonic() < deadline, "router not up in 30 s"
             time.sleep(0.2)
     except BaseException:
-        router.terminate()
+        router.kill()
         router.wait(10)
         raise
+
+
+def _stop_router(router):
+    if router is not None:
+        router.terminate()
+        router.wait(10)
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory):
+    if not os.path.exists(ROUTER):
+        pytest.skip("vllm-router is not installed (pip install 'openinfer[pd]')")
+    model = shared_checkpoint(tmp_path_factory)
+    cfg = ("--kv-transfer-config", json.dumps(KV))
+    # The prefill instance also decodes by push (send_type only matters on the decoding side): the push test runs
+    # a second router with the two roles swapped, rather than paying for a third server.
+    push_cfg = ("--kv-transfer-config", json.dumps({**KV, "kv_connector_extra_config": {"send_type": "PUT"}}))
+    prefill = ServerProcess(model, *COMMON, *push_cfg, wait=False)
+    decode = ServerProcess(model, *COMMON, *cfg, wait=False)
+    router = None
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        router, url = _start_router(prefill, decode)
+        yield prefill, decode, url
+    finally:
+        _stop_router(router)
+        prefill.stop()
+        decode.stop()
 
 
 def _wait_free(server, timeout_s=10.0) -> dict:
@@ -225,7 +231,7 @@ def test_router_pd_push_is_token_identical(pd):
     answer, registers its blocks with the producer over the side channel, and the producer NIXL-WRITEs them. Same
     tokens as one instance; the decoder computed only each prompt's last token; both sides free everything."""
     decoder, producer, _ = pd  # swapped: the module's decode instance produces, its prefill one decodes
-    router, url = _start_router(producer.url, decoder.url)
+    router, url = _start_router(producer, decoder)
     try:
         p0, d0 = producer.metrics(), decoder.metrics()
         prompts = ["pushed: the quick brown fox jumps over the lazy dog"]
@@ -243,8 +249,7 @@ def test_router_pd_push_is_token_identical(pd):
         assert d1[src % "local_compute"] - d0[src % "local_compute"] == n
         assert p1[P + "kv_transfer_sends_total"] - p0[P + "kv_transfer_sends_total"] == n
     finally:
-        router.terminate()
-        router.wait(10)
+        _stop_router(router)
 
 
 def test_prefill_killed_after_prefill_decoder_still_answers_once(pd):
@@ -270,3 +275,52 @@ def test_prefill_killed_after_prefill_decoder_still_answers_once(pd):
     r = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 4}, timeout=60)
     assert r.status_code >= 500 and time.monotonic() - t0 < 30
     assert _wait_free(decode)[P + "num_requests_running"] == 0
+
+
+def _deepseek_checkpoint(arch, tmp_path_factory):
+    from helpers import load_script
+
+    path = tmp_path_factory.mktemp(f"pd-{arch}") / arch
+    if arch == "deepseek_v3":
+        return load_script("make_deepseek_checkpoint").make_v3(path, "tiny", seed=0)
+    return load_script("make_deepseek_v4_checkpoint").make_checkpoint(path, "tiny", seed=0)
+
+
+# V4 (three groups) runs in every CI pass; V3 (~20 s more: its own two servers) is in the slow set.
+@pytest.mark.parametrize("arch", [pytest.param("deepseek_v3", marks=pytest.mark.slow), "deepseek_v4"])
+def test_router_pd_deepseek_is_token_identical(arch, tmp_path_factory):
+    """DeepSeek-V3 (one latent group) and V4 (full, sliding window with released blocks, coarse compressed
+    entries: 8-token blocks give it three groups) through the unmodified router in PD mode, as processes: the
+    decoder's tokens are one instance's, and every prompt token but the last came over NIXL (its cached tokens)."""
+    if not os.path.exists(ROUTER):
+        pytest.skip("vllm-router is not installed (pip install 'openinfer[pd]')")
+    model = _deepseek_checkpoint(arch, tmp_path_factory)
+    args = (*COMMON, "--block-size", "16" if arch == "deepseek_v3" else "8", "--kv-transfer-config", json.dumps(KV))
+    prefill = ServerProcess(model, *args, wait=False)
+    decode = ServerProcess(model, *args, wait=False)
+    router = None
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        router, url = _start_router(prefill, decode)
+        # Past V4's 16-token window, so its window group sends released (-1) blocks too.
+        prompt = "disaggregated DeepSeek: the decoder reads every KV group it needs"
+        want = _complete(prefill.url, prompt, 6, return_token_ids=True)
+        _wait_free(prefill)
+        d0 = decode.metrics()
+        got = _complete(url, prompt, 6, return_token_ids=True)
+        assert got["choices"][0]["token_ids"] == want["choices"][0]["token_ids"]
+        n = want["usage"]["prompt_tokens"]
+        assert got["usage"]["prompt_tokens"] == n
+        _wait_free(prefill), _wait_free(decode)
+        d1 = decode.metrics()
+        assert d1[P + "engine_generation_tokens_total"] - d0[P + "engine_generation_tokens_total"] == 6
+        assert d1[P + "kv_transfer_loads_total"] - d0[P + "kv_transfer_loads_total"] == 1
+        assert d1[P + "kv_transfer_fallbacks_total"] == d0[P + "kv_transfer_fallbacks_total"]
+        src = P + 'prompt_tokens_by_source_total{source="%s"}'
+        assert d1[src % "local_compute"] - d0[src % "local_compute"] == 1
+        assert d1[src % "external_kv_transfer"] - d0[src % "external_kv_transfer"] == n - 1
+    finally:
+        _stop_router(router)
+        prefill.stop()
+        decode.stop()

@@ -82,3 +82,19 @@ def test_metrics_prefix_is_checked():
         ServerMetrics("m", StatsSnapshot, "sglang")
     default = ServerMetrics("m", StatsSnapshot).render().decode()
     assert "openinfer:num_requests_running" in default and "vllm:" not in default
+
+
+def test_get_load_has_one_entry_per_data_parallel_replica():
+    """/get_load (and /get_server_info's internal_states) speak per dp_rank, from the core's per-replica figures."""
+    from types import SimpleNamespace
+
+    from openinfer.server.router_endpoints import load_info
+
+    stats = StatsSnapshot(num_running=3, num_waiting=1, rank_loads=[(2, 1, 10, 16, 0.375), (1, 0, 14, 16, 0.125)])
+    ctx = SimpleNamespace(async_engine=SimpleNamespace(stats=stats),
+                          engine=SimpleNamespace(config=SimpleNamespace(cache=SimpleNamespace(block_size=8))))
+    assert load_info(ctx) == [
+        {"dp_rank": 0, "num_reqs": 3, "num_waiting_reqs": 1, "num_tokens": 48, "num_requests_running": 2,
+         "num_requests_waiting": 1, "kv_cache_usage_perc": 0.375, "num_free_blocks": 10, "num_total_blocks": 16},
+        {"dp_rank": 1, "num_reqs": 1, "num_waiting_reqs": 0, "num_tokens": 16, "num_requests_running": 1,
+         "num_requests_waiting": 0, "kv_cache_usage_perc": 0.125, "num_free_blocks": 14, "num_total_blocks": 16}]

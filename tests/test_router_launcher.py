@@ -143,6 +143,45 @@ def test_round_robin_through_vllm_router(tmp_path_factory):
     wait_gone(pids)
 
 
+@pytest.mark.slow  # its own deployment (two workers and the router): ~20 s on an idle box, more under load;
+# test_kv_events.py pins the wire shape this router decodes in every run
+def test_kv_aware_routes_a_cached_prefix_to_the_worker_holding_it(tmp_path_factory):
+    """vllm-router's ``kv_aware`` policy over two workers publishing KV events (``--kv-events``): a prefix that
+    one worker alone computed is routed to that worker every time, and the router's own counters say its index
+    lookups hit. (Plain request bodies: with ``return_token_ids`` in one, vllm-router 0.1.17 makes no index lookup
+    at all; ``temperature`` is fine.)"""
+    def plain(url, prompt):
+        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1}, timeout=60)
+        assert r.status_code == 200, r.text
+
+    ckpt = shared_checkpoint(tmp_path_factory)
+    proc, info = launch(ckpt, "--policy", "kv_aware", "--kv-events")
+    pids = [info["router_pid"], *info["worker_pids"]]
+    try:
+        router, (w0, w1) = info["router"], info["workers"]
+        # Each worker computes one prefix, sent to it directly (a tie between idle workers goes either way).
+        prefixes = {w: f"a long shared system prompt ({n}) that several requests repeat, word for word. " * 2
+                    for n, w in enumerate((w0, w1))}
+        for w, prefix in prefixes.items():
+            plain(w, prefix + "the first question")
+        time.sleep(1.0)  # the stored-block events reach the router's index (ZeroMQ on 127.0.0.1: milliseconds)
+        for w, prefix in reversed(prefixes.items()):
+            before = [successes(w0), successes(w1)]
+            for i in range(2):
+                plain(router, prefix + f"follow-up number {i}")
+            got = [successes(w0) - before[0], successes(w1) - before[1]]
+            assert got == ([2, 0] if w == w0 else [0, 2]), (w, got)
+        lookups = {line.split("result=")[1].split("}")[0].strip('"'): float(line.split()[-1])
+                   for line in httpx.get(info["router_metrics"], timeout=10).text.splitlines()
+                   if line.startswith("vllm_router_kv_placement_lookups_total{")}
+        assert lookups.get("hit", 0) >= 4, lookups
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(30)
+    assert rc == 0
+    wait_gone(pids)
+
+
 @pytest.mark.slow  # a second deployment start (two torch imports): ~15 s more on an idle box
 def test_a_dead_worker_stops_everything(tmp_path_factory):
     ckpt = shared_checkpoint(tmp_path_factory)

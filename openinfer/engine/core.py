@@ -70,6 +70,9 @@ class EngineStats:
     generation_tokens: int = 0
     kv_transfer: KVTransferStats | None = None
     num_held_for_transfer: int = 0  # ended requests whose blocks wait for a remote reader
+    # Per data-parallel replica, in rank order: (running, waiting, free blocks and blocks of its first KV group,
+    # KV usage over all its groups) - what a router's /get_load asks per dp_rank.
+    rank_loads: list[tuple[int, int, int, int, float]] = field(default_factory=list)
 
 
 class EngineCore:
@@ -262,6 +265,8 @@ class EngineCore:
             generation_tokens=sum(s.generation_tokens for s in self.schedulers),
             kv_transfer=self.kv_connector.stats.snapshot() if self.kv_connector is not None else None,
             num_held_for_transfer=sum(len(s.held) for s in self.schedulers),
+            rank_loads=[(len(s.running), len(s.waiting) + len(s.waiting_remote), p.num_free_blocks, p.num_blocks,
+                         kv.usage) for s, p, kv in zip(self.schedulers, pools, self.kvs)],
         )
 
     def reset_prefix_cache(self) -> int:

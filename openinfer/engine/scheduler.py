@@ -131,7 +131,10 @@ class Scheduler:
             req.times.first_scheduled_s = time.monotonic()
         self.waiting_remote[req.request_id] = req
         self._remote_hit[req.request_id] = num_hit
-        self.connector.update_state_after_alloc(req, params, self.kv.block_ids(req.request_id),
+        # Sliding groups: the producer released (sent -1 for) the blocks behind what a query at the last prompt
+        # token reads; none of ours there is ever filled, so it must not be held, nor cached for prefix hits.
+        self.kv.release_stale_blocks(req, req.num_prompt_tokens - 1)
+        self.connector.update_state_after_alloc(req, params, self.kv.block_ids(req.request_id, placeholder=-1),
                                                 [len(g) for g in hit.blocks])
         return True
 

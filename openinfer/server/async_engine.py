@@ -267,6 +267,7 @@ class AsyncEngine:
             list(s.spec_decode.accepted_per_pos),
             *_transfer_fields(s),
             consecutive_failed_steps=s.consecutive_failed_steps,
+            rank_loads=list(s.rank_loads),
         )
 
     def _run(self) -> None:

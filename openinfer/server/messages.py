@@ -113,6 +113,7 @@ class StatsSnapshot(msgspec.Struct, frozen=True):
     kv_sends_expired: int = 0
     kv_held_requests: int = 0
     consecutive_failed_steps: int = 0  # steps in a row whose forward failed: /health/ready turns 503 past a bound
+    rank_loads: list[tuple[int, int, int, int, float]] = []  # per data-parallel replica (EngineStats.rank_loads)
 
 
 class EngineDead(msgspec.Struct, tag=True, frozen=True):

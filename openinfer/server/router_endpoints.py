@@ -18,22 +18,24 @@ def _json(obj) -> Response:
     return Response(json_bytes(obj), media_type="application/json")
 
 
-def load_info(ctx: ServingContext) -> dict:
-    """The engine's load now: SGLang's ``/get_load`` keys (``num_reqs`` = running + waiting, ``num_waiting_reqs``,
-    ``num_tokens`` = KV tokens held) and the same figures under vLLM's metric names."""
+def load_info(ctx: ServingContext) -> list[dict]:
+    """The engine's load now, one entry per data-parallel replica (``dp_rank``), as SGLang's ``/get_load``
+    (``num_reqs`` = running + waiting, ``num_waiting_reqs``, ``num_tokens`` = KV tokens held in the replica's first
+    KV group), with the same figures under vLLM's metric names."""
     s = ctx.async_engine.stats
     block_size = ctx.engine.config.cache.block_size
-    return {
-        "dp_rank": 0,  # data-parallel replicas sit behind this one server, which balances among them itself
-        "num_reqs": s.num_running + s.num_waiting,
-        "num_waiting_reqs": s.num_waiting,
-        "num_tokens": (s.num_blocks - s.num_free_blocks) * block_size,
-        "num_requests_running": s.num_running,
-        "num_requests_waiting": s.num_waiting,
-        "kv_cache_usage_perc": s.kv_cache_usage,
-        "num_free_blocks": s.num_free_blocks,
-        "num_total_blocks": s.num_blocks,
-    }
+    ranks = s.rank_loads or [(s.num_running, s.num_waiting, s.num_free_blocks, s.num_blocks, s.kv_cache_usage)]
+    return [{
+        "dp_rank": rank,
+        "num_reqs": running + waiting,
+        "num_waiting_reqs": waiting,
+        "num_tokens": (blocks - free) * block_size,
+        "num_requests_running": running,
+        "num_requests_waiting": waiting,
+        "kv_cache_usage_perc": usage,
+        "num_free_blocks": free,
+        "num_total_blocks": blocks,
+    } for rank, (running, waiting, free, blocks, usage) in enumerate(ranks)]
 
 
 def server_info(ctx: ServingContext) -> dict:
@@ -67,7 +69,7 @@ def server_info(ctx: ServingContext) -> dict:
         "enable_expert_parallel": par.enable_expert_parallel,
         "speculative_method": cfg.speculative.method if cfg.speculative else None,
         "metrics_prefix": ctx.settings.metrics_prefix,
-        "internal_states": [load_info(ctx)],
+        "internal_states": load_info(ctx),
     }
 
 
@@ -107,4 +109,4 @@ def install_router_endpoints(app: FastAPI, ctx: ServingContext) -> None:
 
     @app.get("/get_load")
     async def get_load() -> Response:
-        return _json([load_info(ctx)])
+        return _json(load_info(ctx))

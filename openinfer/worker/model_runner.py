@@ -157,8 +157,10 @@ class ModelRunner:
             off += r.num_tokens
         # The model may skip rows nobody reads: not when a proposer (it reads every row's hidden state) or prompt
         # logprobs (every prompt row's logits) are in play, nor with prefix caching (a later request may resume at
-        # any full block, reading the KV of the rows before it, which every row then is).
-        if self.skip_unread_rows and self.proposer is None and not plp and not self.config.cache.enable_prefix_caching:
+        # any full block, reading the KV of the rows before it, which every row then is), nor for a prompt whose
+        # KV another instance reads (a KV connector's producer: that decoder may cache and resume in it).
+        if (self.skip_unread_rows and self.proposer is None and not plp and not self.config.cache.enable_prefix_caching
+                and not any(_sent_away(r) for r in inputs.rows)):
             inputs.metadata.output_rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
         with set_forward_context(inputs.metadata):
             hidden = self.model(inputs.input_ids, inputs.positions)
@@ -269,3 +271,8 @@ class ModelRunner:
         rows = [first + (p - r.start) for p in positions]
         lp = torch.log_softmax(self.model.compute_logits(hidden[rows]).float(), dim=-1)
         return [top_logprobs(lp, i, st.prompt_token_ids[p + 1], k) for i, p in enumerate(positions)]
+
+
+def _sent_away(row: ScheduledRow) -> bool:
+    params = row.state.sampling_params.kv_transfer_params
+    return bool(params and params.get("do_remote_decode"))

@@ -70,6 +70,8 @@ class LayerCache:
         self.entry_cap = block_size // max(cfg.ratio(layer), 1)
         tok, ent = layer_store_widths(cfg, layer)
         self.names = list(tok) + list(ent)
+        # The KV group whose blocks each store's first dimension indexes (what a KV connector transfers), as V4's.
+        self.store_groups = {**{n: WINDOW for n in tok}, **{n: FULL for n in ent}}
         for name, width in tok.items():
             setattr(self, name, torch.zeros(num_blocks[WINDOW], block_size, width, dtype=dtype, device=device))
         for name, width in ent.items():
