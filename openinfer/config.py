@@ -338,6 +338,10 @@ def _parse_json_config(cls, value, name: str, required: tuple[str, ...]):
 
 KV_CONNECTORS = ("NixlConnector",)
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+# kv_connector_extra_config.send_type, spelled as vLLM's P2pNcclConnector spells its push/pull switch: "GET" - the
+# decoder reads the producer's blocks (pull, vLLM NixlConnector's only mode); "PUT" - the decoder hands its own
+# blocks to the producer, which writes into them (push).
+KV_SEND_TYPES = ("GET", "PUT")
 
 
 @dataclass(frozen=True)
@@ -348,7 +352,8 @@ class KVTransferConfig:
     reads them (``do_remote_prefill``), and falls back to computing the prompt itself when a read fails or takes
     longer than ``load_timeout_s``. The side channel (handshake and block layout, ZeroMQ + msgspec) listens on
     ``side_channel_host:side_channel_port``; port 0 picks a free port, advertised in ``kv_transfer_params``, so
-    instances on one host never collide."""
+    instances on one host never collide. ``kv_connector_extra_config.send_type`` picks pull (``"GET"``, the
+    default) or push (``"PUT"``) for the requests this instance decodes; a producer serves both."""
 
     kv_connector: str
     kv_role: str
@@ -357,8 +362,19 @@ class KVTransferConfig:
     side_channel_port: int = 0
     abort_request_timeout_s: float = 480.0
     load_timeout_s: float = 30.0
+    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        extra = self.kv_connector_extra_config
+        if not isinstance(extra, dict):
+            raise ValueError(f"kv_transfer_config.kv_connector_extra_config must be a JSON object, got {extra!r}")
+        unknown = sorted(set(extra) - {"send_type"})
+        if unknown:
+            raise ValueError(f"kv_transfer_config.kv_connector_extra_config has unknown keys {unknown}; known: "
+                             f"['send_type']")
+        if extra.get("send_type", "GET") not in KV_SEND_TYPES:
+            raise ValueError(f"kv_transfer_config.kv_connector_extra_config.send_type={extra['send_type']!r}; choose "
+                             f"one of {', '.join(KV_SEND_TYPES)}")
         if self.kv_connector not in KV_CONNECTORS:
             raise ValueError(f"kv_transfer_config.kv_connector={self.kv_connector!r}; choose one of "
                              f"{', '.join(KV_CONNECTORS)}")
@@ -379,6 +395,11 @@ class KVTransferConfig:
     @property
     def is_consumer(self) -> bool:
         return self.kv_role in ("kv_consumer", "kv_both")
+
+    @property
+    def push(self) -> bool:
+        """This instance, decoding, has the producer write into its blocks (send_type PUT) rather than read."""
+        return self.kv_connector_extra_config.get("send_type", "GET") == "PUT"
 
     @classmethod
     def parse(cls, value: str | dict | KVTransferConfig | None) -> KVTransferConfig | None:

@@ -41,12 +41,17 @@ class KVLoad(msgspec.Struct):
     remote_request_id: str
     remote_host: str
     remote_port: int
+    push: bool = False  # the producer writes into local_block_ids (send_type PUT) instead of this side reading
 
 
 class KVConnectorMetadata(msgspec.Struct):
-    """What the scheduler side of a KV connector tells its worker side each step."""
+    """What the scheduler side of a KV connector tells its worker side each step; a producer also names the
+    requests it now holds for a remote decoder (request id -> block ids per group, -1 = none there) and those it
+    stopped holding (expired): a decoder asking for a push is served from these, never from blocks it names."""
 
     loads: list[KVLoad] = []
+    held: dict[str, list[list[int]]] = {}
+    released: list[str] = []
 
 
 class KVConnectorOutput(msgspec.Struct):
@@ -56,12 +61,13 @@ class KVConnectorOutput(msgspec.Struct):
     finished_recving: list[str] = []
     failed_recving: dict[str, str] = {}
     finished_sending: list[str] = []
+    sending_started: list[str] = []  # producer: held requests a push write now reads from (they must not expire)
     bytes_received: int = 0
     seconds_receiving: float = 0.0
 
     @property
     def empty(self) -> bool:
-        return not (self.finished_recving or self.failed_recving or self.finished_sending)
+        return not (self.finished_recving or self.failed_recving or self.finished_sending or self.sending_started)
 
 
 class SchedulerOutput(msgspec.Struct):

@@ -2,7 +2,9 @@
 worker side would report) and the NIXL connector between two in-process engines (real NIXL over UCX)."""
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
 import time
 
 import pytest
@@ -124,10 +126,26 @@ def test_producer_frees_held_blocks_after_the_abort_timeout():
     step(s)
     assert not kv.all_free()
     time.sleep(0.06)
-    step(s)
-    assert kv.all_free() and conn.stats.sends_expired == 1
+    sched, _, _ = step(s)
+    assert kv.all_free() and conn.stats.sends_expired == 1 and sched.kv_connector_metadata.released == ["p"]
+    # The step that freed it carried the release to the worker side (it stops serving pushes from those blocks),
+    # and the engine runs it although nothing computes.
+    assert s.has_connector_work()
     step(s, KVConnectorOutput(finished_sending=["p"]))  # a late reader changes nothing
     assert kv.all_free() and conn.stats.sends_ok == 0
+
+
+def test_a_held_prompt_being_pushed_does_not_expire_until_the_write_is_over():
+    s, kv, conn = make("kv_producer", timeout=0.05)
+    add(s, "p", 10, max_tokens=1, params={"do_remote_decode": True})
+    sched, _, _ = step(s)
+    assert step(s)[0].kv_connector_metadata.held == {"p": kv.block_ids("p")}  # the worker side learns what it holds
+    step(s, KVConnectorOutput(sending_started=["p"]))
+    time.sleep(0.06)
+    step(s)
+    assert not kv.all_free() and conn.stats.sends_expired == 0  # past the timeout, but a write reads from it
+    step(s, KVConnectorOutput(finished_sending=["p"]))
+    assert kv.all_free() and conn.stats.sends_ok == 1 and not s.has_connector_work()
 
 
 def test_an_errored_request_holds_nothing():
@@ -186,6 +204,13 @@ def test_kv_transfer_config_parsing():
         KVTransferConfig.parse('{"kv_connector": "NixlConnector", "kv_role": "both"}')
     with pytest.raises(ValueError, match="unknown keys"):
         KVTransferConfig.parse('{"kv_connector": "NixlConnector", "kv_role": "kv_both", "x": 1}')
+    base = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+    assert not KVTransferConfig.parse(base).push
+    assert KVTransferConfig.parse({**base, "kv_connector_extra_config": {"send_type": "PUT"}}).push
+    with pytest.raises(ValueError, match="send_type"):
+        KVTransferConfig.parse({**base, "kv_connector_extra_config": {"send_type": "push"}})
+    with pytest.raises(ValueError, match="kv_connector_extra_config has unknown keys"):
+        KVTransferConfig.parse({**base, "kv_connector_extra_config": {"backends": ["UCX"]}})
 
 
 # -- two engines in one process, real NIXL ---------------------------------------------------------------------
@@ -203,7 +228,31 @@ def engines(tmp_path_factory):
         return LLM(str(ck), kv_transfer_config=json.dumps({"kv_connector": "NixlConnector", "kv_role": role,
                                                              **extra}), **kw)
 
-    yield pd("kv_producer"), pd("kv_consumer", load_timeout_s=2.0), LLM(str(ck), **kw)
+    prod, pull, ref = pd("kv_producer"), pd("kv_consumer", load_timeout_s=2.0), LLM(str(ck), **kw)
+    push = pd("kv_consumer", load_timeout_s=2.0, kv_connector_extra_config={"send_type": "PUT"})
+    yield prod, pull, ref, push
+
+
+@contextlib.contextmanager
+def stepping(prod):
+    """The producer's engine loop, as its server runs it: push needs the producer to act (take the registration,
+    write) while the decoder waits, which one thread driving both engines in turn would never let happen."""
+    stop = threading.Event()
+
+    def loop():
+        while not stop.is_set():
+            if prod.engine.has_unfinished_requests():
+                prod.engine.step()
+            else:
+                time.sleep(0.002)
+
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join(30)
 
 
 def greedy(llm, prompt, max_tokens, params=None):
@@ -211,15 +260,22 @@ def greedy(llm, prompt, max_tokens, params=None):
                         use_tqdm=False)[0]
 
 
-def test_nixl_pull_between_two_engines_is_token_identical(engines):
+@pytest.mark.parametrize("send_type", ["GET", "PUT"])
+def test_nixl_pull_between_two_engines_is_token_identical(engines, send_type):
+    """Pull (the decoder reads) and push (the decoder registers its blocks, the producer writes them)."""
     from helpers import random_prompts
 
-    prod, cons, ref = engines
+    prod, cons, ref, push = engines
+    if send_type == "PUT":
+        cons = push
+        assert cons.engine.config.kv_transfer.push
     before = cons.engine.stats()
+    sends_before = prod.engine.stats().kv_transfer.sends_ok
     for prompt in random_prompts(0, [40, 17, 5, 33]):
         want = greedy(ref, prompt, 8).outputs[0].token_ids
         p = greedy(prod, prompt, 1, {"do_remote_decode": True})
-        d = greedy(cons, prompt, 8, p.kv_transfer_params)
+        with stepping(prod):
+            d = greedy(cons, prompt, 8, p.kv_transfer_params)
         assert d.outputs[0].token_ids == want
         assert d.num_cached_tokens == len(prompt) - 1
     after = cons.engine.stats()
@@ -232,13 +288,13 @@ def test_nixl_pull_between_two_engines_is_token_identical(engines):
             break
         prod.engine.step()
     assert prod.engine.core.kv.all_free() and cons.engine.core.kv.all_free()
-    assert prod.engine.stats().kv_transfer.sends_ok >= 4
+    assert prod.engine.stats().kv_transfer.sends_ok - sends_before == 4
 
 
 def test_unreachable_producer_falls_back_to_local_prefill(engines):
     from helpers import random_prompts
 
-    _, cons, ref = engines
+    _, cons, ref, _ = engines
     (prompt,) = random_prompts(1, [21])
     n = -(-len(prompt) // 16)
     params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "gone",
@@ -251,10 +307,11 @@ def test_unreachable_producer_falls_back_to_local_prefill(engines):
     assert cons.engine.core.kv.all_free()
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v4"])
-def test_nixl_pull_deepseek_groups_token_identical(arch, tmp_path):
+@pytest.mark.parametrize("arch, send_type", [("deepseek_v3", "GET"), ("deepseek_v4", "GET"), ("deepseek_v3", "PUT")])
+def test_nixl_pull_deepseek_groups_token_identical(arch, send_type, tmp_path):
     """DeepSeek-V3's latent group and DeepSeek-V4's full / window (sliding, released blocks sent as -1) / coarse
-    groups all go through the connector: the decoder, reading them, answers token for token as one engine does."""
+    groups all go through the connector: the decoder, reading them (or having them written, send_type PUT),
+    answers token for token as one engine does."""
     pytest.importorskip("nixl")
     from helpers import load_script, random_prompts
 
@@ -267,10 +324,12 @@ def test_nixl_pull_deepseek_groups_token_identical(arch, tmp_path):
     # V4 with 8-token blocks: its 16-token compressed entries get the coarse group too (three groups in all).
     kw = dict(dtype="float32", max_model_len=256, num_kv_blocks=64, block_size=16 if arch == "deepseek_v3" else 8)
 
-    def pd(role):
-        return LLM(str(ck), kv_transfer_config=json.dumps({"kv_connector": "NixlConnector", "kv_role": role}), **kw)
+    def pd(role, **extra):
+        return LLM(str(ck), kv_transfer_config=json.dumps({"kv_connector": "NixlConnector", "kv_role": role,
+                                                             **extra}), **kw)
 
-    prod, cons, ref = pd("kv_producer"), pd("kv_consumer"), LLM(str(ck), **kw)
+    prod, ref = pd("kv_producer"), LLM(str(ck), **kw)
+    cons = pd("kv_consumer", kv_connector_extra_config={"send_type": send_type})
     specs = cons.engine.core.kv_specs
     assert [s.name for s in specs] == (["full"] if arch == "deepseek_v3" else ["full", "window", "coarse"])
     for prompt in random_prompts(2, [70, 23]):
@@ -281,7 +340,8 @@ def test_nixl_pull_deepseek_groups_token_identical(arch, tmp_path):
             assert len(ids) == len(specs)
             assert any(-1 in g for g in ids) == (len(prompt) > 40)  # the window group released its old blocks
             assert all(len(g) > 0 for g in ids)
-        d = greedy(cons, prompt, 6, p.kv_transfer_params)
+        with stepping(prod):
+            d = greedy(cons, prompt, 6, p.kv_transfer_params)
         assert d.outputs[0].token_ids == want
     stats = cons.engine.stats()
     assert stats.kv_transfer.loads_ok == 2 and stats.kv_transfer.fallbacks == 0 and stats.prompt_tokens_computed == 2
@@ -367,8 +427,9 @@ def test_side_channel_speaks_msgpack_not_pickle():
 
     import zmq
 
-    from openinfer.distributed.kv_transfer.side_channel import (HandshakeRequest, SideChannelServer, StoreLayout,
-                                                                handshake)
+    from openinfer.distributed.kv_transfer.side_channel import (HandshakeRequest, PushRefused, PushRequest,
+                                                                SideChannelServer, StoreLayout, handshake,
+                                                                register_push)
 
     server = SideChannelServer("127.0.0.1", 0, "prod", b"\x00agent-bytes", [[StoreLayout(4096, 64, 8)]])
     try:
@@ -389,6 +450,17 @@ def test_side_channel_speaks_msgpack_not_pickle():
 
         refused = msgspec.msgpack.decode(raw, type=HandshakeReply)
         assert refused.error.startswith("bad handshake") and refused.agent_metadata == b""
+        # Push registrations: msgpack too; an instance that is no producer refuses them, a producer queues them.
+        push = PushRequest("me", "prod", b"\x00me", [[StoreLayout(0, 64, 8)]], "r", "p-1", [[3, 4]])
+        with pytest.raises(PushRefused, match="not a kv_producer"):
+            register_push("127.0.0.1", server.port, push, 5.0)
+    finally:
+        server.close()
+    got = []
+    server = SideChannelServer("127.0.0.1", 0, "prod", b"", [], on_push=lambda r: got.append(r) or "")
+    try:
+        register_push("127.0.0.1", server.port, push, 5.0)
+        assert got == [push]
     finally:
         server.close()
 
@@ -397,7 +469,7 @@ def test_a_request_waiting_for_remote_kv_counts_as_waiting(engines):
     """Load reports (/metrics, a router's) see a parked request as waiting, as vLLM counts WAITING_FOR_REMOTE_KVS."""
     from helpers import random_prompts
 
-    _, cons, _ = engines
+    _, cons, _, _ = engines
     (prompt,) = random_prompts(3, [20])
     params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "gone2",
               "remote_block_ids": [0, 1], "remote_request_id": "x", "remote_host": "127.0.0.1", "remote_port": 9,
@@ -409,3 +481,71 @@ def test_a_request_waiting_for_remote_kv_counts_as_waiting(engines):
     while cons.engine.has_unfinished_requests():  # the handshake times out, the prompt is computed here
         cons.engine.step()
     assert cons.engine.core.kv.all_free()
+
+
+def test_push_that_is_refused_or_never_comes_falls_back_and_frees_both_sides(engines):
+    """Push failures: a producer that holds no such prompt refuses at once; one that never answers (nothing listens)
+    leaves the decoder waiting 2 x load_timeout_s. Either way the decoder computes the prompt itself, token for
+    token, and neither side keeps a block."""
+    from helpers import random_prompts
+
+    prod, _, ref, cons = engines
+    (prompt,) = random_prompts(4, [21])
+    p = greedy(prod, prompt, 1, {"do_remote_decode": True}).kv_transfer_params
+    want = greedy(ref, prompt, 5).outputs[0].token_ids
+    before = cons.engine.stats().kv_transfer
+    t0 = time.monotonic()
+    with stepping(prod):
+        d = greedy(cons, prompt, 5, {**p, "remote_request_id": "not-held"})
+    assert d.outputs[0].token_ids == want and time.monotonic() - t0 < 2.0  # refused: no wait for the deadline
+    t0 = time.monotonic()
+    d = greedy(cons, prompt, 5, {**p, "remote_port": 9, "remote_engine_id": "gone"})
+    assert d.outputs[0].token_ids == want and time.monotonic() - t0 >= 4.0  # 2 x load_timeout_s=2
+    after = cons.engine.stats().kv_transfer
+    assert after.fallbacks - before.fallbacks == 2 and after.loads_ok == before.loads_ok
+    with stepping(prod):
+        d = greedy(cons, prompt, 5, p)  # the held prompt itself is still served
+    assert d.outputs[0].token_ids == want and d.num_cached_tokens == len(prompt) - 1
+    for _ in range(200):
+        if not prod.engine.has_unfinished_requests():
+            break
+        prod.engine.step()
+    assert prod.engine.core.kv.all_free() and cons.engine.core.kv.all_free()
+
+
+class _StuckRelease:
+    """A NIXL agent whose transfer stays in progress and whose first release refuses (it could not abort)."""
+
+    def __init__(self, agent):
+        self._agent, self.releases = agent, 0
+
+    def check_xfer_state(self, handle):
+        return "PROC"
+
+    def release_xfer_handle(self, handle):
+        self.releases += 1
+        if self.releases == 1:
+            raise RuntimeError("NIXL_ERR_REPOST_ACTIVE")
+
+    def __getattr__(self, name):
+        return getattr(self._agent, name)
+
+
+def test_a_timed_out_read_is_reported_only_once_nixl_released_its_transfer():
+    """The read's blocks go back to the pool (failed_recving) only after release_xfer_handle succeeded: a release
+    NIXL refuses means the transfer may still write into them."""
+    pytest.importorskip("nixl")
+    from openinfer.distributed.kv_transfer.nixl_worker import NixlConnectorWorker, _Load
+    from openinfer.step_io import KVLoad
+
+    w = NixlConnectorWorker(KVTransferConfig("NixlConnector", "kv_consumer", load_timeout_s=0.01), "stuck")
+    try:
+        w.agent = _StuckRelease(w.agent)
+        spec = KVLoad("r", [[0]], [[0]], "prod", "p-1", "127.0.0.1", 1)
+        w._loads["r"] = _Load(spec, time.monotonic() - 1, handle=object())
+        assert not w.get_finished().failed_recving and "r" in w._loads  # refused: still the request's
+        out = w.get_finished()
+        assert out.failed_recving == {"r": "transfer not done within 0.0 s"} and not w._loads
+        assert w.agent.releases == 2
+    finally:
+        w.shutdown()

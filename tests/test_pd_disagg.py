@@ -1,6 +1,7 @@
 """Disaggregated prefill/decode with real processes on 127.0.0.1: two ``openinfer serve`` instances started with
 the same ``--kv-transfer-config`` and nothing but different ports, paired by the unmodified ``vllm-router`` in PD
-mode. The KV moves over NIXL (pull); output is token-identical to one instance; faults end each request once."""
+mode. The KV moves over NIXL (pull; push in one test); output is token-identical to one instance; faults end each
+request once."""
 from __future__ import annotations
 
 import json
@@ -64,7 +65,10 @@ def pd(tmp_path_factory):
         pytest.skip("vllm-router is not installed (pip install 'openinfer[pd]')")
     model = shared_checkpoint(tmp_path_factory)
     cfg = ("--kv-transfer-config", json.dumps(KV))
-    prefill = ServerProcess(model, *COMMON, *cfg, wait=False)
+    # The prefill instance also decodes by push (send_type only matters on the decoding side): the push test runs
+    # a second router with the two roles swapped, rather than paying for a third server.
+    push_cfg = ("--kv-transfer-config", json.dumps({**KV, "kv_connector_extra_config": {"send_type": "PUT"}}))
+    prefill = ServerProcess(model, *COMMON, *push_cfg, wait=False)
     decode = ServerProcess(model, *COMMON, *cfg, wait=False)
     router = None
     try:
@@ -219,6 +223,33 @@ def test_a_transfer_that_never_completes_falls_back(pd):
     finally:
         mute.close(0)
         ctx.term()
+
+
+def test_router_pd_push_is_token_identical(pd):
+    """Push (send_type PUT) through the same unmodified vllm-router, roles swapped (the module's prefill instance
+    decodes, by push): the router runs the prefill leg first, so the decoder learns of the request from the prefill
+    answer, registers its blocks with the producer over the side channel, and the producer NIXL-WRITEs them. Same
+    tokens as one instance; the decoder computed only each prompt's last token; both sides free everything."""
+    decoder, producer, _ = pd  # swapped: the module's decode instance produces, its prefill one decodes
+    router, url = _start_router(producer, decoder)
+    try:
+        p0, d0 = producer.metrics(), decoder.metrics()
+        prompts = ["pushed: the quick brown fox jumps over the lazy dog"]
+        for prompt in prompts:
+            want = _complete(producer.url, prompt, 8, return_token_ids=True)
+            got = _complete(url, prompt, 8, return_token_ids=True)
+            assert got["choices"][0]["token_ids"] == want["choices"][0]["token_ids"]
+        assert _chat(url, "pushed chat", 8, stream=True) == _text(_chat(producer.url, "pushed chat", 8))
+        p1, d1 = _wait_free(producer), _wait_free(decoder)
+        n = len(prompts) + 1
+        assert d1[P + "kv_transfer_loads_total"] - d0[P + "kv_transfer_loads_total"] == n
+        assert d1[P + "kv_transfer_fallbacks_total"] == d0[P + "kv_transfer_fallbacks_total"]
+        assert d1[P + "kv_transfer_bytes_total"] > d0[P + "kv_transfer_bytes_total"]
+        src = P + 'prompt_tokens_by_source_total{source="%s"}'
+        assert d1[src % "local_compute"] - d0[src % "local_compute"] == n
+        assert p1[P + "kv_transfer_sends_total"] - p0[P + "kv_transfer_sends_total"] == n
+    finally:
+        _stop_router(router)
 
 
 def test_prefill_killed_after_prefill_decoder_still_answers_once(pd):

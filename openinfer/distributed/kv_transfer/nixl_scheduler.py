@@ -56,6 +56,10 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         self._pending: list[KVLoad] = []  # consumer: loads not yet handed to the worker side
         self._loading: set[str] = set()
         self._sends: dict[str, float] = {}  # producer: held request id -> deadline (time.monotonic)
+        self._new_held: dict[str, list[list[int]]] = {}  # producer: held since the last step, for the worker side
+        self._released: list[str] = []  # producer: expired since the last step
+        self._undelivered = False  # the last metadata built names held or released prompts
+        self._writing: set[str] = set()  # producer: held requests a push write reads from (never expired meanwhile)
 
     def set_side_channel(self, info: dict[str, Any]) -> None:
         self.host, self.port = info["host"], info["port"]
@@ -106,12 +110,17 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         remote = group_block_lists(params["remote_block_ids"], len(self.tokens_per_block))
         local = [[-1 if j < skip else b for j, b in enumerate(ids)] for ids, skip in zip(block_ids, num_local_blocks)]
         self._pending.append(KVLoad(req.request_id, local, remote, params["remote_engine_id"],
-                                    params["remote_request_id"], params["remote_host"], params["remote_port"]))
+                                    params["remote_request_id"], params["remote_host"], params["remote_port"],
+                                    push=self.config.push))
         self._loading.add(req.request_id)
 
     def build_connector_meta(self) -> KVConnectorMetadata:
-        loads, self._pending = self._pending, []
-        return KVConnectorMetadata(loads=loads)
+        meta = KVConnectorMetadata(loads=self._pending, held=self._new_held, released=self._released)
+        self._pending, self._new_held, self._released = [], {}, []
+        # This step must reach the worker side even if it computes nothing: a release it missed would leave the
+        # worker serving a push from blocks already back in the pool.
+        self._undelivered = bool(meta.held or meta.released)
+        return meta
 
     def update_connector_output(self, out: KVConnectorOutput) -> None:
         for rid in out.finished_recving:
@@ -125,7 +134,10 @@ class NixlConnectorScheduler(KVConnectorScheduler):
                 self.stats.fallbacks += 1
         self.stats.bytes_received += out.bytes_received
         self.stats.seconds_receiving += out.seconds_receiving
+        self._writing.update(out.sending_started)
         for rid in out.finished_sending:
+            self._writing.discard(rid)
+            self._new_held.pop(rid, None)  # freed before the worker side heard it was held: it never will
             if self._sends.pop(rid, None) is not None:
                 self.stats.sends_ok += 1
 
@@ -141,6 +153,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         if not params or not params.get("do_remote_decode") or not finished_ok:
             return False, None
         self._sends[req.request_id] = now + self.config.abort_request_timeout_s
+        self._new_held[req.request_id] = [list(g) for g in block_ids]
         ids: list[Any] = block_ids[0] if len(block_ids) == 1 else block_ids
         return True, {
             "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
@@ -149,9 +162,13 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         }
 
     def expired_sends(self, now: float) -> list[str]:
-        gone = [rid for rid, deadline in self._sends.items() if deadline <= now]
+        # A prompt a push write still reads from stays until the write is over (it ends within load_timeout_s, or
+        # once NIXL can abort it): its blocks freed now could be refilled while the write sends them.
+        gone = [rid for rid, deadline in self._sends.items() if deadline <= now and rid not in self._writing]
         for rid in gone:
             del self._sends[rid]
+            self._new_held.pop(rid, None)
+            self._released.append(rid)
             self.stats.sends_expired += 1
         if gone:
             logger.warning("freeing %d held prompt(s) no decoder read within %.0f s: %s", len(gone),
@@ -159,4 +176,4 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         return gone
 
     def has_pending_work(self) -> bool:
-        return bool(self._sends or self._loading or self._pending)
+        return bool(self._sends or self._loading or self._pending or self._released or self._undelivered)

@@ -1,14 +1,22 @@
 """The NixlConnector's worker side: registers the KV stores with a NIXL agent, answers handshakes (side_channel.py)
-and pulls remote prompts' blocks with NIXL READ.
+and pulls remote prompts' blocks with NIXL READ - or, with send_type PUT, registers its blocks with the producer,
+which writes into them (nixl_push.py) and notifies when they are full.
 
 Pull, as vLLM's NixlConnector: for each load the scheduler side hands over, the handshake with the producer runs
 on a background thread (once per producer); then one READ moves every (group, store, block) the load names, and
 carries the producer's request id as its completion notification: the producer frees those blocks when it
 arrives. A load that fails (handshake refused or timed out, a layout that does not match, a transfer error) or
 outlives ``load_timeout_s`` is reported failed, after telling the producer to free its blocks when it can still be
-reached; the scheduler then computes the prompt locally.
+reached; the scheduler then computes the prompt locally. A failed read is reported (and its blocks reused) only
+once its transfer is over: NIXL's release_xfer_handle aborts an active transfer or, when it cannot, raises and
+keeps it - then the read stays here, released again every step, until NIXL lets it go (or it completes).
 
-Everything here runs on the engine's thread, between steps, except the handshakes.
+Push loads: the registration goes out on the handshake thread; then the load waits for the producer's completion
+(or failure) notification. A refusal fails it at once (nothing will be written); no answer or no notification
+within twice ``load_timeout_s`` (the producer gives up its write after one) fails it too.
+
+Everything here runs on the engine's thread, between steps, except the handshakes and push registrations (ZeroMQ
+only) and the side channel's listener.
 """
 from __future__ import annotations
 
@@ -21,7 +29,9 @@ import torch
 
 from openinfer.config import KVTransferConfig
 from openinfer.distributed.kv_transfer.base import KVConnectorWorker
-from openinfer.distributed.kv_transfer.side_channel import HandshakeReply, SideChannelServer, StoreLayout, handshake
+from openinfer.distributed.kv_transfer.nixl_push import PUSH_DONE, PUSH_FAIL, PushWriter, block_descs, layouts_match
+from openinfer.distributed.kv_transfer.side_channel import (HandshakeReply, PushRefused, PushRequest,
+                                                            SideChannelServer, StoreLayout, handshake, register_push)
 from openinfer.step_io import KVConnectorMetadata, KVConnectorOutput, KVLoad
 
 logger = logging.getLogger(__name__)
@@ -34,9 +44,7 @@ class _Remote:
 
 
 def _check_layout(reply: HandshakeReply, mine: list[list[StoreLayout]]) -> None:
-    if len(reply.groups) != len(mine) or any(
-            len(r) != len(m) or any(a.block_bytes != b.block_bytes for a, b in zip(r, m))
-            for r, m in zip(reply.groups, mine)):
+    if not layouts_match(reply.groups, mine):
         raise RuntimeError(f"producer {reply.engine_id}'s KV layout differs from this instance's (another model, "
                            f"dtype or block size)")
 
@@ -48,6 +56,16 @@ class _Load:
     handshake: Future | None = None
     handle: object | None = None
     nbytes: int = 0
+    started_s: float = field(default_factory=time.monotonic)
+    failed: str = ""  # a failed read whose transfer NIXL has not released yet
+
+
+@dataclass
+class _PushLoad:
+    spec: KVLoad
+    deadline: float
+    registered: Future
+    nbytes: int
     started_s: float = field(default_factory=time.monotonic)
 
 
@@ -64,14 +82,21 @@ class NixlConnectorWorker(KVConnectorWorker):
         self._handshakes: dict[str, Future] = {}
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-handshake")
         self._loads: dict[str, _Load] = {}
+        self._push_loads: dict[str, _PushLoad] = {}
+        self.pusher: PushWriter | None = None
+        self._metadata = b""
 
     def register_kv_caches(self, groups: dict[str, list[torch.Tensor]]) -> dict:
         tensors = [t for ts in groups.values() for t in ts]
         self.agent.register_memory(tensors)
         self.layout = [[StoreLayout(t.data_ptr(), t.stride(0) * t.element_size(), t.shape[0]) for t in ts]
                        for ts in groups.values()]
+        self._metadata = self.agent.get_agent_metadata()
+        if self.config.is_producer:
+            self.pusher = PushWriter(self.agent, self.layout, self.config)
         self.server = SideChannelServer(self.config.side_channel_host, self.config.side_channel_port, self.engine_id,
-                                        self.agent.get_agent_metadata(), self.layout)
+                                        self._metadata, self.layout,
+                                        on_push=self.pusher.on_push if self.pusher is not None else None)
         logger.info("KV connector %s (%s): side channel on %s:%d, %d stores registered", self.engine_id,
                     self.config.kv_role, self.server.host, self.server.port, len(tensors))
         return {"host": self.server.host, "port": self.server.port}
@@ -80,8 +105,15 @@ class NixlConnectorWorker(KVConnectorWorker):
     def start_load_kv(self, meta: KVConnectorMetadata | None) -> None:
         if meta is None:
             return
+        if self.pusher is not None:
+            self.pusher.held.update(meta.held)
+            for rid in meta.released:
+                self.pusher.held.pop(rid, None)
         now = time.monotonic()
         for spec in meta.loads:
+            if spec.push:
+                self._start_push(spec, now)
+                continue
             load = _Load(spec, now + self.config.load_timeout_s)
             if spec.remote_engine_id not in self._remotes:
                 fut = self._handshakes.get(spec.remote_engine_id)
@@ -100,20 +132,7 @@ class NixlConnectorWorker(KVConnectorWorker):
         return reply
 
     def _descs(self, spec: KVLoad, remote: _Remote) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
-        local_d, remote_d = [], []
-        for local_ids, remote_ids, mine, theirs in zip(spec.local_block_ids, spec.remote_block_ids, self.layout,
-                                                       remote.groups):
-            if len(local_ids) != len(remote_ids):
-                raise RuntimeError("local and remote block lists differ in length")
-            for l, r in zip(local_ids, remote_ids):
-                if l < 0 or r < 0:
-                    continue
-                for m, t in zip(mine, theirs):
-                    if r >= t.num_blocks or l >= m.num_blocks:
-                        raise RuntimeError(f"block id out of range (local {l}, remote {r})")
-                    local_d.append((m.base_addr + l * m.block_bytes, m.block_bytes, 0))
-                    remote_d.append((t.base_addr + r * t.block_bytes, t.block_bytes, 0))
-        return local_d, remote_d
+        return block_descs(spec.local_block_ids, spec.remote_block_ids, self.layout, remote.groups)
 
     def _start_read(self, load: _Load, remote: _Remote) -> str:
         local_d, remote_d = self._descs(load.spec, remote)
@@ -128,30 +147,37 @@ class NixlConnectorWorker(KVConnectorWorker):
         load.started_s = time.monotonic()
         return self.agent.transfer(load.handle)
 
-    def _fail(self, load: _Load, why: str, out: KVConnectorOutput) -> None:
-        out.failed_recving[load.spec.req_id] = why
-        remote = self._remotes.get(load.spec.remote_engine_id)
+    def _fail(self, load: _Load, why: str, out: KVConnectorOutput) -> bool:
+        """Report the load failed once its transfer is released (aborted if still active); False: NIXL could not
+        release it yet - it may still write into the blocks, so they stay the request's and this is retried."""
+        load.failed = why
         if load.handle is not None:
             try:
                 self.agent.release_xfer_handle(load.handle)
-            except Exception:  # an aborted in-flight read; nothing more to do with it
-                logger.debug("releasing a failed transfer's handle", exc_info=True)
+            except Exception:
+                logger.debug("request %s: read not released yet", load.spec.req_id, exc_info=True)
+                return False
+            load.handle = None
+        out.failed_recving[load.spec.req_id] = why
+        remote = self._remotes.get(load.spec.remote_engine_id)
         if remote is not None:
             try:  # the producer frees its held blocks now rather than at its timeout
                 self.agent.send_notif(remote.agent_name, load.spec.remote_request_id.encode())
             except Exception:
                 logger.debug("could not notify producer %s", load.spec.remote_engine_id, exc_info=True)
+        return True
 
     def _progress(self, load: _Load, now: float, out: KVConnectorOutput) -> bool:
         """Advance one load; True when it is over (finished or failed)."""
         spec = load.spec
+        if load.failed:  # waiting for NIXL to let go of a failed read's transfer
+            return self._fail(load, load.failed, out)
         try:
             if load.handle is None:
                 if spec.remote_engine_id not in self._remotes:
                     if not load.handshake.done():
                         if now > load.deadline:
-                            self._fail(load, "handshake timed out", out)
-                            return True
+                            return self._fail(load, "handshake timed out", out)
                         return False
                     reply = load.handshake.result()
                     self._remotes[spec.remote_engine_id] = _Remote(self.agent.add_remote_agent(reply.agent_metadata),
@@ -164,8 +190,7 @@ class NixlConnectorWorker(KVConnectorWorker):
                 state = self.agent.check_xfer_state(load.handle)
         except Exception as e:
             logger.warning("request %s: KV read from %s failed: %s", spec.req_id, spec.remote_engine_id, e)
-            self._fail(load, f"{type(e).__name__}: {e}", out)
-            return True
+            return self._fail(load, f"{type(e).__name__}: {e}", out)
         if state == "DONE":
             out.finished_recving.append(spec.req_id)
             out.bytes_received += load.nbytes
@@ -173,10 +198,44 @@ class NixlConnectorWorker(KVConnectorWorker):
             self.agent.release_xfer_handle(load.handle)
             return True
         if state == "ERR":
-            self._fail(load, "NIXL transfer error", out)
+            return self._fail(load, "NIXL transfer error", out)
+        if now > load.deadline:
+            return self._fail(load, f"transfer not done within {self.config.load_timeout_s:.1f} s", out)
+        return False
+
+    # -- push loads (send_type PUT) ------------------------------------------------------------------------
+    def _start_push(self, spec: KVLoad, now: float) -> None:
+        nbytes = sum(sum(s.block_bytes for s in stores) for ids, rids, stores in
+                     zip(spec.local_block_ids, spec.remote_block_ids, self.layout)
+                     for l, r in zip(ids, rids) if l >= 0 and r >= 0)
+        req = PushRequest(self.engine_id, spec.remote_engine_id, self._metadata, self.layout, spec.req_id,
+                          spec.remote_request_id, spec.local_block_ids)
+        fut = self._pool.submit(register_push, spec.remote_host, spec.remote_port, req,
+                                min(5.0, self.config.load_timeout_s))
+        self._push_loads[spec.req_id] = _PushLoad(spec, now + 2 * self.config.load_timeout_s, fut, nbytes)
+
+    def _progress_push(self, load: _PushLoad, notes: dict[tuple[str, str], bool], now: float,
+                       out: KVConnectorOutput) -> bool:
+        spec = load.spec
+        done = notes.pop((spec.remote_engine_id, spec.req_id), None)
+        if done is True:
+            out.finished_recving.append(spec.req_id)
+            out.bytes_received += load.nbytes
+            out.seconds_receiving += now - load.started_s
+            return True
+        if done is False:
+            out.failed_recving[spec.req_id] = "the producer could not write the prompt's KV"
+            return True
+        if load.registered.done() and isinstance(load.registered.exception(), PushRefused):
+            # Refused: the producer took nothing and writes nothing.
+            logger.warning("request %s: %s", spec.req_id, load.registered.exception())
+            out.failed_recving[spec.req_id] = str(load.registered.exception())
             return True
         if now > load.deadline:
-            self._fail(load, f"transfer not done within {self.config.load_timeout_s:.1f} s", out)
+            # No answer or no notification: the producer is gone or gave up its write (after load_timeout_s).
+            logger.warning("request %s: no push from %s within %.1f s", spec.req_id, spec.remote_engine_id,
+                           2 * self.config.load_timeout_s)
+            out.failed_recving[spec.req_id] = "push not done in time"
             return True
         return False
 
@@ -185,9 +244,21 @@ class NixlConnectorWorker(KVConnectorWorker):
         now = time.monotonic()
         for rid in [rid for rid, load in self._loads.items() if self._progress(load, now, out)]:
             del self._loads[rid]
-        # Producer: readers' completion notifications name the requests whose blocks can go.
-        for msgs in self.agent.get_new_notifs().values():
-            out.finished_sending += [m.decode() for m in msgs]
+        if self.pusher is not None:  # producer: writes for decoders that registered their blocks
+            self.pusher.step(out)
+        notes: dict[tuple[str, str], bool] = {}  # (producer engine, request) -> pushed ok
+        for agent_name, msgs in self.agent.get_new_notifs().items():
+            name = agent_name.decode() if isinstance(agent_name, bytes) else agent_name
+            for m in msgs:
+                if m.startswith(PUSH_DONE) or m.startswith(PUSH_FAIL):
+                    notes[(name, m[len(PUSH_DONE):].decode())] = m.startswith(PUSH_DONE)
+                else:  # producer: a reader's completion names the request whose blocks can go
+                    rid = m.decode()
+                    out.finished_sending.append(rid)
+                    if self.pusher is not None:
+                        self.pusher.held.pop(rid, None)
+        for rid in [rid for rid, load in self._push_loads.items() if self._progress_push(load, notes, now, out)]:
+            del self._push_loads[rid]
         return out
 
     def shutdown(self) -> None:
