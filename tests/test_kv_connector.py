@@ -307,7 +307,8 @@ def test_unreachable_producer_falls_back_to_local_prefill(engines):
     assert cons.engine.core.kv.all_free()
 
 
-@pytest.mark.parametrize("arch, send_type", [("deepseek_v3", "GET"), ("deepseek_v4", "GET"), ("deepseek_v3", "PUT")])
+@pytest.mark.parametrize("arch, send_type", [("deepseek_v3", "GET"), ("deepseek_v4", "GET"), ("deepseek_v3", "PUT"),
+                                            ("deepseek_v4", "PUT")])
 def test_nixl_pull_deepseek_groups_token_identical(arch, send_type, tmp_path):
     """DeepSeek-V3's latent group and DeepSeek-V4's full / window (sliding, released blocks sent as -1) / coarse
     groups all go through the connector: the decoder, reading them (or having them written, send_type PUT),

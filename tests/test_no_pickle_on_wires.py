@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import msgspec
 import pytest
 import zmq
 from server_utils import InProcessServer, shared_checkpoint
@@ -136,16 +137,31 @@ def _kv_events_wire(ckpt: Path) -> None:
 
 def _kv_transfer_side_channel(ckpt: Path) -> None:
     """The KV connector's side channel: the NIXL handshake (agent metadata as opaque bytes, the KV layout), both
-    the accepted and the refused (wrong engine id) exchange. The block ids themselves travel in kv_transfer_params
-    over HTTP (checked by the HTTP test) and the read's completion as a NIXL notification carrying the request id."""
-    from openinfer.distributed.kv_transfer.side_channel import SideChannelServer, StoreLayout, handshake
+    the accepted and the refused (wrong engine id) exchange, and push mode's registration of the decoder's blocks
+    (accepted and refused). The pull block ids travel in kv_transfer_params over HTTP (checked by the HTTP test) and
+    a transfer's completion as a NIXL notification carrying the request id."""
+    from openinfer.distributed.kv_transfer.side_channel import (
+        PushRefused,
+        PushRequest,
+        SideChannelServer,
+        StoreLayout,
+        handshake,
+        register_push,
+    )
 
-    server = SideChannelServer("127.0.0.1", 0, "prod", b"\x80\x04agent-bytes", [[StoreLayout(4096, 64, 8)]])
+    pushes: list[PushRequest] = []
+    server = SideChannelServer("127.0.0.1", 0, "prod", b"\x80\x04agent-bytes", [[StoreLayout(4096, 64, 8)]],
+                               on_push=lambda r: pushes.append(r) or ("" if r.remote_request_id == "held" else "no"))
     try:
         reply = handshake("127.0.0.1", server.port, "me", "prod", 5.0)
         assert reply.agent_metadata == b"\x80\x04agent-bytes"  # opaque bytes inside msgpack, not a frame of their own
         with pytest.raises(RuntimeError):
             handshake("127.0.0.1", server.port, "me", "other", 5.0)
+        push = PushRequest("me", "prod", b"\x80\x04dec-agent", [[StoreLayout(8192, 64, 8)]], "r1", "held", [[3, -1]])
+        register_push("127.0.0.1", server.port, push, 5.0)
+        with pytest.raises(PushRefused):
+            register_push("127.0.0.1", server.port, msgspec.structs.replace(push, remote_request_id="gone"), 5.0)
+        assert [p.block_ids for p in pushes] == [[[3, -1]], [[3, -1]]]
     finally:
         server.close()
 
