@@ -78,8 +78,8 @@ def pd(tmp_path_factory):
         yield prefill, decode, url
     finally:
         _stop_router(router)
-        prefill.stop()
-        decode.stop()
+        a.stop()
+        b.stop()
 
 
 def _wait_free(server, timeout_s=10.0) -> dict:
@@ -290,37 +290,45 @@ def _deepseek_checkpoint(arch, tmp_path_factory):
 @pytest.mark.parametrize("arch", [pytest.param("deepseek_v3", marks=pytest.mark.slow), "deepseek_v4"])
 def test_router_pd_deepseek_is_token_identical(arch, tmp_path_factory):
     """DeepSeek-V3 (one latent group) and V4 (full, sliding window with released blocks, coarse compressed
-    entries: 8-token blocks give it three groups) through the unmodified router in PD mode, as processes: the
+    entries: 8-token blocks give it three groups) through the unmodified router in PD mode, as processes, pull and
+    then push (a second router with the roles swapped: the first prefill instance decodes with send_type PUT): the
     decoder's tokens are one instance's, and every prompt token but the last came over NIXL (its cached tokens)."""
     if not os.path.exists(ROUTER):
         pytest.skip("vllm-router is not installed (pip install 'openinfer[pd]')")
     model = _deepseek_checkpoint(arch, tmp_path_factory)
-    args = (*COMMON, "--block-size", "16" if arch == "deepseek_v3" else "8", "--kv-transfer-config", json.dumps(KV))
-    prefill = ServerProcess(model, *args, wait=False)
-    decode = ServerProcess(model, *args, wait=False)
+    args = (*COMMON, "--block-size", "16" if arch == "deepseek_v3" else "8")
+    push_kv = {**KV, "kv_connector_extra_config": {"send_type": "PUT"}}
+    a = ServerProcess(model, *args, "--kv-transfer-config", json.dumps(push_kv), wait=False)
+    b = ServerProcess(model, *args, "--kv-transfer-config", json.dumps(KV), wait=False)
     router = None
     try:
-        prefill.wait_ready()
-        decode.wait_ready()
-        router, url = _start_router(prefill, decode)
+        a.wait_ready()
+        b.wait_ready()
         # Past V4's 16-token window, so its window group sends released (-1) blocks too.
         prompt = "disaggregated DeepSeek: the decoder reads every KV group it needs"
-        want = _complete(prefill.url, prompt, 6, return_token_ids=True)
-        _wait_free(prefill)
-        d0 = decode.metrics()
-        got = _complete(url, prompt, 6, return_token_ids=True)
-        assert got["choices"][0]["token_ids"] == want["choices"][0]["token_ids"]
-        n = want["usage"]["prompt_tokens"]
-        assert got["usage"]["prompt_tokens"] == n
-        _wait_free(prefill), _wait_free(decode)
-        d1 = decode.metrics()
-        assert d1[P + "engine_generation_tokens_total"] - d0[P + "engine_generation_tokens_total"] == 6
-        assert d1[P + "kv_transfer_loads_total"] - d0[P + "kv_transfer_loads_total"] == 1
-        assert d1[P + "kv_transfer_fallbacks_total"] == d0[P + "kv_transfer_fallbacks_total"]
-        src = P + 'prompt_tokens_by_source_total{source="%s"}'
-        assert d1[src % "local_compute"] - d0[src % "local_compute"] == 1
-        assert d1[src % "external_kv_transfer"] - d0[src % "external_kv_transfer"] == n - 1
+        want = _complete(a.url, prompt, 6, return_token_ids=True)
+        _wait_free(a)
+        for prefill, decode, mode in ((a, b, "pull"), (b, a, "push")):
+            # The decoder must not hold the prompt already (it computed it as the reference, or produced it last
+            # round): every prompt token but the last has to come over NIXL.
+            assert httpx.post(decode.url + "/reset_prefix_cache", timeout=30).status_code == 200
+            router, url = _start_router(prefill, decode)
+            d0 = decode.metrics()
+            got = _complete(url, prompt, 6, return_token_ids=True)
+            assert got["choices"][0]["token_ids"] == want["choices"][0]["token_ids"], mode
+            n = want["usage"]["prompt_tokens"]
+            assert got["usage"]["prompt_tokens"] == n
+            _wait_free(prefill), _wait_free(decode)
+            d1 = decode.metrics()
+            assert d1[P + "engine_generation_tokens_total"] - d0[P + "engine_generation_tokens_total"] == 6, mode
+            assert d1[P + "kv_transfer_loads_total"] - d0[P + "kv_transfer_loads_total"] == 1, mode
+            assert d1[P + "kv_transfer_fallbacks_total"] == d0[P + "kv_transfer_fallbacks_total"], mode
+            src = P + 'prompt_tokens_by_source_total{source="%s"}'
+            assert d1[src % "local_compute"] - d0[src % "local_compute"] == 1, mode
+            assert d1[src % "external_kv_transfer"] - d0[src % "external_kv_transfer"] == n - 1, mode
+            _stop_router(router)
+            router = None
     finally:
         _stop_router(router)
-        prefill.stop()
-        decode.stop()
+        a.stop()
+        b.stop()
