@@ -232,7 +232,9 @@ def _convert(a: argparse.Namespace) -> dict[str, Any]:
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)  # puts its gguf-py on sys.path and imports ``conversion``
     arch = json.loads((Path(a.model) / "config.json").read_text())["architectures"][0]
-    cls = mod.ModelBase.from_model_architecture(arch)
+    from conversion import get_model_class  # the converter's own registry (imports the model's module)
+
+    cls = get_model_class(arch)
     used = {"vocab": "converter"}
     original = cls.set_vocab
 
@@ -355,12 +357,15 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
     L.llama_batch_free(batch)
     L.llama_free(ctx)
     L.llama_model_free(model)
-    return {
+    result = {
         "schema": RESULT_SCHEMA, "engine": describe,
         "environment": {"python": sys.version.split()[0], "platform": platform.platform(),
                         "load_average": load_average, "load_average_end": _load_average()},
         "sample": sample, "first_output_token_ids": out[0], "notes": notes,
     }
+    if spec.get("record_all_tokens"):  # scripts/llamacpp_greedy_check.py compares every sequence with HF
+        result["all_output_token_ids"] = out
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
