@@ -47,7 +47,7 @@ QUANTS = ("q8_0", "q4_0")
 # --dtype -> the converter's --outtype for the unquantized GGUF
 _OUTTYPES = {"float32": "f32", "float": "f32", "bfloat16": "bf16", "float16": "f16", "half": "f16"}
 _FTYPES = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0"}
-_ENV_PREFIXES = ("OMP_", "GOMP_", "GGML_", "LLAMA_")
+_ENV_PREFIXES = ("OMP_", "GOMP_", "GGML_", "LLAMA_", "MALLOC_")
 _CHECKPOINT_FILES = (".safetensors", ".json", ".model")  # what a conversion reads
 
 
@@ -166,6 +166,19 @@ def child_spec(args: argparse.Namespace, gguf: str, gtype: str, batch: int, voca
         "warmup_prompt_sets": [prompts(-1 - w) for w in range(max(args.warmup_iters, 1))],
         "timed_prompts": prompts(0),
     }
+
+
+def child_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    """The child's environment: ``base`` (default ``os.environ``) plus the allocator settings openinfer runs
+    with (``platform.MALLOC_ENV``), as the HF runner and the vLLM child get them, unless the caller set its own
+    or turned them off (``OPENINFER_MALLOC_TUNING=0``)."""
+    from openinfer import platform as oi_platform
+
+    env = dict(os.environ if base is None else base)
+    if oi_platform.malloc_tuning_enabled():
+        for k, v in oi_platform.MALLOC_ENV.items():
+            env.setdefault(k, v)
+    return env
 
 
 def child_command(python: str, spec_path: str, json_path: str) -> list[str]:

@@ -287,7 +287,7 @@ def _run_llamacpp_child(args: argparse.Namespace, batch: int, llamacpp: dict[str
     spec_path.write_text(json.dumps(llamacpp_peer.child_spec(args, llamacpp["gguf"], llamacpp["gguf_type"],
                                                              batch, vocab)))
     cmd = llamacpp_peer.child_command(llamacpp["python"], str(spec_path), str(json_path))
-    rc = subprocess.run(cmd).returncode
+    rc = subprocess.run(cmd, env=llamacpp_peer.child_env()).returncode
     if rc != 0:
         raise RuntimeError(f"llama.cpp child failed with exit code {rc}: {' '.join(cmd)}")
     child = llamacpp_peer.read_child(json_path)
