@@ -1,6 +1,8 @@
 """``bench peers``' llama.cpp side without llama.cpp: detection, GGUF cache keying and the conversion steps,
 the child's spec and command, and reading back a child JSON recorded from a real llama-cpp-python 0.3.36 run
-(``data/llamacpp_peer_child.json``: llama-200m converted to an f32 GGUF, batch 8, input 128 / output 32).
+(``data/llamacpp_peer_child.json``: llama-200m converted to an f32 GGUF, batch 8, input 128 / output 32; its
+first sequence's 32 greedy tokens equal HF float32 ``generate``'s on the same prompt; recorded on a heavily
+loaded host, so its timings are slow).
 Nothing here pretends llama.cpp ran: the one llama.cpp result is that recorded file, parsed as the parent
 parses it."""
 from __future__ import annotations
