@@ -158,7 +158,7 @@ def test_recorded_child_json_merges_like_any_peer(tmp_path):
     result = R.new_result(["test"], {"load_average": None}, {})
     fields = R.IterationSample.__dataclass_fields__
     sample = R.IterationSample(**{k: v for k, v in s.items() if k in fields})
-    peers._merge_vllm_child(result, child, 1, batch, 0)
+    peers._merge_peer_child(result, "vllm", child, 1, batch, 0)
     (proc,) = result["engines"]["vllm"]["per_process"]
     assert proc["first_output_token_ids"] == child["first_output_token_ids"]
     assert proc["init_time_s"] == eng["init_time_s"]

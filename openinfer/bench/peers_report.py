@@ -111,6 +111,7 @@ def _environment(result: dict[str, Any]) -> list[str]:
         f"{oi.get('max_num_batched_tokens')}, max_model_len {oi.get('max_model_len')}, KV blocks "
         f"{oi.get('num_kv_blocks')} of {oi.get('block_size')}, attention {oi.get('attention_backend')}",
         *_vllm_lines(result),
+        *_llamacpp_lines(result),
         f"- load average: start {env.get('load_average')}, end {env.get('load_average_end')}",
         f"- date: {result['date']}",
         f"- command: `{_command(result)}`",
@@ -128,6 +129,20 @@ def _vllm_lines(result: dict[str, Any]) -> list[str]:
             f"KV blocks {v.get('num_kv_blocks')} of {v.get('block_size')}, prefix caching "
             f"{v.get('enable_prefix_caching')}, enforce_eager {v.get('enforce_eager')}, compilation "
             f"{v.get('compilation_mode')}; env {v.get('env_vars') or {}}"]
+
+
+def _llamacpp_lines(result: dict[str, Any]) -> list[str]:
+    v = result["engines"].get("llamacpp")
+    if not v:
+        return []
+    status = next((s for s in result.get("peers", []) if s["peer"] == "llamacpp"), {})
+    made = "; ".join(f"{name}: {info}" for name, info in (status.get("gguf_made") or {}).items())
+    return [f"- llama.cpp engine: llama-cpp-python {v.get('llama_cpp_python')} (`{v.get('python')}`), GGUF "
+            f"{v.get('gguf_type')} `{v.get('gguf')}` (checkpoint sha256 {str(status.get('checkpoint_sha256'))[:20]}"
+            f"{'; ' + made if made else ''}), n_threads {v.get('n_threads')}, n_ctx {v.get('n_ctx')}, n_batch "
+            f"{v.get('n_batch')}, n_seq_max {v.get('n_seq_max')}, {v.get('sampling')}; batched with the C API: one "
+            f"llama_batch of all prompts (a seq_id each) for the prefill, then one llama_decode per step for all "
+            f"sequences; system info `{v.get('system_info')}`"]
 
 
 def _caveats(result: dict[str, Any]) -> str:
