@@ -1,0 +1,90 @@
+"""Decode speed of ``--quantization int8 / int4`` against the unquantised weights, in one process, interleaved
+(issue 16, build item "low-bit weights"; the box is shared, so only ratios measured side by side mean much).
+
+One engine per mode is loaded up front; then for each round and batch size every mode runs one timed decode
+window (``bench/decode_window.py``: prefill untimed, then exactly ``--steps`` pure decode steps), the modes in
+rotating order. Reported per mode and batch: median decode tok/s over the rounds with its min-max, the ratio to
+the unquantised median, and at batch 1 the weight bytes streamed per second (the bytes of every linear layer,
+LM head included, read once per step; the embedding is a lookup and is not counted).
+
+    python scripts/make_bench_checkpoint.py
+    python scripts/quant_speed.py --model .bench/llama-200m --batches 1 8 32 --rounds 3
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+
+
+def linear_bytes(model) -> int:
+    from openinfer.layers.linear import Linear
+
+    total = 0
+    for m in model.modules():
+        if isinstance(m, Linear):
+            if m._quant is not None:
+                total += m._quant.nbytes
+            else:
+                elem = m._packed.element_size() if m._packed is not None else m.weight.element_size()
+                total += m.in_features * m.out_features * elem
+    return total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--modes", nargs="+", default=["none", "int8", "int4"])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--context-len", type=int, default=64)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--output-json", default=None)
+    args = ap.parse_args()
+
+    from openinfer import LLM
+    from openinfer.bench.decode_window import run_decode_window
+
+    engines, nbytes = {}, {}
+    for mode in args.modes:
+        llm = LLM(model=args.model, quantization=None if mode == "none" else mode, dtype=args.dtype,
+                  max_num_seqs=max(args.batches), max_model_len=args.context_len + args.steps * 4 + 64,
+                  num_kv_blocks=max(args.batches) * (-(-(args.context_len + args.steps * 4 + 64) // 16)) + 8)
+        engines[mode] = llm.engine
+        nbytes[mode] = linear_bytes(llm.engine.core.executor.driver_worker.model)
+        print(f"{mode}: linear weights {nbytes[mode] / 1e6:.1f} MB ({llm.engine.config.model.dtype})", flush=True)
+    rng = random.Random(0)
+    vocab = engines[args.modes[0]].config.model.vocab_size
+    samples: dict[tuple[str, int], list[float]] = {}
+    for r in range(args.rounds):
+        for b in args.batches:
+            prompts = [[rng.randrange(3, vocab) for _ in range(args.context_len)] for _ in range(b)]
+            order = args.modes[r % len(args.modes):] + args.modes[:r % len(args.modes)]
+            for mode in order:
+                s = run_decode_window(engines[mode], prompts, args.steps, 0.0).sample
+                samples.setdefault((mode, b), []).append(s.num_output_tokens / s.elapsed_s)
+            print(f"round {r} batch {b}: " + ", ".join(f"{m} {samples[(m, b)][-1]:.1f}" for m in args.modes),
+                  flush=True)
+    rows = []
+    print(f"\n{'mode':6} {'batch':>5} {'tok/s median':>12} {'min-max':>15} {'x none':>7} {'weight GB/s':>11}")
+    for b in args.batches:
+        base = statistics.median(samples[(args.modes[0], b)])
+        for mode in args.modes:
+            xs = samples[(mode, b)]
+            med = statistics.median(xs)
+            gbs = med / b * nbytes[mode] / 1e9 if b == 1 else None
+            rows.append({"mode": mode, "batch": b, "tok_s": xs, "median": med, "ratio": med / base,
+                         "weight_gb_s": gbs, "linear_bytes": nbytes[mode]})
+            print(f"{mode:6} {b:5d} {med:12.1f} {min(xs):7.1f}-{max(xs):<7.1f} {med / base:7.2f} "
+                  + (f"{gbs:11.2f}" if gbs is not None else ""))
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+    for e in engines.values():
+        e.shutdown()
+
+
+if __name__ == "__main__":
+    main()
