@@ -8,11 +8,10 @@
 //   or GPTQ) is what lets one 8-byte load widen into two 8-float vectors that line up with x without a shuffle.
 //   x must have Kp columns (the wrapper pads it with zeros).
 // Both: x fp32 (the wrapper widens bf16/fp16 rows once per call: M x K is small next to N x K), fp32 accumulation,
-// work split over output rows in blocks of 4 (each block's weights are read from memory once, whatever M).
-// M <= 2 (decode at batch 1-2): the weights are widened in registers right before their FMAs, 2 activation rows
-// sharing each widened vector. M >= 3: the block's 4 rows are widened once into a per-thread fp32 scratch (L1/L2
-// sized: 4 x K floats), then an fp32 4-rows x 3-activations register tile runs over it, so the widening cost is
-// paid once per weight instead of once per activation pair and the FMAs dominate.
+// work split over output rows in blocks of 4 (each block's weights are read from memory once, whatever M: the
+// rows stay in L1 while every activation row passes over them), 2 activation rows at a time so each widened
+// weight vector serves two FMAs. (Widening a block once into an fp32 scratch for M >= 3 and running an fp32 4x3
+// tile over it measured slower here at M = 3 and 8, 1 thread: int8 17 vs 23 G multiply-adds/s.)
 // AVX2 intrinsics (cvtepi8_epi32 -> cvtepi32_ps -> fmadd); a plain loop elsewhere. The AVX2 code also runs on
 // AVX-512 hosts (no 512-bit variant yet).
 #include <ATen/Parallel.h>
@@ -22,7 +21,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <vector>
 
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -31,8 +29,7 @@
 namespace {
 
 constexpr int kRows = 4;  // output rows per block
-constexpr int kM = 3;     // activation rows per register tile (2 on the in-register path)
-constexpr int kDirectM = 2;  // M up to this: widen in registers; above it: widen into the scratch once
+constexpr int kM = 2;     // activation rows sharing one widened weight vector
 
 #ifdef __AVX2__
 inline float hsum8(__m256 v) {
@@ -47,24 +44,41 @@ inline __m256 widen_i8(const int8_t* p) {
 }
 #endif
 
-// acc[m][r] = x[m] . q[r] over all K, for R weight rows and MB activation rows.
+// acc[m][r] = x[m] . q[r] over all K, for R weight rows and MB activation rows. With one activation row, two
+// accumulators per weight row (even / odd runs of 8): R chains alone are bound by the FMA latency, not its
+// throughput (measured 2x slower per weight than two activation rows).
 template <int R, int MB>
 inline void int8_block(const float* x, int64_t K, const int8_t* w, float acc[kM][kRows]) {
   int64_t k = 0;
 #ifdef __AVX2__
-  __m256 a[MB][R];
+  constexpr int S = MB == 1 ? 2 : 1;
+  __m256 a[MB][R][S];
   for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < R; ++r) a[m][r] = _mm256_setzero_ps();
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < S; ++j) a[m][r][j] = _mm256_setzero_ps();
+  for (; k + 8 * S <= K; k += 8 * S)
+    for (int j = 0; j < S; ++j) {
+      __m256 xv[MB];
+      for (int m = 0; m < MB; ++m) xv[m] = _mm256_loadu_ps(x + m * K + k + 8 * j);
+      for (int r = 0; r < R; ++r) {
+        __m256 wv = widen_i8(w + r * K + k + 8 * j);
+        for (int m = 0; m < MB; ++m) a[m][r][j] = _mm256_fmadd_ps(wv, xv[m], a[m][r][j]);
+      }
+    }
   for (; k + 8 <= K; k += 8) {
     __m256 xv[MB];
     for (int m = 0; m < MB; ++m) xv[m] = _mm256_loadu_ps(x + m * K + k);
     for (int r = 0; r < R; ++r) {
       __m256 wv = widen_i8(w + r * K + k);
-      for (int m = 0; m < MB; ++m) a[m][r] = _mm256_fmadd_ps(wv, xv[m], a[m][r]);
+      for (int m = 0; m < MB; ++m) a[m][r][0] = _mm256_fmadd_ps(wv, xv[m], a[m][r][0]);
     }
   }
   for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < R; ++r) acc[m][r] = hsum8(a[m][r]);
+    for (int r = 0; r < R; ++r) {
+      __m256 t = a[m][r][0];
+      for (int j = 1; j < S; ++j) t = _mm256_add_ps(t, a[m][r][j]);
+      acc[m][r] = hsum8(t);
+    }
 #else
   for (int m = 0; m < MB; ++m)
     for (int r = 0; r < R; ++r) acc[m][r] = 0.f;
@@ -74,21 +88,24 @@ inline void int8_block(const float* x, int64_t K, const int8_t* w, float acc[kM]
       for (int r = 0; r < R; ++r) acc[m][r] += x[m * K + k] * static_cast<float>(w[r * K + k]);
 }
 
-// The same over int4 groups: acc[m][r] = sum_g s[r][g] * (x[m] . q[r] over group g).
+// The same over int4 groups: acc[m][r] = sum_g s[r][g] * (x[m] . q[r] over group g). Each group's vector sum is
+// reduced to a scalar and scaled (a few instructions per 128 weights) so the registers hold only the group
+// accumulators; one activation row keeps the low- and high-nibble halves in separate chains (latency, as above).
 template <int R, int MB>
 inline void int4_block(const float* x, int64_t Kp, const uint8_t* w, const float* s, int64_t G, int64_t group,
                        float acc[kM][kRows]) {
   const int64_t row_bytes = Kp / 2;
-#ifdef __AVX2__
-  __m256 a[MB][R];
   for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < R; ++r) a[m][r] = _mm256_setzero_ps();
+    for (int r = 0; r < R; ++r) acc[m][r] = 0.f;
+#ifdef __AVX2__
+  constexpr int S = MB == 1 ? 2 : 1;
   const __m256i low = _mm256_set1_epi32(0xF), eight = _mm256_set1_epi32(8);
   for (int64_t g = 0; g < G; ++g) {
     const int64_t k0 = g * group, k1 = std::min(Kp, k0 + group);
-    __m256 ga[MB][R];
+    __m256 ga[MB][R][S];
     for (int m = 0; m < MB; ++m)
-      for (int r = 0; r < R; ++r) ga[m][r] = _mm256_setzero_ps();
+      for (int r = 0; r < R; ++r)
+        for (int j = 0; j < S; ++j) ga[m][r][j] = _mm256_setzero_ps();
     for (int64_t k = k0; k < k1; k += 16) {
       __m256 xl[MB], xh[MB];
       for (int m = 0; m < MB; ++m) {
@@ -100,22 +117,20 @@ inline void int4_block(const float* x, int64_t Kp, const uint8_t* w, const float
         __m256 lo = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(b, low), eight));
         __m256 hi = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(b, 4), eight));
         for (int m = 0; m < MB; ++m) {
-          ga[m][r] = _mm256_fmadd_ps(lo, xl[m], ga[m][r]);
-          ga[m][r] = _mm256_fmadd_ps(hi, xh[m], ga[m][r]);
+          ga[m][r][0] = _mm256_fmadd_ps(lo, xl[m], ga[m][r][0]);
+          ga[m][r][S - 1] = _mm256_fmadd_ps(hi, xh[m], ga[m][r][S - 1]);
         }
       }
     }
-    for (int r = 0; r < R; ++r) {
-      __m256 sv = _mm256_set1_ps(s[r * G + g]);
-      for (int m = 0; m < MB; ++m) a[m][r] = _mm256_fmadd_ps(ga[m][r], sv, a[m][r]);
-    }
+    for (int m = 0; m < MB; ++m)
+      for (int r = 0; r < R; ++r) {
+        __m256 t = S == 2 ? _mm256_add_ps(ga[m][r][0], ga[m][r][S - 1]) : ga[m][r][0];
+        acc[m][r] += hsum8(t) * s[r * G + g];
+      }
   }
-  for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < R; ++r) acc[m][r] = hsum8(a[m][r]);
 #else
   for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < R; ++r) {
-      float total = 0.f;
+    for (int r = 0; r < R; ++r)
       for (int64_t g = 0; g < G; ++g) {
         const int64_t k0 = g * group, k1 = std::min(Kp, k0 + group);
         float part = 0.f;
@@ -125,72 +140,40 @@ inline void int4_block(const float* x, int64_t Kp, const uint8_t* w, const float
             part += x[m * Kp + k + i] * static_cast<float>((b & 0xF) - 8);
             part += x[m * Kp + k + 8 + i] * static_cast<float>((b >> 4) - 8);
           }
-        total += part * s[r * G + g];
+        acc[m][r] += part * s[r * G + g];
       }
-      acc[m][r] = total;
-    }
 #endif
-}
-
-// acc[m][r] = x[m] . w[r] on fp32 rows (the widened scratch), R rows of length K at stride K.
-template <int R, int MB>
-inline void fp32_block(const float* x, int64_t K, const float* w, float acc[kM][kRows]) {
-  int64_t k = 0;
-#ifdef __AVX2__
-  __m256 a[MB][R];
-  for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < R; ++r) a[m][r] = _mm256_setzero_ps();
-  for (; k + 8 <= K; k += 8) {
-    __m256 xv[MB];
-    for (int m = 0; m < MB; ++m) xv[m] = _mm256_loadu_ps(x + m * K + k);
-    for (int r = 0; r < R; ++r) {
-      __m256 wv = _mm256_loadu_ps(w + r * K + k);
-      for (int m = 0; m < MB; ++m) a[m][r] = _mm256_fmadd_ps(wv, xv[m], a[m][r]);
-    }
-  }
-  for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < R; ++r) acc[m][r] = hsum8(a[m][r]);
-#else
-  for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < R; ++r) acc[m][r] = 0.f;
-#endif
-  for (; k < K; ++k)
-    for (int m = 0; m < MB; ++m)
-      for (int r = 0; r < R; ++r) acc[m][r] += x[m * K + k] * w[r * K + k];
-}
-
-// Widen R int8 rows [R, K] into fp32 (unscaled: the row scale is applied to the sums).
-inline void widen_int8_rows(const int8_t* w, int64_t K, int R, float* out) {
-  for (int64_t i = 0; i < R * K; ++i) out[i] = static_cast<float>(w[i]);
-}
-
-// Widen R int4 rows into fp32 [R, Kp] with their group scales applied.
-inline void widen_int4_rows(const uint8_t* w, int64_t Kp, const float* s, int64_t G, int64_t group, int R,
-                            float* out) {
-  const int64_t row_bytes = Kp / 2;
-  for (int r = 0; r < R; ++r)
-    for (int64_t k = 0; k < Kp; k += 16) {
-      const float sc = s[r * G + k / group];
-      for (int i = 0; i < 8; ++i) {
-        const uint8_t b = w[r * row_bytes + k / 2 + i];
-        out[r * Kp + k + i] = static_cast<float>((b & 0xF) - 8) * sc;
-        out[r * Kp + k + 8 + i] = static_cast<float>((b >> 4) - 8) * sc;
-      }
-    }
 }
 
 // Runs ``block(R, MB, n, m, acc)`` over every (row block, activation pair), with the results scaled by
 // ``row_scale`` (1 for int4, whose scales are inside the sum) plus bias, into y [M, N] fp32.
+template <typename Block>
+void run_blocks(float* y, int64_t M, int64_t N, const float* row_scale, const float* bias, int64_t k_work,
+                Block block) {
+  const int64_t nblocks = (N + kRows - 1) / kRows;
+  // ~64k weight bytes of work per task at least, so small layers do not wake every thread
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(kRows * k_work, 1));
+  at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n = b * kRows;
+      const int R = static_cast<int>(std::min<int64_t>(kRows, N - n));
+      for (int64_t m = 0; m < M; m += kM) {
+        const int MB = static_cast<int>(std::min<int64_t>(kM, M - m));
+        float acc[kM][kRows];
+        block(R, MB, n, m, acc);
+        for (int i = 0; i < MB; ++i)
+          for (int r = 0; r < R; ++r) {
+            float v = acc[i][r] * (row_scale ? row_scale[n + r] : 1.f);
+            y[(m + i) * N + n + r] = bias ? v + bias[n + r] : v;
+          }
+      }
+    }
+  });
+}
+
 #define OI_DISPATCH_RM(FN, ...)                                      \
   do {                                                               \
-    if (MB == 3) {                                                   \
-      switch (R) {                                                   \
-        case 4: FN<4, 3>(__VA_ARGS__); break;                        \
-        case 3: FN<3, 3>(__VA_ARGS__); break;                        \
-        case 2: FN<2, 3>(__VA_ARGS__); break;                        \
-        default: FN<1, 3>(__VA_ARGS__); break;                       \
-      }                                                              \
-    } else if (MB == 2) {                                            \
+    if (MB == 2) {                                                   \
       switch (R) {                                                   \
         case 4: FN<4, 2>(__VA_ARGS__); break;                        \
         case 3: FN<3, 2>(__VA_ARGS__); break;                        \
@@ -206,41 +189,6 @@ inline void widen_int4_rows(const uint8_t* w, int64_t Kp, const float* s, int64_
       }                                                              \
     }                                                                \
   } while (0)
-
-template <typename Block, typename Widen>
-void run_blocks(float* y, int64_t M, int64_t N, const float* row_scale, const float* bias, int64_t k_work,
-                int64_t kx, const float* x, Block block, Widen widen) {
-  const int64_t nblocks = (N + kRows - 1) / kRows;
-  // ~64k weight bytes of work per task at least, so small layers do not wake every thread
-  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(kRows * k_work, 1));
-  const bool direct = M <= kDirectM;
-  at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) {
-    std::vector<float> scratch(direct ? 0 : kRows * kx);
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n = b * kRows;
-      const int R = static_cast<int>(std::min<int64_t>(kRows, N - n));
-      if (!direct) widen(n, R, scratch.data());
-      const int tile = direct ? kDirectM : kM;
-      for (int64_t m = 0; m < M; m += tile) {
-        const int MB = static_cast<int>(std::min<int64_t>(tile, M - m));
-        float acc[kM][kRows];
-        if (direct) {
-          block(R, MB, n, m, acc);
-        } else {
-          const float* xm = x + m * kx;
-          const float* ws = scratch.data();
-          OI_DISPATCH_RM(fp32_block, xm, kx, ws, acc);
-        }
-        for (int i = 0; i < MB; ++i)
-          for (int r = 0; r < R; ++r) {
-            float v = acc[i][r] * (row_scale ? row_scale[n + r] : 1.f);
-            y[(m + i) * N + n + r] = bias ? v + bias[n + r] : v;
-          }
-      }
-    }
-  });
-}
-
 
 void check_common(const at::Tensor& y, const at::Tensor& x, int64_t N, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "x must be contiguous fp32 [M, K]");
@@ -262,12 +210,10 @@ void int8_linear(at::Tensor y, const at::Tensor& x, const at::Tensor& qweight, c
   check_common(y, x, N, bias);
   const float* xp = x.data_ptr<float>();
   const int8_t* wp = qweight.data_ptr<int8_t>();
-  run_blocks(y.data_ptr<float>(), M, N, scales.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr, K, K,
-             xp,
+  run_blocks(y.data_ptr<float>(), M, N, scales.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr, K,
              [&](int R, int MB, int64_t n, int64_t m, float acc[kM][kRows]) {
                OI_DISPATCH_RM(int8_block, xp + m * K, K, wp + n * K, acc);
-             },
-             [&](int64_t n, int R, float* out) { widen_int8_rows(wp + n * K, K, R, out); });
+             });
 }
 
 void int4_linear(at::Tensor y, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
@@ -285,11 +231,10 @@ void int4_linear(at::Tensor y, const at::Tensor& x, const at::Tensor& qweight, c
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = qweight.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
-  run_blocks(y.data_ptr<float>(), M, N, nullptr, bias ? bias->data_ptr<float>() : nullptr, Kp / 2, Kp, xp,
+  run_blocks(y.data_ptr<float>(), M, N, nullptr, bias ? bias->data_ptr<float>() : nullptr, Kp / 2,
              [&](int R, int MB, int64_t n, int64_t m, float acc[kM][kRows]) {
                OI_DISPATCH_RM(int4_block, xp + m * Kp, Kp, wp + n * (Kp / 2), sp + n * G, G, group, acc);
-             },
-             [&](int64_t n, int R, float* out) { widen_int4_rows(wp + n * (Kp / 2), Kp, sp + n * G, G, group, R, out); });
+             });
 }
 
 }  // namespace
