@@ -17,7 +17,7 @@ from openinfer.forward_context import AttentionMetadata, set_forward_context
 from openinfer.layers import cpu_ops
 from openinfer.layers.attention import Attention
 from openinfer.layers.kv_quant import FP8_DTYPE
-from openinfer.layers.linear import prepack_linears, quantize_linears, weight_bytes
+from openinfer.layers.linear import prepack_linears, quantize_linears
 from openinfer.kv_cache_interface import KVGroupSpec, blocks_for_tokens, check_groups
 from openinfer.sampling_params import SamplingParams
 from openinfer.step_io import ExpertLoadStats, ModelRunnerOutput, NewRequestData, SampledToken, SchedulerOutput
@@ -60,7 +60,6 @@ class ModelRunner:
         if self.config.model.quantization is not None:
             quantize_linears(self.model, self.config.model.quantization)
         prepack_linears(self.model)
-        self.weight_bytes = weight_bytes(self.model)
         self.rebalancer = ExpertRebalancer(self.model, self.config.parallel.eplb_step_interval)
         self.proposer = make_proposer(self.config, self.device, self.model)
         if (self.device.type == "cpu" and self.config.attention_backend == AttentionBackend.SDPA
