@@ -71,6 +71,8 @@ class ModelConfig:
     device: torch.device
     max_model_len: int
     tokenizer_path: str
+    # --quantization: the linear weights kept low-bit, quantised at load (layers/quant_linear.py); None = as loaded
+    quantization: str | None = None
 
     @property
     def architecture(self) -> str:
@@ -89,6 +91,7 @@ class ModelConfig:
         device: str | None = None,
         max_model_len: int | None = None,
         tokenizer: str | None = None,
+        quantization: str | None = None,
     ) -> ModelConfig:
         p = Path(path)
         if not p.is_dir():
@@ -126,7 +129,26 @@ class ModelConfig:
             device=dev,
             max_model_len=int(max_model_len),
             tokenizer_path=str(tokenizer or p),
+            quantization=check_quantization(quantization, hf_config),
         )
+
+
+# Weight-only, quantised at load (layers/quant_linear.py says how each is laid out).
+QUANTIZATION_METHODS = ("int8", "int4")
+
+
+def check_quantization(method: str | None, hf_config: dict[str, Any]) -> str | None:
+    """``--quantization``: a known method, on weights that are not already quantised in the checkpoint (whether
+    the model class runs quantised linears is checked by engine_args, which may import the models)."""
+    if method is None or method in ("", "none"):
+        return None
+    if method not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization={method!r} is not supported; choose one of "
+                         f"{', '.join(QUANTIZATION_METHODS)}")
+    if hf_config.get("quantization_config"):
+        raise ValueError(f"quantization={method!r}: the checkpoint is already quantised "
+                         f"(config.json quantization_config); quantising it again is not supported")
+    return method
 
 
 # fp8_e5m2 (vLLM's other fp8) is not offered: e4m3's extra mantissa bit is what a scale-1.0 cache wants.

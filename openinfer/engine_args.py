@@ -51,6 +51,9 @@ class EngineArgs:
     kv_cache_dtype: str = _arg("auto", "what the KV cache stores: auto (the model's dtype) | fp8 / fp8_e4m3 "
                                        "(float8_e4m3fn, scale 1.0: half of bf16's bytes) | fp8_ds_mla "
                                        "(DeepSeek-V4's packed fp8 layout, what fp8 picks on V4)")
+    quantization: str | None = _arg(None, "keep the linear weights low-bit, quantised at load and multiplied "
+                                          "packed: int8 (per output channel) | int4 (groups of 128 columns); "
+                                          "default: the checkpoint's weights as they are")
     seed: int = _arg(0, "random seed of the engine (sampling without a per-request seed)")
     attention_backend: str = _arg("auto", "auto | sdpa | reference (the plain torch attention)")
     tensor_parallel_size: int = _arg(1, "ranks that split every layer (heads, MLP, vocabulary), one process each")
@@ -141,7 +144,9 @@ class EngineArgs:
 
         model = ModelConfig.from_path(self.model or default_model_path(), dtype=self.dtype,
                                       device=self.device, max_model_len=self.max_model_len,
-                                      tokenizer=self.tokenizer)
+                                      tokenizer=self.tokenizer, quantization=self.quantization)
+        if model.quantization is not None:
+            _check_quantization(model.quantization, model.architecture, self.enable_eplb)
         max_num_batched_tokens = self.max_num_batched_tokens
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max(2048, min(model.max_model_len, 8192))
@@ -178,6 +183,20 @@ class EngineArgs:
             tokenizer_mode=self.tokenizer_mode,
             kv_transfer=KVTransferConfig.parse(self.kv_transfer_config),
         )
+
+
+def _check_quantization(method: str, architecture: str, enable_eplb: bool) -> None:
+    """Only model classes whose linears (and experts) run quantised list the method in ``supported_quantization``.
+    Expert rebalancing moves dense expert weights between ranks, which quantised experts do not have."""
+    from openinfer.models.registry import resolve_model_class
+
+    ok = getattr(resolve_model_class(architecture), "supported_quantization", ())
+    if method not in ok:
+        raise ValueError(f"quantization={method!r} is not supported by {architecture}; it supports "
+                         f"{', '.join(ok) or 'none'}")
+    if enable_eplb:
+        raise ValueError(f"quantization={method!r} cannot be combined with enable_eplb (rebalancing moves dense "
+                         f"expert weights)")
 
 
 def _check_kv_cache_dtype(kv_cache_dtype: str, architecture: str, speculative) -> None:

@@ -246,8 +246,9 @@ def test_paged_decode_kernel_avx2_build(kernel_ops, avx2_variant, tmp_path):
         pytest.skip("x86 only")
     env = dict(os.environ, OPENINFER_KERNEL_CFLAGS="-march=x86-64-v3", OMP_NUM_THREADS="1")
     layer_ops = os.path.join(os.path.dirname(__file__), "test_layer_kernels.py")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, layer_ops,
-           "-k", "(paged_decode_kernel or uses_kernel or layer_kernel) and not avx2"]
+    lowbit = os.path.join(os.path.dirname(__file__), "test_quant_linear.py")  # the int8/int4 GEMM kernels
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, layer_ops, lowbit,
+           "-k", "(paged_decode_kernel or uses_kernel or layer_kernel or lowbit_kernel) and not avx2"]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert " passed" in r.stdout and "skipped" not in r.stdout.splitlines()[-1], r.stdout[-1000:]

@@ -96,6 +96,7 @@ class OpenInferRunner:
         return {
             "runner": "openinfer LLM.generate",
             "dtype": str(cfg.model.dtype).removeprefix("torch."),
+            "quantization": cfg.model.quantization,
             "device": str(cfg.model.device),
             "max_num_seqs": cfg.scheduler.max_num_seqs,
             "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,

@@ -29,6 +29,7 @@ from openinfer.layers.expert_parallel import expert_parallel_experts
 from openinfer.layers.linear import cpu_prepack_supported
 from openinfer.layers.moe import combine_experts, experts_on_sorted_rows, fused_experts, pack_experts, swiglu
 from openinfer.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear, divide
+from openinfer.layers.quant_linear import QuantizedWeight
 from openinfer.layers.weight_utils import WeightLoadError, materialize, narrow
 
 # New score functions are added here; RouterConfig validates against this table.
@@ -260,6 +261,20 @@ class DeepseekExperts(nn.Module):
             self.w13_weight = nn.Parameter(w.new_empty(0), requires_grad=False)
             self.w2_weight = nn.Parameter(w.new_empty(0), requires_grad=False)
         return True
+
+    @torch.no_grad()
+    def quantize_weights(self, method: str) -> int:
+        """``--quantization``: each expert's two matrices as low-bit ``QuantizedWeight``\\s in ``_packed`` (the
+        per-expert loop of ``moe._looped_packed`` runs them); called by ``linear.quantize_linears`` after loading.
+        Returns how many matrices."""
+        w13, w2 = self.dense_weights()
+        if w13.numel() == 0:
+            return 0
+        self._packed = ([QuantizedWeight.quantize(w13[e], method) for e in range(w13.shape[0])],
+                        [QuantizedWeight.quantize(w2[e], method) for e in range(w2.shape[0])])
+        self.w13_weight = nn.Parameter(w13.new_empty(0), requires_grad=False)
+        self.w2_weight = nn.Parameter(w2.new_empty(0), requires_grad=False)
+        return 2 * w13.shape[0]
 
     def dense_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13 [E, 2I, H], w2 [E, H, I]) as plain tensors, packed or not (the reorder is exact both ways)."""

@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from openinfer.layers.quant_linear import QuantizedWeight
+
 logger = logging.getLogger(__name__)
 
 CPU_ROW_BLOCK = 512
@@ -53,6 +55,7 @@ def cpu_prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
 
 class Linear(nn.Linear):
     _packed: torch.Tensor | None = None
+    _quant: QuantizedWeight | None = None  # set by ``quantize`` (--quantization): the weight, packed low-bit
     # False for a module whose weight other code reads as a matrix (packing empties ``weight``).
     prepack: bool = True
 
@@ -60,6 +63,8 @@ class Linear(nn.Linear):
     def prepack_cpu(self, keep_weight: bool = False) -> bool:
         """Reorder the weight into oneDNN's blocked layout; returns whether it did."""
         w = self.weight
+        if self._quant is not None:
+            return False
         if self._packed is not None or not cpu_prepack_supported(w.device, w.dtype):
             return self._packed is not None
         self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), _PACK_BATCH_HINT)
@@ -67,8 +72,19 @@ class Linear(nn.Linear):
             self.weight = nn.Parameter(w.new_empty(0), requires_grad=False)
         return True
 
+    @torch.no_grad()
+    def quantize(self, method: str) -> None:
+        """Replace the weight by its low-bit form (``quant_linear.py``); ``weight`` becomes an empty placeholder."""
+        w = self.dense_weight()
+        self._quant = QuantizedWeight.quantize(w.detach(), method)
+        self._packed = None
+        self.weight = nn.Parameter(w.new_empty(0), requires_grad=False)
+
     def dense_weight(self) -> torch.Tensor:
-        """The weight as a plain ``[out, in]`` matrix, packed or not (the reorder is exact both ways)."""
+        """The weight as a plain ``[out, in]`` matrix, packed or not (the reorder is exact both ways; a quantised
+        weight comes back dequantised)."""
+        if self._quant is not None:
+            return self._quant.to_dense()
         return self._packed.to_dense() if self._packed is not None else self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -76,6 +92,8 @@ class Linear(nn.Linear):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x W^T (+ bias), on whichever weight form this layer holds."""
+        if self._quant is not None:
+            return self._quant.matmul(x, bias)
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
         n = self.weight.shape[0]
@@ -113,12 +131,52 @@ def prepack_linears(model: nn.Module) -> int:
     return packed
 
 
+def quantize_linears(model: nn.Module, method: str) -> int:
+    """``--quantization``: every ``Linear`` whose weight is only multiplied (``prepack``) and not shared, the LM
+    head included, and every module with a ``quantize_weights`` of its own (stacked MoE experts), keep their weights in
+    ``method``'s packed form. Embeddings (and an LM head tied to them) stay in the model dtype: a lookup reads
+    one row. Call before ``prepack_linears``. Returns how many."""
+    counts: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        counts[id(p)] = counts.get(id(p), 0) + 1
+    done = 0
+    for module in model.modules():
+        if isinstance(module, Linear):
+            if module.prepack and counts.get(id(module.weight), 0) <= 1 and module.weight.numel():
+                module.quantize(method)
+                done += 1
+        elif hasattr(module, "quantize_weights"):  # e.g. stacked MoE experts
+            done += module.quantize_weights(method)
+    if done:
+        logger.info("quantized %d linear weights to %s", done, method)
+    return done
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes the model's weights occupy resident: parameters, oneDNN-packed weights and low-bit packed ones."""
+    seen: set[int] = set()
+    total = 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    for m in model.modules():
+        if isinstance(m, Linear) and m._packed is not None:
+            total += m.in_features * m.out_features * m._packed.element_size()
+        if isinstance(m, Linear) and m._quant is not None:
+            total += m._quant.nbytes
+        elif not isinstance(m, Linear) and isinstance(getattr(m, "_packed", None), tuple):  # stacked experts
+            total += sum(w.nbytes if isinstance(w, QuantizedWeight) else w.numel() * w.element_size()
+                         for ws in m._packed for w in ws)
+    return total
+
+
 def num_parameters(model: nn.Module) -> int:
     """Parameter count with prepacked linears counted at their logical shape (their ``weight`` is a
     placeholder once packed)."""
     n = sum(p.numel() for p in model.parameters())
     for m in model.modules():
-        if isinstance(m, Linear) and m._packed is not None and m.weight.numel() == 0:
+        if isinstance(m, Linear) and (m._packed is not None or m._quant is not None) and m.weight.numel() == 0:
             n += m.in_features * m.out_features
         elif not isinstance(m, Linear) and isinstance(getattr(m, "_packed", None), tuple):  # packed experts
             n += sum(w.numel() for ws in m._packed for w in ws)

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from openinfer.layers import cpu_ops
+from openinfer.layers.quant_linear import QuantizedWeight
 
 _HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
 
@@ -125,13 +126,17 @@ def _looped_packed(rows, packed, counts, swiglu_limit):
     """Experts with rows, one prepacked oneDNN matmul per projection (a loop over experts, never tokens)."""
     p13, p2 = packed
     linear = torch.ops.mkldnn._linear_pointwise
+
+    def mm(x, w):  # --quantization: the experts are low-bit QuantizedWeights (DeepseekExperts.quantize_weights)
+        return w.matmul(x) if isinstance(w, QuantizedWeight) else linear(x, w, None, "none", [], "")
+
     out = torch.empty(rows.shape[0], p2[0].shape[0], dtype=rows.dtype, device=rows.device)
     start = 0
     for e, n in enumerate(counts):
         if n:
             seg = rows[start:start + n]
-            h = swiglu(linear(seg, p13[e], None, "none", [], ""), swiglu_limit)
-            out[start:start + n] = linear(h, p2[e], None, "none", [], "")
+            h = swiglu(mm(seg, p13[e]), swiglu_limit)
+            out[start:start + n] = mm(h, p2[e])
             start += n
     return out
 

@@ -138,6 +138,7 @@ class LlamaForCausalLM(nn.Module):
     qk_norm = False
     qkv_bias = False
     supported_kv_cache_dtypes = ("auto", "fp8", "fp8_e4m3")  # engine_args checks kv_cache_dtype against it
+    supported_quantization = ("int8", "int4")  # --quantization (layers/quant_linear.py); engine_args checks
     # HF name fragment -> (fused parameter fragment, part)
     stacked_params = [
         ("q_proj", "qkv_proj", 0),

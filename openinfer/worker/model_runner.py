@@ -17,7 +17,7 @@ from openinfer.forward_context import AttentionMetadata, set_forward_context
 from openinfer.layers import cpu_ops
 from openinfer.layers.attention import Attention
 from openinfer.layers.kv_quant import FP8_DTYPE
-from openinfer.layers.linear import prepack_linears
+from openinfer.layers.linear import prepack_linears, quantize_linears
 from openinfer.kv_cache_interface import KVGroupSpec, blocks_for_tokens, check_groups
 from openinfer.sampling_params import SamplingParams
 from openinfer.step_io import ExpertLoadStats, ModelRunnerOutput, NewRequestData, SampledToken, SchedulerOutput
@@ -57,6 +57,8 @@ class ModelRunner:
     def load_model(self) -> None:
         t0 = time.perf_counter()
         self.model = load_model(self.config.model, self.config.attention_backend, self.device)
+        if self.config.model.quantization is not None:
+            quantize_linears(self.model, self.config.model.quantization)
         prepack_linears(self.model)
         self.rebalancer = ExpertRebalancer(self.model, self.config.parallel.eplb_step_interval)
         self.proposer = make_proposer(self.config, self.device, self.model)

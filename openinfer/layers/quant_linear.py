@@ -1,0 +1,125 @@
+"""Weight-only low-bit linears, quantised at load (``--quantization int8 | int4``) and executed packed.
+
+- ``int8``: symmetric, one fp32 scale per output channel (``s = amax(|w_n|) / 127``, q = round(w / s)).
+  Resident weight bytes: N x K + 4 N, about half of bf16's.
+- ``int4``: symmetric, one fp32 scale per output channel and group of ``INT4_GROUP`` input columns
+  (``s = amax / 7``, q in [-7, 7], stored as q + 8 in a nibble), two per byte in the kernel's order
+  (``cpu_kernels/lowbit_gemm.cpp``: in each run of 16 columns, byte i = column i | column i + 8 << 4); K is padded
+  to a multiple of 16 with zeros. About a quarter of bf16's bytes plus 4 bytes per group.
+
+A ``QuantizedWeight`` replaces a ``Linear``'s weight (``Linear._quant``); ``matmul`` runs the C++ kernel on the
+CPU, else (``OPENINFER_CPU_KERNELS=0``, a GPU tensor, no compiler) the torch reference: the rows are dequantised
+on the fly for that call and multiplied in fp32. Both compute x W^T in fp32 and round to x's dtype once; they
+differ only in summation order.
+
+All-zero rows/groups get scale 1 (q = 0), never a 0 or NaN scale.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from openinfer.layers import cpu_ops
+
+QUANTIZATION_METHODS = ("int8", "int4")
+INT4_GROUP = 128  # input columns per int4 scale (llama.cpp's Q4_0 uses 32, GPTQ/AWQ 128)
+_INT4_RUN = 16  # columns per packed run (the kernel's vector layout)
+
+
+class QuantizedWeight:
+    """One packed weight ``[N, K]`` and its scales; ``matmul(x, bias)`` = x W^T + bias."""
+
+    def __init__(self, method: str, qweight: torch.Tensor, scales: torch.Tensor, shape: tuple[int, int],
+                 dtype: torch.dtype, group: int = 0) -> None:
+        self.method = method
+        self.qweight = qweight
+        self.scales = scales
+        self.shape = torch.Size(shape)  # the logical [N, K]
+        self.dtype = dtype  # what the dense weight was (dequantised weights come back in it)
+        self.group = group
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, method: str, group: int = INT4_GROUP) -> QuantizedWeight:
+        if method == "int8":
+            q, s = quantize_int8(weight)
+            return cls("int8", q, s, tuple(weight.shape), weight.dtype)
+        if method == "int4":
+            q, s = quantize_int4(weight, group)
+            return cls("int4", q, s, tuple(weight.shape), weight.dtype, group)
+        raise ValueError(f"quantization={method!r} is not supported; choose one of {', '.join(QUANTIZATION_METHODS)}")
+
+    @property
+    def nbytes(self) -> int:
+        return self.qweight.numel() * self.qweight.element_size() + self.scales.numel() * 4
+
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    def dequantize(self) -> torch.Tensor:
+        """W as a plain fp32 ``[N, K]`` matrix."""
+        if self.method == "int8":
+            return self.qweight.float() * self.scales[:, None]
+        return dequantize_int4(self.qweight, self.scales, self.group, self.shape[1])
+
+    def to_dense(self) -> torch.Tensor:
+        return self.dequantize().to(self.dtype)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        n, k = self.shape
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, k)
+        ops = cpu_ops.ops_for(x2, self.qweight)
+        if ops is None:
+            y = F.linear(x2.float(), self.dequantize(), None if bias is None else bias.float())
+            return y.to(x.dtype).reshape(*lead, n)
+        xf = x2.float().contiguous()
+        if self.method == "int4" and xf.shape[1] != self.qweight.shape[1] * 2:
+            xf = F.pad(xf, (0, self.qweight.shape[1] * 2 - k))
+        y = torch.empty(xf.shape[0], n, dtype=torch.float32)
+        b = None if bias is None else bias.float().contiguous()
+        if self.method == "int8":
+            ops.int8_linear(y, xf, self.qweight, self.scales, b)
+        else:
+            ops.int4_linear(y, xf, self.qweight, self.scales, self.group, b)
+        return y.to(x.dtype).reshape(*lead, n)
+
+
+def _safe_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
+    s = amax / qmax
+    return torch.where(s > 0, s, torch.ones_like(s))  # all-zero rows: any finite scale gives q = 0
+
+
+@torch.no_grad()
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (int8 [N, K], fp32 scales [N])."""
+    w = weight.float()
+    s = _safe_scale(w.abs().amax(dim=1), 127.0)
+    q = torch.round(w / s[:, None]).clamp(-127, 127).to(torch.int8)
+    return q.contiguous(), s.contiguous()
+
+
+@torch.no_grad()
+def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (uint8 [N, Kp / 2] in the kernel's nibble order, fp32 scales [N, ceil(Kp / group)])."""
+    if group <= 0 or group % _INT4_RUN:
+        raise ValueError(f"int4 group size must be a positive multiple of {_INT4_RUN}, got {group}")
+    n, k = weight.shape
+    kp = -(-k // _INT4_RUN) * _INT4_RUN
+    groups = -(-kp // group)
+    w = torch.zeros(n, groups * group, dtype=torch.float32)
+    w[:, :k] = weight.float()
+    wg = w.view(n, groups, group)
+    s = _safe_scale(wg.abs().amax(dim=2), 7.0)
+    q = torch.round(wg / s[..., None]).clamp(-7, 7).view(n, -1)[:, :kp].to(torch.int16) + 8
+    runs = q.view(n, kp // _INT4_RUN, 2, _INT4_RUN // 2)
+    packed = (runs[:, :, 0] | (runs[:, :, 1] << 4)).to(torch.uint8).reshape(n, kp // 2)
+    return packed.contiguous(), s.contiguous()
+
+
+def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, group: int, k: int) -> torch.Tensor:
+    """The inverse of ``quantize_int4`` (up to rounding): fp32 [N, k]."""
+    n, kp = packed.shape[0], packed.shape[1] * 2
+    b = packed.view(n, kp // _INT4_RUN, _INT4_RUN // 2).to(torch.int16)
+    q = torch.stack([b & 0xF, b >> 4], dim=2).view(n, kp).float() - 8.0
+    s = scales.repeat_interleave(group, dim=1)[:, :kp]
+    return (q * s)[:, :k]
