@@ -87,3 +87,17 @@ def random_prompts(seed: int, lengths: list[int], vocab_size: int = 256) -> list
     """Seeded random prompts of the given lengths (ids from 6: clear of the char tokenizer's specials)."""
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(6, vocab_size, (n,), generator=g).tolist() for n in lengths]
+
+
+def peer_args(model, *extra: str):
+    """``bench peers`` arguments as its parser makes them, the workload resolved (the peer runners' tests)."""
+    import argparse
+
+    from openinfer.bench import peers
+    from openinfer.bench.workload import resolve_workload
+
+    p = argparse.ArgumentParser()
+    peers.add_args(p)
+    args = p.parse_args(["--model", str(model), "--output-dir", "unused", *extra])
+    resolve_workload(args)
+    return args

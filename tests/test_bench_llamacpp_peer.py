@@ -7,7 +7,6 @@ Nothing here pretends llama.cpp ran: the one llama.cpp result is that recorded f
 parses it."""
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import subprocess
@@ -15,24 +14,19 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import peer_args
 
 from openinfer.bench import llamacpp_peer as lp
 from openinfer.bench import peers
 from openinfer.bench import results as R
 from openinfer.bench.peers_report import _llamacpp_lines, results_table
 from openinfer.bench.throughput import make_prompts
-from openinfer.bench.workload import resolve_workload
 
 RECORDED = Path(__file__).parent / "data" / "llamacpp_peer_child.json"
 HAVE_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
 
 
-def _args(model: Path, *extra: str) -> argparse.Namespace:
-    p = argparse.ArgumentParser()
-    peers.add_args(p)
-    args = p.parse_args(["--model", str(model), "--output-dir", "unused", *extra])
-    resolve_workload(args)
-    return args
+_args = peer_args
 
 
 @pytest.fixture

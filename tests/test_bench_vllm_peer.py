@@ -4,7 +4,6 @@ float32, batch 1, input 128 / output 32; its 32 greedy tokens equal openinfer's 
 pretends vLLM ran: the one vLLM result is that recorded file, parsed as the parent parses it."""
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import os
@@ -13,24 +12,19 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import peer_args
 
 from openinfer.bench import peers, vllm_peer
 from openinfer.bench import results as R
 from openinfer.bench.throughput import make_prompts
 from openinfer import platform as cpu_malloc
-from openinfer.bench.workload import resolve_workload
 
 REPO = Path(__file__).resolve().parents[1]
 RECORDED = Path(__file__).parent / "data" / "vllm_peer_child.json"
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 
 
-def _args(model: Path, *extra: str) -> argparse.Namespace:
-    p = argparse.ArgumentParser()
-    peers.add_args(p)
-    args = p.parse_args(["--model", str(model), "--output-dir", "unused", *extra])
-    resolve_workload(args)
-    return args
+_args = peer_args
 
 
 @pytest.fixture

@@ -34,7 +34,6 @@ import argparse
 import importlib.metadata
 import importlib.util
 import json
-import shutil
 import subprocess
 import sys
 import tempfile

@@ -157,20 +157,10 @@ def child_command(vllm_python: str, spec_path: str, json_path: str) -> list[str]
 
 
 def read_child(path: str | Path) -> dict[str, Any]:
-    """The child's JSON, checked: ``engine`` (describe), ``environment``, ``sample`` (``IterationSample``
-    fields, ``kv_context`` a pair or null), ``first_output_token_ids``, ``notes``."""
-    d = json.loads(Path(path).read_text())
-    if d.get("schema") != RESULT_SCHEMA:
-        raise ValueError(f"{path}: not a vllm_peer result (schema {d.get('schema')!r}, want {RESULT_SCHEMA})")
-    s = d["sample"]
-    for key in ("elapsed_s", "num_output_tokens", "num_input_tokens"):
-        if not isinstance(s.get(key), (int, float)):
-            raise ValueError(f"{path}: sample.{key} missing or not a number")
-    if s["elapsed_s"] <= 0:
-        raise ValueError(f"{path}: non-positive elapsed_s {s['elapsed_s']}")
-    if s.get("kv_context") is not None:
-        s["kv_context"] = tuple(s["kv_context"])
-    return d
+    """The child's JSON, checked (peer_child.py: the same shape for every peer)."""
+    from openinfer.bench.peer_child import read_child_json  # parent side only: this file's top is stdlib
+
+    return read_child_json(path, RESULT_SCHEMA, "vllm_peer")
 
 
 # ---------------------------------------------------------------- child side (vLLM's interpreter)

@@ -14,7 +14,6 @@ when its decoding starts): either flag sets it, both must agree when both are gi
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from typing import Any
 
