@@ -255,6 +255,16 @@ def stepping(prod):
         t.join(30)
 
 
+def drain_and_check_free(prod, cons):
+    """Step the producer until it has freed what it held (once the transfers' notifications arrive); then every
+    block of both engines is back in its pool."""
+    for _ in range(200):
+        if not prod.engine.has_unfinished_requests():
+            break
+        prod.engine.step()
+    assert prod.engine.core.kv.all_free() and cons.engine.core.kv.all_free()
+
+
 def greedy(llm, prompt, max_tokens, params=None):
     return llm.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens, kv_transfer_params=params),
                         use_tqdm=False)[0]
@@ -283,11 +293,7 @@ def test_nixl_pull_between_two_engines_is_token_identical(engines, send_type):
     assert after.prompt_tokens_computed - before.prompt_tokens_computed == 4
     assert after.kv_transfer.loads_ok - before.kv_transfer.loads_ok == 4
     assert after.kv_transfer.bytes_received > before.kv_transfer.bytes_received
-    for _ in range(200):  # the producer frees once the reads' notifications arrive
-        if not prod.engine.has_unfinished_requests():
-            break
-        prod.engine.step()
-    assert prod.engine.core.kv.all_free() and cons.engine.core.kv.all_free()
+    drain_and_check_free(prod, cons)
     assert prod.engine.stats().kv_transfer.sends_ok - sends_before == 4
 
 
@@ -346,11 +352,7 @@ def test_nixl_pull_deepseek_groups_token_identical(arch, send_type, tmp_path):
         assert d.outputs[0].token_ids == want
     stats = cons.engine.stats()
     assert stats.kv_transfer.loads_ok == 2 and stats.kv_transfer.fallbacks == 0 and stats.prompt_tokens_computed == 2
-    for _ in range(200):
-        if not prod.engine.has_unfinished_requests():
-            break
-        prod.engine.step()
-    assert prod.engine.core.kv.all_free() and cons.engine.core.kv.all_free()
+    drain_and_check_free(prod, cons)
     for llm in (prod, cons):
         llm.engine.shutdown()
 
@@ -399,11 +401,7 @@ def test_nixl_pull_deepseek_v41_token_identical(tmp_path):
             assert got_lp == pytest.approx(want_lp, abs=1e-4)
     stats = cons.engine.stats()
     assert stats.kv_transfer.loads_ok == 1 and stats.kv_transfer.fallbacks == 0
-    for _ in range(200):
-        if not prod.engine.has_unfinished_requests():
-            break
-        prod.engine.step()
-    assert prod.engine.core.kv.all_free() and cons.engine.core.kv.all_free()
+    drain_and_check_free(prod, cons)
     for llm in (prod, cons):
         llm.engine.shutdown()
 
@@ -507,11 +505,7 @@ def test_push_that_is_refused_or_never_comes_falls_back_and_frees_both_sides(eng
     with stepping(prod):
         d = greedy(cons, prompt, 5, p)  # the held prompt itself is still served
     assert d.outputs[0].token_ids == want and d.num_cached_tokens == len(prompt) - 1
-    for _ in range(200):
-        if not prod.engine.has_unfinished_requests():
-            break
-        prod.engine.step()
-    assert prod.engine.core.kv.all_free() and cons.engine.core.kv.all_free()
+    drain_and_check_free(prod, cons)
 
 
 class _StuckRelease:

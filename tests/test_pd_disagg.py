@@ -78,8 +78,8 @@ def pd(tmp_path_factory):
         yield prefill, decode, url
     finally:
         _stop_router(router)
-        a.stop()
-        b.stop()
+        prefill.stop()
+        decode.stop()
 
 
 def _wait_free(server, timeout_s=10.0) -> dict:
