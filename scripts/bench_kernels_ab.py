@@ -27,14 +27,14 @@ import sys
 import time
 
 
-def _time(fn, reps: int) -> float:
+def _time(fn, reps: int, clock) -> float:
     fn()
     fn()
     ts = []
     for _ in range(reps):
-        t = time.perf_counter()
+        t = clock()
         fn()
-        ts.append(time.perf_counter() - t)
+        ts.append(clock() - t)
     return statistics.median(ts) * 1e3
 
 
@@ -48,6 +48,11 @@ def measure(a: argparse.Namespace) -> dict[str, float]:
     torch.manual_seed(0)
     torch.set_num_threads(a.threads)
     assert cpu_ops.available(), cpu_ops._state.get("error")
+    # --clock cpu: this thread's CPU time, which a crowded host's time slicing does not inflate; with --threads 1 the
+    # kernels run on the calling thread (at::parallel_for runs a single range inline), so it is their whole cost
+    clock = time.thread_time if a.clock == "cpu" else time.perf_counter
+    if a.clock == "cpu" and a.threads != 1:
+        raise SystemExit("--clock cpu needs --threads 1 (other threads' time would not be counted)")
     B, L, bs = a.batch, a.ctx, 16
     nb = -(-L // bs)
     res: dict[str, float] = {}
@@ -59,32 +64,32 @@ def measure(a: argparse.Namespace) -> dict[str, float]:
     for name, dt in (("mla_fp32", torch.float32), ("mla_bf16", torch.bfloat16)):
         cache = torch.randn(B * nb, bs, 576).to(dt)
         qq = q.to(dt)
-        res[name] = _time(lambda: cpu_ops.mla_decode_attention(qq, cache, tables, lens, 0.05, 512), a.reps)
+        res[name] = _time(lambda: cpu_ops.mla_decode_attention(qq, cache, tables, lens, 0.05, 512), a.reps, clock)
     # paged decode (Llama-like GQA: 16 q heads, 4 kv heads, head_dim 64 / 128)
     for D in (64, 128):
         for name, dt in ((f"paged_d{D}_fp32", torch.float32), (f"paged_d{D}_bf16", torch.bfloat16)):
             kc = torch.randn(B * nb, bs, 4, D).to(dt)
             vc = torch.randn(B * nb, bs, 4, D).to(dt)
             qq = torch.randn(B, 16, D).to(dt)
-            res[name] = _time(lambda: cpu_ops.paged_decode_attention(qq, kc, vc, tables, lens, 0.1), a.reps)
+            res[name] = _time(lambda: cpu_ops.paged_decode_attention(qq, kc, vc, tables, lens, 0.1), a.reps, clock)
     # MoE pieces at V3-65m shapes: 16 experts top-4, intermediate 256, hidden 512
     T, E, K, inter, H = B, 16, 4, 256, 512
     scores = torch.rand(T, E)
     bias = torch.randn(E) * 0.01
-    res["moe_select"] = _time(lambda: cpu_ops.moe_select(scores, bias, K, 8, 4), a.reps)
+    res["moe_select"] = _time(lambda: cpu_ops.moe_select(scores, bias, K, 8, 4), a.reps, clock)
     for name, dt in (("swiglu_fp32", torch.float32), ("swiglu_bf16", torch.bfloat16)):
         x = torch.randn(T * K, 2 * inter).to(dt)
-        res[name] = _time(lambda: cpu_ops.swiglu(x, None), a.reps)
+        res[name] = _time(lambda: cpu_ops.swiglu(x, None), a.reps, clock)
     y = torch.randn(T * K, H)
     inv = torch.randperm(T * K)
     w = torch.rand(T, K)
     out = torch.zeros(T, H)
-    res["moe_combine"] = _time(lambda: cpu_ops.moe_combine(out, y, inv, w, True), a.reps)
+    res["moe_combine"] = _time(lambda: cpu_ops.moe_combine(out, y, inv, w, True), a.reps, clock)
     xr = torch.randn(T, 32000)
-    res["argmax_32000"] = _time(lambda: cpu_ops.argmax_rows(xr), a.reps)
+    res["argmax_32000"] = _time(lambda: cpu_ops.argmax_rows(xr), a.reps, clock)
     xn = torch.randn(T, H)
     wn = torch.rand(H)
-    res["rms_norm"] = _time(lambda: cpu_ops.rms_norm(xn, wn, 1e-6), a.reps)
+    res["rms_norm"] = _time(lambda: cpu_ops.rms_norm(xn, wn, 1e-6), a.reps, clock)
     return res
 
 
@@ -96,7 +101,8 @@ def _one(checkout: str, cache: str, args: list[str]) -> dict[str, float]:
 
 
 def ab(a: argparse.Namespace) -> None:
-    args = ["--batch", str(a.batch), "--ctx", str(a.ctx), "--threads", str(a.threads), "--reps", str(a.reps)]
+    args = ["--batch", str(a.batch), "--ctx", str(a.ctx), "--threads", str(a.threads), "--reps", str(a.reps),
+            "--clock", a.clock]
     ca = a.cache_a or os.path.join(a.ab[0], ".kernel-cache-ab")
     cb = a.cache_b or os.path.join(a.ab[1], ".kernel-cache-ab")
     runs: dict[str, list[dict[str, float]]] = {"A": [], "B": []}
@@ -104,7 +110,8 @@ def ab(a: argparse.Namespace) -> None:
         for side, co, cache in (("A", a.ab[0], ca), ("B", a.ab[1], cb)):
             runs[side].append(_one(co, cache, args))
         print(f"round {r + 1}/{a.rounds} done", file=sys.stderr)
-    print(f"A = {a.ab[0]}\nB = {a.ab[1]}\nbatch {a.batch}, ctx {a.ctx}, threads {a.threads}, {a.rounds} rounds")
+    print(f"A = {a.ab[0]}\nB = {a.ab[1]}\nbatch {a.batch}, ctx {a.ctx}, threads {a.threads}, {a.rounds} rounds, "
+          f"{a.clock} clock")
     print(f"{'kernel':16} {'A ms (min..max)':>24} {'B ms (min..max)':>24} {'A/B median (min..max)':>24}")
     for k in runs["A"][0]:
         va = [r[k] for r in runs["A"]]
@@ -121,6 +128,8 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="wall: perf_counter; cpu: the calling thread's CPU time (--threads 1 only)")
     ap.add_argument("--ab", nargs=2, metavar=("CHECKOUT_A", "CHECKOUT_B"))
     ap.add_argument("--cache-a")
     ap.add_argument("--cache-b")
