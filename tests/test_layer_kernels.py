@@ -13,7 +13,8 @@ from openinfer.layers.rotary import RotaryEmbedding, apply_neox
 # fp32 agrees to rounding; bf16 to about one last-bit step where fp32 rounding lands on a bf16 tie (relative
 # 2^-8 of the value) — compared relative to each tensor's scale.
 TOL = {torch.float32: 2e-6, torch.bfloat16: 8e-3}
-SHAPES = [(1, 64), (7, 1000), (300, 1024)]  # one row; a width off the 16-lane vectors; enough rows to go parallel
+# one row; a width off the 16-lane vectors; one off the 8-lane ones too; enough rows to go parallel
+SHAPES = [(1, 64), (7, 1000), (5, 1003), (300, 1024)]
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, dtype) -> None:
@@ -156,3 +157,19 @@ def test_layer_kernel_argmax_rows(kernel_ops, dtype):
     wide[7, 100] = wide[7, 32002] = 50.0  # tied between a whole block and the tail: the block's index
     assert torch.equal(cpu_ops.argmax_rows(wide), wide.max(dim=-1).indices)
     assert cpu_ops.argmax_rows(wide).tolist() == [5, 19, 32001, 40, 3, 0, 20000, 100]
+
+
+def test_layer_kernel_vector_lanes_follow_the_build(kernel_ops):
+    """vec.h's vectors are one register wide: 16 lanes on AVX-512 builds, 8 on every other (without AVX-512, GCC
+    lowers 16-lane compares and selects lane by lane through the stack)."""
+    import os
+    import platform
+
+    from openinfer.platform import cpu_info
+
+    cflags = os.environ.get("OPENINFER_KERNEL_CFLAGS", "")
+    if "-march=" in cflags and "-march=x86-64-v3" not in cflags:
+        pytest.skip(f"a build for {cflags!r}: lanes not predicted here")
+    native512 = platform.machine() in ("x86_64", "AMD64") and "avx512f" in cpu_info()[1]
+    want = 16 if native512 and "-march=x86-64-v3" not in cflags else 8
+    assert kernel_ops.vector_lanes() == want

@@ -47,8 +47,9 @@ def _run(ops, q, cache, tables, lens, scale, dv):
 
 
 # (D, Dv): DeepSeek-V3's 512 + 64; a width that is no multiple of the 16-lane vectors (the test models' 32 + 8);
-# 128 + 16 with a value dim that is a multiple of 16 but not of 64.
-DIMS = [(576, 512), (40, 32), (144, 112)]
+# 128 + 16 with a value dim that is a multiple of 16 but not of 64; 28 + 8, no multiple of the 8-lane vectors
+# (AVX2 builds) either.
+DIMS = [(576, 512), (40, 32), (144, 112), (36, 28)]
 # empty, single-token, block-boundary (16, 17, 32), odd lengths
 LENS = [[1], [0, 1, 16, 17], [5, 33, 100, 32, 15]]
 

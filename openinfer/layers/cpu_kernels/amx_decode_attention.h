@@ -37,6 +37,8 @@ namespace {
 std::atomic<bool> g_amx_enabled{true};
 
 #ifdef OI_HAVE_AMX
+// the score rows below are one 16-key vector each: AVX-512 builds only, where vec.h's vectors are 16 wide
+static_assert(kW == 16, "the AMX kernel assumes 16-lane vectors");
 
 // Linux hands out the 8 KB of tile state per process on request (arch_prctl); without it the first tile
 // instruction faults. oneDNN asks too; asking twice is harmless.

@@ -27,6 +27,8 @@ namespace {
 std::atomic<bool> g_mla_amx_enabled{true};
 
 #ifdef OI_MLA_HAVE_AMX
+// the score rows below are one 16-key vector each: AVX-512 builds only, where vec.h's vectors are 16 wide
+static_assert(kW == 16, "the AMX kernel assumes 16-lane vectors");
 
 bool mla_amx_permitted() {
   static const bool ok = [] {

@@ -12,50 +12,28 @@
 
 namespace {
 
-// Native-width vectors for the register-tiled products below: one register each (zmm with AVX-512, ymm with
-// AVX2), so a tile of accumulators is exactly what fits in the register file (vec.h's 16-float vectors are two
-// ymm on AVX2, and tiles of them spill).
-#if defined(__AVX512F__)
-typedef float vn __attribute__((vector_size(64)));
-constexpr int64_t kN = 16;
-#else
-typedef float vn __attribute__((vector_size(32)));
-constexpr int64_t kN = 8;
-#endif
-
-inline vn loadn(const float* p) {
-  vn v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline void storen(float* p, vn v) { std::memcpy(p, &v, sizeof(v)); }
-
-inline float hsumn(vn v) {
-  float s = 0.0f;
-  for (int64_t i = 0; i < kN; ++i) s += v[i];
-  return s;
-}
+// vec.h's vectors are one register each (zmm with AVX-512, ymm otherwise), so a tile of accumulators is exactly
+// what fits in the register file.
 
 // sc[i * ld + j] = q[i] . k[j] for NH heads (rows of q, stride D) and NK keys (rows of k, stride D): NH x NK
 // accumulators in registers, each key vector loaded once for all NH heads.
 template <int NH, int NK>
 inline void tile_scores(const float* __restrict__ q, const float* __restrict__ k, int64_t D, float* __restrict__ sc,
                         int64_t ld) {
-  vn acc[NH][NK] = {};
-  for (int64_t c = 0; c < D; c += kN) {
-    vn kv[NK];
+  vfloat acc[NH][NK] = {};
+  for (int64_t c = 0; c < D; c += kW) {
+    vfloat kv[NK];
 #pragma GCC unroll 8
-    for (int j = 0; j < NK; ++j) kv[j] = loadn(k + j * D + c);
+    for (int j = 0; j < NK; ++j) kv[j] = loadv(k + j * D + c);
 #pragma GCC unroll 8
     for (int i = 0; i < NH; ++i) {
-      const vn qv = loadn(q + i * D + c);
+      const vfloat qv = loadv(q + i * D + c);
 #pragma GCC unroll 8
       for (int j = 0; j < NK; ++j) acc[i][j] += qv * kv[j];
     }
   }
   for (int i = 0; i < NH; ++i) {
-    for (int j = 0; j < NK; ++j) sc[i * ld + j] = hsumn(acc[i][j]);
+    for (int j = 0; j < NK; ++j) sc[i * ld + j] = hsum(acc[i][j]);
   }
 }
 
@@ -70,7 +48,7 @@ inline float dot_scalar(const float* __restrict__ q, const float* __restrict__ k
 // stays in L1 while every head pair goes by.
 inline void chunk_scores(const float* __restrict__ qf, int64_t G, const float* __restrict__ rows, int64_t n,
                          int64_t D, float* __restrict__ sc, int64_t ld) {
-  if (D % kN) {
+  if (D % kW) {
     for (int64_t t = 0; t < n; ++t) {
       for (int64_t g = 0; g < G; ++g) sc[g * ld + t] = dot_scalar(qf + g * D, rows + t * D, D);
     }
@@ -89,19 +67,19 @@ inline void chunk_scores(const float* __restrict__ qf, int64_t G, const float* _
   }
 }
 
-// acc[i, c : c + 4 kN] += sum_{t < n} p[i, t] * rows[t, c : c + 4 kN] for NH heads: NH x 4 accumulators in
+// acc[i, c : c + 4 kW] += sum_{t < n} p[i, t] * rows[t, c : c + 4 kW] for NH heads: NH x 4 accumulators in
 // registers, each value vector loaded once for all NH heads.
 template <int NH>
 inline void tile_values(float* __restrict__ acc, int64_t Dv, const float* __restrict__ p, int64_t ld,
                         const float* __restrict__ v, int64_t n, int64_t D) {
-  vn a[NH][4];
+  vfloat a[NH][4];
   for (int i = 0; i < NH; ++i) {
-    for (int j = 0; j < 4; ++j) a[i][j] = loadn(acc + i * Dv + j * kN);
+    for (int j = 0; j < 4; ++j) a[i][j] = loadv(acc + i * Dv + j * kW);
   }
   for (int64_t t = 0; t < n; ++t) {
-    vn vv[4];
+    vfloat vv[4];
 #pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) vv[j] = loadn(v + t * D + j * kN);
+    for (int j = 0; j < 4; ++j) vv[j] = loadv(v + t * D + j * kW);
 #pragma GCC unroll 8
     for (int i = 0; i < NH; ++i) {
       const float pt = p[i * ld + t];
@@ -110,7 +88,7 @@ inline void tile_values(float* __restrict__ acc, int64_t Dv, const float* __rest
     }
   }
   for (int i = 0; i < NH; ++i) {
-    for (int j = 0; j < 4; ++j) storen(acc + i * Dv + j * kN, a[i][j]);
+    for (int j = 0; j < 4; ++j) storev(acc + i * Dv + j * kW, a[i][j]);
   }
 }
 
@@ -118,8 +96,8 @@ inline void tile_values(float* __restrict__ acc, int64_t Dv, const float* __rest
 // 4-vector-wide slice of the n rows stays in L1 for every head pair.
 inline void chunk_values(float* __restrict__ acc, int64_t G, int64_t Dv, const float* __restrict__ p,
                          int64_t ld, const float* __restrict__ rows, int64_t n, int64_t D) {
-  if (Dv % (4 * kN) == 0) {
-    for (int64_t c = 0; c < Dv; c += 4 * kN) {
+  if (Dv % (4 * kW) == 0) {
+    for (int64_t c = 0; c < Dv; c += 4 * kW) {
       int64_t g = 0;
       for (; g + 2 <= G; g += 2) tile_values<2>(acc + g * Dv + c, Dv, p + g * ld, ld, rows + c, n, D);
       if (g < G) tile_values<1>(acc + g * Dv + c, Dv, p + g * ld, ld, rows + c, n, D);

@@ -40,41 +40,50 @@
 #include <tuple>
 #include <vector>
 
-#include "vec.h"  // 16-float vectors, hsum, and the fp32 <-> fp32 / bf16 / fp16 row conversions
+#include "vec.h"  // native-width float vectors, hsum, and the fp32 <-> fp32 / bf16 / fp16 row conversions
 
 namespace {
 
 // mixes[t] = (x[t] @ W.T) * inv[t] for W [m, K] and NT = 1 or 2 tokens: four outputs per pass, so each
 // W row (streamed from L2: W is (2+n)n x nD fp32, 384 KB for V4's n = 4, D = 1024) is loaded once for both
-// tokens and 4 * NT (8 for a pair) independent FMA chains keep both FMA ports busy.
+// tokens, 16 floats per step in 16 / kW vectors, so 4 * NT (8 for a pair) 16-float FMA chains keep both FMA ports
+// busy. The halves of a 16-float step are summed as the 16-lane code summed them, whatever the vector width.
 template <int NT>
 __attribute__((optimize("fp-contract=fast"))) void gemv(const float* const* x, const float* __restrict__ W,
                                                         int64_t m, int64_t K, const float* inv, float* const* out) {
+  constexpr int U = 16 / kW;
   int64_t o = 0;
   for (; o + 4 <= m; o += 4) {
-    vfloat a[NT][4] = {};
+    vfloat a[NT][4][U] = {};
     int64_t i = 0;
-    for (; i + kW <= K; i += kW) {
-      vfloat xv[NT];
-      for (int t = 0; t < NT; ++t) xv[t] = loadv(x[t] + i);
-      for (int r = 0; r < 4; ++r) {
-        const vfloat w = loadv(W + (o + r) * K + i);
-        for (int t = 0; t < NT; ++t) a[t][r] += xv[t] * w;
+    for (; i + 16 <= K; i += 16) {
+#pragma GCC unroll 2
+      for (int u = 0; u < U; ++u) {
+        vfloat xv[NT];
+        for (int t = 0; t < NT; ++t) xv[t] = loadv(x[t] + i + u * kW);
+        for (int r = 0; r < 4; ++r) {
+          const vfloat w = loadv(W + (o + r) * K + i + u * kW);
+          for (int t = 0; t < NT; ++t) a[t][r][u] += xv[t] * w;
+        }
       }
     }
     for (int t = 0; t < NT; ++t)
       for (int r = 0; r < 4; ++r) {
-        float v = hsum(a[t][r]);
+        for (int u = 1; u < U; ++u) a[t][r][0] += a[t][r][u];
+        float v = hsum(a[t][r][0]);
         for (int64_t j = i; j < K; ++j) v += x[t][j] * W[(o + r) * K + j];
         out[t][o + r] = v * inv[t];
       }
   }
   for (; o < m; ++o)
     for (int t = 0; t < NT; ++t) {
-      vfloat a = {};
+      vfloat a[U] = {};
       int64_t i = 0;
-      for (; i + kW <= K; i += kW) a += loadv(x[t] + i) * loadv(W + o * K + i);
-      float v = hsum(a);
+      for (; i + 16 <= K; i += 16) {
+        for (int u = 0; u < U; ++u) a[u] += loadv(x[t] + i + u * kW) * loadv(W + o * K + i + u * kW);
+      }
+      for (int u = 1; u < U; ++u) a[0] += a[u];
+      float v = hsum(a[0]);
       for (; i < K; ++i) v += x[t][i] * W[o * K + i];
       out[t][o] = v * inv[t];
     }

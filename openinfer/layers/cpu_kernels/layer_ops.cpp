@@ -195,14 +195,12 @@ void rotary_cache_write_impl(at::Tensor& qkv, const at::Tensor& positions, const
 }
 
 // First index of each row's maximum; a NaN wins (first NaN), as torch's max(dim) reports it. One pass keeps the
-// row's largest value per block of 512 (four independent 8-lane accumulators) and the first block that reached
+// row's largest value per block of 512 (four independent kW-lane accumulators) and the first block that reached
 // it (strictly greater replaces); that block alone is then scanned for the first index holding the value.
-// 8-lane (32-byte) vectors on purpose, not vec.h's 16-lane vfloat: without AVX-512, GCC 12 lowers the compares
-// and selects of 64-byte generic vectors lane by lane through the stack, and the previous one-pass kernel (a
-// per-lane index carried with 16-lane selects) ran a [32, 32000] fp32 argmax in ~13 ms on the project's AVX2
-// host, where this one takes ~0.4 ms (a plain scalar loop: ~1.4 ms).
-typedef float vfloat8_t __attribute__((vector_size(32)));
-typedef int32_t vint8_t __attribute__((vector_size(32)));
+// vec.h's native-width vectors (8 lanes on AVX2): with 16-lane generic vectors on an AVX2 build, GCC 12 lowered the
+// compares and selects lane by lane through the stack, and an earlier one-pass kernel (a per-lane index carried
+// with 16-lane selects) ran a [32, 32000] fp32 argmax in ~13 ms on the project's AVX2 host, where this one takes
+// ~0.4 ms (a plain scalar loop: ~1.4 ms).
 constexpr int64_t kArgmaxBlock = 512;
 
 template <typename T>
@@ -217,7 +215,7 @@ void argmax_rows_impl(at::Tensor& out, const at::Tensor& x) {
       const T* row = xp + r * xs;
       float bv = ninf;
       int64_t bblk = 0, i = 0;
-      vint8_t nans = {};
+      vint nans = {};
       for (; i + kArgmaxBlock <= n; i += kArgmaxBlock) {
         const float* src;
         if constexpr (std::is_same_v<T, float>) {
@@ -226,28 +224,27 @@ void argmax_rows_impl(at::Tensor& out, const at::Tensor& x) {
           load_row(row + i, wide.data(), kArgmaxBlock);
           src = wide.data();
         }
-        vfloat8_t acc[4];
-        for (auto& a : acc) a = vfloat8_t{} + ninf;
-        for (int64_t k = 0; k < kArgmaxBlock; k += 32) {
+        vfloat acc[4];
+        for (auto& a : acc) a = splat(ninf);
+        for (int64_t k = 0; k < kArgmaxBlock; k += 4 * kW) {
           for (int u = 0; u < 4; ++u) {
-            vfloat8_t v;
-            std::memcpy(&v, src + k + 8 * u, sizeof(v));
+            const vfloat v = loadv(src + k + kW * u);
             nans |= v != v;
             acc[u] = v > acc[u] ? v : acc[u];
           }
         }
-        vfloat8_t m = acc[0] > acc[1] ? acc[0] : acc[1];
-        const vfloat8_t m2 = acc[2] > acc[3] ? acc[2] : acc[3];
+        vfloat m = acc[0] > acc[1] ? acc[0] : acc[1];
+        const vfloat m2 = acc[2] > acc[3] ? acc[2] : acc[3];
         m = m > m2 ? m : m2;
         float bm = m[0];
-        for (int l = 1; l < 8; ++l) bm = m[l] > bm ? m[l] : bm;
+        for (int l = 1; l < kW; ++l) bm = m[l] > bm ? m[l] : bm;
         if (bm > bv) {
           bv = bm;
           bblk = i;
         }
       }
       bool nan = false;
-      for (int l = 0; l < 8; ++l) nan |= nans[l] != 0;
+      for (int l = 0; l < kW; ++l) nan |= nans[l] != 0;
       int64_t bi = -1;
       for (; i < n; ++i) {  // the tail after the last whole block
         const float v = static_cast<float>(row[i]);
@@ -380,4 +377,7 @@ TORCH_LIBRARY_FRAGMENT(openinfer_cpu, m) {
   m.impl("rotary_cache_write", c10::DispatchKey::CPU, &rotary_cache_write);
   m.def("argmax_rows(Tensor(a!) out, Tensor x) -> ()");
   m.impl("argmax_rows", c10::DispatchKey::CPU, &argmax_rows);
+  // the lanes of vec.h's vectors in this build (16 with AVX-512, else 8): what tests and benchmarks check it was
+  // built for
+  m.def("vector_lanes() -> int", []() -> int64_t { return kW; });
 }

@@ -48,10 +48,7 @@ inline void prefetch_rows(const T* p, int64_t n, int64_t stride, int64_t D) {
 
 // The four sums of a0..a3, as one 4-vector: a transposing tree of adds instead of four horizontal sums.
 inline vfloat4 reduce4(vfloat a0, vfloat a1, vfloat a2, vfloat a3) {
-#define OI_HALVES(a) (__builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) + \
-                      __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15))
-  const vfloat8 b0 = OI_HALVES(a0), b1 = OI_HALVES(a1), b2 = OI_HALVES(a2), b3 = OI_HALVES(a3);
-#undef OI_HALVES
+  const vfloat8 b0 = to8(a0), b1 = to8(a1), b2 = to8(a2), b3 = to8(a3);  // 8 partial sums each
   // [4 partial sums of a0, 4 of a1] and [a2, a3]
   const vfloat8 c01 = __builtin_shufflevector(b0, b1, 0, 1, 2, 3, 8, 9, 10, 11) +
                       __builtin_shufflevector(b0, b1, 4, 5, 6, 7, 12, 13, 14, 15);
@@ -63,32 +60,53 @@ inline vfloat4 reduce4(vfloat a0, vfloat a1, vfloat a2, vfloat a3) {
   return __builtin_shufflevector(d, d, 0, 2, 4, 6) + __builtin_shufflevector(d, d, 1, 3, 5, 7);
 }
 
-// Dots of qg with the four rows at k0 (row stride D): four independent FMA chains.
+// Dots of qg with the four rows at k0 (row stride D): 16 floats of each row per step, in 16 / kW independent
+// FMA chains per row (four 8-lane chains would leave AVX2's two FMA units waiting on latency).
 inline vfloat4 dots4(const float* __restrict__ qg, const float* __restrict__ k0, int64_t D) {
-  vfloat a0 = {}, a1 = {}, a2 = {}, a3 = {};
-  for (int64_t c = 0; c < D; c += kW) {
-    const vfloat qv = loadv(qg + c);
-    a0 += qv * loadv(k0 + c);
-    a1 += qv * loadv(k0 + D + c);
-    a2 += qv * loadv(k0 + 2 * D + c);
-    a3 += qv * loadv(k0 + 3 * D + c);
+  constexpr int U = 16 / kW;
+  vfloat a[4][U] = {};
+  int64_t c = 0;
+  for (; c + 16 <= D; c += 16) {
+#pragma GCC unroll 2
+    for (int u = 0; u < U; ++u) {
+      const vfloat qv = loadv(qg + c + u * kW);
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) a[r][u] += qv * loadv(k0 + r * D + c + u * kW);
+    }
   }
-  return reduce4(a0, a1, a2, a3);
+  for (; c < D; c += kW) {  // D % 16 == 8 on 8-lane builds
+    const vfloat qv = loadv(qg + c);
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; ++r) a[r][0] += qv * loadv(k0 + r * D + c);
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < 4; ++r) {
+#pragma GCC unroll 2
+    for (int u = 1; u < U; ++u) a[r][0] += a[r][u];
+  }
+  return reduce4(a[0][0], a[1][0], a[2][0], a[3][0]);
 }
 
-// sg[t] = qg . keys[t] for t < n; keys are n rows of D floats. Sixteen keys at a time are one vector store
+// The scores of the kW rows at k0, as one vector.
+inline vfloat dots_w(const float* __restrict__ qg, const float* __restrict__ k0, int64_t D) {
+  const vfloat4 s0 = dots4(qg, k0, D), s1 = dots4(qg, k0 + 4 * D, D);
+  const vfloat8 s01 = __builtin_shufflevector(s0, s1, 0, 1, 2, 3, 4, 5, 6, 7);
+#if OI_VEC_LANES == 16
+  const vfloat4 s2 = dots4(qg, k0 + 8 * D, D), s3 = dots4(qg, k0 + 12 * D, D);
+  const vfloat8 s23 = __builtin_shufflevector(s2, s3, 0, 1, 2, 3, 4, 5, 6, 7);
+  return __builtin_shufflevector(s01, s23, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  return s01;
+#endif
+}
+
+// sg[t] = qg . keys[t] for t < n; keys are n rows of D floats. kW keys at a time are one vector store
 // (the softmax reads them back as a vector: no store-forwarding stall from scalar stores).
 inline void block_scores(const float* __restrict__ qg, const float* __restrict__ keys, float* __restrict__ sg,
                          int64_t n, int64_t D) {
   int64_t t = 0;
   if (D % kW == 0) {
-    for (; t + kW <= n; t += kW) {
-      const vfloat4 s0 = dots4(qg, keys + t * D, D), s1 = dots4(qg, keys + (t + 4) * D, D);
-      const vfloat4 s2 = dots4(qg, keys + (t + 8) * D, D), s3 = dots4(qg, keys + (t + 12) * D, D);
-      const vfloat8 s01 = __builtin_shufflevector(s0, s1, 0, 1, 2, 3, 4, 5, 6, 7);
-      const vfloat8 s23 = __builtin_shufflevector(s2, s3, 0, 1, 2, 3, 4, 5, 6, 7);
-      storev(sg + t, __builtin_shufflevector(s01, s23, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-    }
+    for (; t + kW <= n; t += kW) storev(sg + t, dots_w(qg, keys + t * D, D));
     for (; t + 4 <= n; t += 4) {
       const vfloat4 s4 = dots4(qg, keys + t * D, D);
       std::memcpy(sg + t, &s4, sizeof(s4));
@@ -119,26 +137,24 @@ inline void scale_row(float* __restrict__ row, float a, int64_t D) {
   for (int64_t d = 0; d < D; ++d) row[d] *= a;
 }
 
-// ag += sum_t pg[t] * vals[t] for t < n; vals are n rows of D floats. Chunks of ag stay in registers across
-// the block, four at a time so that four FMA chains run side by side.
+// ag += sum_t pg[t] * vals[t] for t < n; vals are n rows of D floats. 64 floats of ag at a time stay in
+// registers across the block, 64 / kW vectors, so that four (AVX-512) or eight (AVX2) FMA chains run side by side.
 inline void block_values(float* __restrict__ ag, const float* __restrict__ pg, const float* __restrict__ vals,
                          int64_t n, int64_t D) {
-  if (D % (4 * kW) == 0) {
-    for (int64_t c = 0; c < D; c += 4 * kW) {
-      vfloat a0 = loadv(ag + c), a1 = loadv(ag + c + kW);
-      vfloat a2 = loadv(ag + c + 2 * kW), a3 = loadv(ag + c + 3 * kW);
+  constexpr int U = 64 / kW;
+  if (D % 64 == 0) {
+    for (int64_t c = 0; c < D; c += 64) {
+      vfloat a[U];
+#pragma GCC unroll 8
+      for (int u = 0; u < U; ++u) a[u] = loadv(ag + c + u * kW);
       for (int64_t t = 0; t < n; ++t) {
         const float* vt = vals + t * D + c;
         const float p = pg[t];
-        a0 += p * loadv(vt);
-        a1 += p * loadv(vt + kW);
-        a2 += p * loadv(vt + 2 * kW);
-        a3 += p * loadv(vt + 3 * kW);
+#pragma GCC unroll 8
+        for (int u = 0; u < U; ++u) a[u] += p * loadv(vt + u * kW);
       }
-      storev(ag + c, a0);
-      storev(ag + c + kW, a1);
-      storev(ag + c + 2 * kW, a2);
-      storev(ag + c + 3 * kW, a3);
+#pragma GCC unroll 8
+      for (int u = 0; u < U; ++u) storev(ag + c + u * kW, a[u]);
     }
     return;
   }

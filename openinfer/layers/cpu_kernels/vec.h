@@ -1,5 +1,6 @@
-// Shared helpers of the CPU kernels: 16-float vectors, a fast exp, and rows of fp32 / bf16 / fp16 (and fp8 e4m3,
-// read only) converted to fp32 and back. Header-only (inline, in an anonymous namespace): each kernel file gets its own copy.
+// Shared helpers of the CPU kernels: native-width float vectors, a fast exp, and rows of fp32 / bf16 / fp16 (and
+// fp8 e4m3, read only) converted to fp32 and back. Header-only (inline, in an anonymous namespace): each kernel
+// file gets its own copy.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -11,22 +12,37 @@
 #include <cstdint>
 #include <cstring>
 
-namespace {
-// ---- 16-float vectors ----------------------------------------------------------------------------------
-//
-// GCC/Clang vector types: the compiler maps a 16-float vector to one zmm register (AVX-512) or two ymm
-// (AVX2), with no ISA-specific code. A head_dim that is a multiple of 16 runs on them; other head dims take
-// plain loops. With head_dim and the cache type as template parameters (64 and 128 specialised, any other
-// at run time) every loop over head_dim has a fixed trip count and unrolls; with runtime trip counts the loop
-// set-up cost more than the arithmetic (16 keys of 64 floats per block).
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
-typedef float vfloat __attribute__((vector_size(64)));
+namespace {
+// ---- native-width float vectors ------------------------------------------------------------------------
+//
+// GCC/Clang vector types of kW floats, one register each: 16 lanes (a zmm) on AVX-512 builds, 8 (a ymm) on
+// every other build. Not 16 everywhere: without AVX-512, GCC 12 lowers the compares and selects of a 64-byte
+// generic vector lane by lane through the stack (48 scalar vcmpss in the MLA kernel's online softmax alone,
+// a 16-lane argmax 30x slower than an 8-lane one), so the lane count follows the register width. Kernels use
+// kW, never a literal 16, for block loops, tails and score-row padding.
+//
+// A head_dim that is a multiple of kW runs on them; other head dims take plain loops. With head_dim and the
+// cache type as template parameters (64 and 128 specialised, any other at run time) every loop over head_dim
+// has a fixed trip count and unrolls; with runtime trip counts the loop set-up cost more than the arithmetic.
+
 typedef float vfloat8 __attribute__((vector_size(32)));
 typedef float vfloat4 __attribute__((vector_size(16)));
-typedef int32_t vint __attribute__((vector_size(64)));
-typedef uint32_t vuint __attribute__((vector_size(64)));
-typedef uint16_t vushort __attribute__((vector_size(32)));
-constexpr int64_t kW = 16;
+// OI_VEC_LANES: kW for the preprocessor (code that shuffles whole vectors is written per width)
+#if defined(__AVX512F__)
+#define OI_VEC_LANES 16
+#else
+#define OI_VEC_LANES 8
+#endif
+constexpr int64_t kW = OI_VEC_LANES;
+typedef float vfloat __attribute__((vector_size(4 * kW)));
+typedef int32_t vint __attribute__((vector_size(4 * kW)));
+typedef uint32_t vuint __attribute__((vector_size(4 * kW)));
+typedef uint16_t vushort __attribute__((vector_size(2 * kW)));  // kW bf16 bit patterns
+typedef uint8_t vubyte __attribute__((vector_size(kW)));        // kW fp8 codes
 
 inline vfloat loadv(const float* p) {
   vfloat v;
@@ -38,19 +54,36 @@ inline void storev(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
 
 inline vfloat splat(float x) { return vfloat{} + x; }
 
+#if defined(__AVX2__) && OI_VEC_LANES == 8
+// max, lanewise: vmaxps(a, b) returns b unless a > b, i.e. exactly a > b ? a : b, NaN handling included.
+inline vfloat vmax(vfloat a, vfloat b) { return (vfloat)_mm256_max_ps((__m256)a, (__m256)b); }
+#else
 inline vfloat vmax(vfloat a, vfloat b) { return a > b ? a : b; }
+#endif
+
+// to8 / max8: a vector folded to 8 lanes (the sum / max of its halves on 16-lane builds), the first step of the
+// horizontal reductions.
+#if OI_VEC_LANES == 16
+inline vfloat8 lo_half(vfloat v) { return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7); }
+inline vfloat8 hi_half(vfloat v) { return __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15); }
+inline vfloat8 to8(vfloat v) { return lo_half(v) + hi_half(v); }
+inline vfloat8 max8(vfloat v) {
+  const vfloat8 x = lo_half(v), y = hi_half(v);
+  return x > y ? x : y;
+}
+#else
+inline vfloat8 to8(vfloat v) { return v; }
+inline vfloat8 max8(vfloat v) { return v; }
+#endif
 
 inline float hsum(vfloat v) {
-  vfloat8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-              __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const vfloat8 a = to8(v);
   vfloat4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
 inline float hmax(vfloat v) {
-  vfloat8 x = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
-  vfloat8 y = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  vfloat8 a = x > y ? x : y;
+  const vfloat8 a = max8(v);
   vfloat4 c = __builtin_shufflevector(a, a, 0, 1, 2, 3), d = __builtin_shufflevector(a, a, 4, 5, 6, 7);
   vfloat4 b = c > d ? c : d;
   return std::max(std::max(b[0], b[1]), std::max(b[2], b[3]));
@@ -113,9 +146,7 @@ inline void load_row(const c10::Half* __restrict__ src, float* __restrict__ dst,
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
-typedef uint8_t vubyte __attribute__((vector_size(16)));
-
-// 16 float8_e4m3fn bytes -> fp32, in registers (x86 has no fp8 conversion before AVX10.2; these are integer
+// kW float8_e4m3fn bytes -> fp32, in registers (x86 has no fp8 conversion before AVX10.2; these are integer
 // shifts, adds and selects that map to AVX2 or AVX-512 alike). Byte s eeee mmm (bias 7):
 //   - eeee > 0: the fp32 with exponent field eeee + 120 and mantissa mmm << 20, i.e. (em << 20) + (120 << 23);
 //   - eeee = 0 (zero and subnormals): mmm * 2^-9, an exact int -> float conversion and a power-of-two scale;
@@ -198,16 +229,25 @@ inline void round_row(float* __restrict__ v, int64_t n, c10::Half*) {
   for (int64_t i = 0; i < n; ++i) v[i] = static_cast<float>(c10::Half(v[i]));
 }
 
-// sum of x[i]^2 in two vector partial sums (a plain loop would not vectorise without -ffast-math)
+// sum of x[i]^2 in 32 / kW vector partial sums, 32 floats per step (a plain loop would not vectorise without
+// -ffast-math)
 inline float sum_squares(const float* __restrict__ x, int64_t n) {
-  vfloat a = {}, b = {};
+  constexpr int U = 32 / kW;
+  vfloat a[U] = {};
   int64_t i = 0;
-  for (; i + 2 * kW <= n; i += 2 * kW) {
-    const vfloat x0 = loadv(x + i), x1 = loadv(x + i + kW);
-    a += x0 * x0;
-    b += x1 * x1;
+  for (; i + 32 <= n; i += 32) {
+#pragma GCC unroll 4
+    for (int u = 0; u < U; ++u) {
+      const vfloat v = loadv(x + i + u * kW);
+      a[u] += v * v;
+    }
   }
-  float s = hsum(a + b);
+  // pairwise, in the order the 16-lane code summed its halves
+#pragma GCC unroll 2
+  for (int u = 0; u < U / 2; ++u) a[u] += a[u + U / 2];
+#pragma GCC unroll 1
+  for (int u = 1; u < U / 2; ++u) a[0] += a[u];
+  float s = hsum(a[0]);
   for (; i < n; ++i) s += x[i] * x[i];
   return s;
 }
