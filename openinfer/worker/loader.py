@@ -13,6 +13,7 @@ from torch import nn
 from openinfer.config import AttentionBackend, ModelConfig
 from openinfer.models.registry import resolve_model_class, resolve_mtp_class
 from openinfer.layers.checkpoint_quant import QuantizedTensorGrouper
+from openinfer.layers.linear import num_parameters
 from openinfer.layers.weight_utils import CheckpointTensor, WeightLoadError
 
 logger = logging.getLogger(__name__)
@@ -85,7 +86,7 @@ def load_model(mc: ModelConfig, attention_backend: AttentionBackend = AttentionB
         torch.set_default_dtype(prev)
     model.load_weights(checkpoint_weights(mc))
     model.eval()
-    n = sum(p.numel() for p in model.parameters())
+    n = num_parameters(model)  # a low-bit checkpoint's linears hold their weights outside parameters
     logger.info("loaded %s (%.1fM params, %s) from %s", mc.architecture, n / 1e6, mc.dtype, mc.path)
     return model
 
