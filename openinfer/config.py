@@ -159,7 +159,8 @@ class CheckpointQuantization:
     format: str  # "int-quantized" | "naive-quantized" | "pack-quantized" | "gptq"
     method: str  # what runs: "w8a8" | "int4" (QUANTIZATION_METHODS)
     group: int = 0  # int4: input columns per scale
-    ignore: tuple[str, ...] = ()  # module names / "re:" patterns left unquantised (compressed-tensors)
+    # compressed-tensors' ``ignore`` list (modules left dense, e.g. lm_head) needs no reading: such a module's
+    # tensors are plain ``X.weight`` floats, which the loader passes through as they are.
 
 
 _CT_FORMATS = {"int-quantized": "w8a8", "naive-quantized": "w8a8", "pack-quantized": "int4"}
@@ -229,9 +230,7 @@ def _compressed_tensors(qc: dict[str, Any]) -> CheckpointQuantization:
         _require(isinstance(group, int) and group > 0 and group % 16 == 0, f"{pre}.weights.group_size", group,
                  "a positive multiple of 16 is supported")
         _require(a is None, f"{pre}.input_activations", a, "pack-quantized runs with unquantised activations")
-    ignore = qc.get("ignore") or []
-    _require(isinstance(ignore, list), "ignore", ignore, "a list of module names")
-    return CheckpointQuantization("compressed-tensors", fmt, _CT_FORMATS[fmt], group, tuple(ignore))
+    return CheckpointQuantization("compressed-tensors", fmt, _CT_FORMATS[fmt], group)
 
 
 def _gptq(qc: dict[str, Any]) -> CheckpointQuantization:
