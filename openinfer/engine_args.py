@@ -147,6 +147,12 @@ class EngineArgs:
                                       tokenizer=self.tokenizer, quantization=self.quantization)
         if model.quantization is not None:
             _check_quantization(model.quantization, model.architecture, self.enable_eplb)
+        ckpt_quant = model.checkpoint_quantization
+        if ckpt_quant is not None:
+            _check_quantization(ckpt_quant.method, model.architecture, self.enable_eplb)
+            if self.tensor_parallel_size != 1:
+                raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}: a {ckpt_quant.quant_method} "
+                                 f"{ckpt_quant.format} checkpoint loads with tensor_parallel_size=1 only")
         max_num_batched_tokens = self.max_num_batched_tokens
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max(2048, min(model.max_model_len, 8192))

@@ -1,5 +1,6 @@
-"""Accuracy of ``--quantization int8 / int4`` against the unquantised weights of the same checkpoint (issue 16,
-must-show 2).
+"""Accuracy of ``--quantization int8 / int4 / w8a8``, and of low-bit checkpoints made from the same weights
+(``scripts/make_quantized_checkpoint.py``: compressed-tensors W8A8 / W4A16, GPTQ), against the unquantised weights
+(issue 16, must-show 2).
 
 Per mode, on a fixed English text (teacher-forced, ``prompt_logprobs``): mean logprob of the text's tokens and
 its perplexity, the mean |logprob difference| per token vs the unquantised model, and how often the top-1 next
@@ -11,6 +12,7 @@ checkpoint (``scripts/make_bench_checkpoint.py``) only the agreement figures.
 
     python scripts/quant_accuracy.py                         # the default model
     python scripts/quant_accuracy.py --model .bench/llama-200m
+    python scripts/quant_accuracy.py --modes int8 w8a8 --checkpoint ct-w8a8=/tmp/dm-w8a8 --checkpoint gptq=/tmp/dm-gptq
 """
 from __future__ import annotations
 
@@ -66,14 +68,24 @@ def main() -> None:
     ap.add_argument("--gen-tokens", type=int, default=48)
     ap.add_argument("--max-text-tokens", type=int, default=512)
     ap.add_argument("--output-json", default=None)
+    ap.add_argument("--modes", nargs="*", default=["int8", "int4"], help="--quantization methods, at load")
+    ap.add_argument("--checkpoint", action="append", default=[],
+                    help="NAME=PATH: also a low-bit checkpoint made from --model's weights (repeatable)")
     args = ap.parse_args()
-    runs = {q or "none": run(args.model, q, args.gen_tokens, args.max_text_tokens) for q in (None, "int8", "int4")}
+    runs = {"none": run(args.model, None, args.gen_tokens, args.max_text_tokens)}
+    for q in args.modes:
+        runs[q] = run(args.model, q, args.gen_tokens, args.max_text_tokens)
+    for spec in args.checkpoint:  # NAME=PATH: a low-bit checkpoint of the same source weights
+        name, _, path = spec.partition("=")
+        if not path:
+            ap.error(f"--checkpoint wants NAME=PATH, got {spec!r}")
+        runs[name] = run(path, None, args.gen_tokens, args.max_text_tokens)
     rows = {q: compare(runs["none"], r) for q, r in runs.items()}
     print(f"model: {args.model or 'default'}")
-    print(f"{'mode':6} {'mean logprob':>12} {'ppl':>9} {'|dlogprob|':>10} {'top1 agree':>10} "
+    print(f"{'mode':9} {'mean logprob':>12} {'ppl':>9} {'|dlogprob|':>10} {'top1 agree':>10} "
           f"{'greedy agree':>12} {'common prefix':>13}")
     for q, r in rows.items():
-        print(f"{q:6} {r['mean_logprob']:12.4f} {r['perplexity']:9.3f} {r['mean_abs_dlogprob']:10.4f} "
+        print(f"{q:9} {r['mean_logprob']:12.4f} {r['perplexity']:9.3f} {r['mean_abs_dlogprob']:10.4f} "
               f"{r['top1_agreement']:10.3f} {r['greedy_token_agreement']:12.3f} "
               f"{r['greedy_common_prefix']:10.1f}/{args.gen_tokens}")
     if args.output_json:

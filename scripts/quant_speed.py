@@ -10,6 +10,10 @@ LM head included, read once per step; the embedding is a lookup and is not count
     python scripts/make_bench_checkpoint.py
     python scripts/quant_speed.py --model .bench/llama-200m --batches 1 8 32 --rounds 3
     python scripts/quant_speed.py --microbench --batches 1 8 32 --rounds 5   # one layer's linears only
+    python scripts/quant_speed.py --model .bench/llama-200m --modes int8 w8a8 ct-w8a8=/tmp/llama-200m-w8a8
+
+A mode is a ``--quantization`` method (``none``: unquantised), or ``NAME=PATH``: a low-bit checkpoint
+(``scripts/make_quantized_checkpoint.py``) of the same weights, loaded as it is.
 """
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ def linear_bytes(model) -> int:
     return total
 
 
-def microbench(batches: list[int], rounds: int) -> None:
+def microbench(batches: list[int], rounds: int, modes: list[str]) -> None:
     """``--microbench``: the bench checkpoint's four linear shapes (summed per layer), one Linear each per mode,
     timed interleaved: min over rounds of the median of 5 calls, per M. Fewer moving parts than an engine step."""
     import time
@@ -45,7 +49,7 @@ def microbench(batches: list[int], rounds: int) -> None:
     shapes = [(1536, 1024), (1024, 1024), (5632, 1024), (1024, 2816)]  # qkv, o, gate_up, down: (N, K)
     torch.manual_seed(0)
     layers = {}
-    for mode in ("none", "int8", "int4"):
+    for mode in modes:
         ls = []
         for n, k in shapes:
             lin = Linear(k, n, bias=False)
@@ -55,7 +59,7 @@ def microbench(batches: list[int], rounds: int) -> None:
                 lin.quantize(mode)
             ls.append(lin)
         layers[mode] = ls
-    print(f"{'M':>4} " + " ".join(f"{m + ' ms':>10}" for m in layers) + "   int8/none int4/none")
+    print(f"{'M':>4} " + " ".join(f"{m + ' ms':>10}" for m in layers) + "   speed-up vs " + modes[0])
     for m in batches:
         xs = [torch.randn(m, k) for _, k in shapes]
         best = {mode: float("inf") for mode in layers}
@@ -68,8 +72,8 @@ def microbench(batches: list[int], rounds: int) -> None:
                         lin(x)
                     ts.append(time.perf_counter() - t0)
                 best[mode] = min(best[mode], sorted(ts)[2])
-        print(f"{m:4d} " + " ".join(f"{best[mode] * 1e3:10.3f}" for mode in layers)
-              + f"   {best['none'] / best['int8']:9.2f}x {best['none'] / best['int4']:9.2f}x  (speed-up)")
+        print(f"{m:4d} " + " ".join(f"{best[mode] * 1e3:10.3f}" for mode in layers) + "   "
+              + " ".join(f"{mode} {best[modes[0]] / best[mode]:.2f}x" for mode in modes[1:]))
 
 
 def main() -> None:
@@ -85,7 +89,7 @@ def main() -> None:
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args()
     if args.microbench:
-        return microbench(args.batches, args.rounds)
+        return microbench(args.batches, args.rounds, args.modes)
     if args.model is None:
         ap.error("--model is required (or --microbench)")
 
@@ -94,7 +98,9 @@ def main() -> None:
 
     engines, nbytes = {}, {}
     for mode in args.modes:
-        llm = LLM(model=args.model, quantization=None if mode == "none" else mode, dtype=args.dtype,
+        path = mode.partition("=")[2] or args.model
+        quant = None if mode == "none" or "=" in mode else mode
+        llm = LLM(model=path, quantization=quant, dtype=args.dtype,
                   max_num_seqs=max(args.batches), max_model_len=args.context_len + args.steps * 4 + 64,
                   num_kv_blocks=max(args.batches) * (-(-(args.context_len + args.steps * 4 + 64) // 16)) + 8)
         engines[mode] = llm.engine
@@ -113,7 +119,7 @@ def main() -> None:
             print(f"round {r} batch {b}: " + ", ".join(f"{m} {samples[(m, b)][-1]:.1f}" for m in args.modes),
                   flush=True)
     rows = []
-    print(f"\n{'mode':6} {'batch':>5} {'tok/s median':>12} {'min-max':>15} {'x none':>7} {'weight GB/s':>11}")
+    print(f"\n{'mode':10} {'batch':>5} {'tok/s median':>12} {'min-max':>15} {'x none':>7} {'weight GB/s':>11}")
     for b in args.batches:
         base = statistics.median(samples[(args.modes[0], b)])
         for mode in args.modes:
@@ -122,7 +128,7 @@ def main() -> None:
             gbs = med / b * nbytes[mode] / 1e9 if b == 1 else None
             rows.append({"mode": mode, "batch": b, "tok_s": xs, "median": med, "ratio": med / base,
                          "weight_gb_s": gbs, "linear_bytes": nbytes[mode]})
-            print(f"{mode:6} {b:5d} {med:12.1f} {min(xs):7.1f}-{max(xs):<7.1f} {med / base:7.2f} "
+            print(f"{mode:10} {b:5d} {med:12.1f} {min(xs):7.1f}-{max(xs):<7.1f} {med / base:7.2f} "
                   + (f"{gbs:11.2f}" if gbs is not None else ""))
     if args.output_json:
         with open(args.output_json, "w") as f:

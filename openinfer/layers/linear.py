@@ -80,6 +80,27 @@ class Linear(nn.Linear):
         self._packed = None
         self.weight = nn.Parameter(w.new_empty(0), requires_grad=False)
 
+    @torch.no_grad()
+    def load_quantized(self, qw: QuantizedWeight, part: int | None = None, sizes: list[int] | None = None) -> None:
+        """A low-bit checkpoint's weight (``checkpoint_quant.py``) kept as it is: the whole ``[out, in]`` matrix, or
+        part ``part`` of a fused one whose parts have ``sizes`` rows; the fused weight is assembled (rows
+        concatenated in part order) once every part is in. ``weight`` becomes an empty placeholder."""
+        sizes = sizes or [self.out_features]
+        want = (sizes[part or 0], self.in_features)
+        if tuple(qw.shape) != want:
+            raise ValueError(f"quantised weight has shape {tuple(qw.shape)}, the model expects {want}")
+        if part is None:
+            self._quant = qw
+        else:
+            parts = self.__dict__.setdefault("_quant_parts", {})
+            parts[part] = qw
+            if len(parts) < len(sizes):
+                return
+            self._quant = QuantizedWeight.cat([parts[i] for i in range(len(sizes))])
+            del self.__dict__["_quant_parts"]
+        self._packed = None
+        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+
     def dense_weight(self) -> torch.Tensor:
         """The weight as a plain ``[out, in]`` matrix, packed or not (the reorder is exact both ways; a quantised
         weight comes back dequantised)."""

@@ -24,6 +24,13 @@ def divide(n: int, d: int, what: str) -> int:
     return n // d
 
 
+def _single_rank_only(tp: GroupCoordinator) -> None:
+    # A low-bit checkpoint's weight is kept in its packed form; slicing it per rank (int4 groups along K for the
+    # row-parallel layers) is not implemented.
+    if tp.world_size > 1:
+        raise WeightLoadError("low-bit checkpoints (compressed-tensors, GPTQ) load with tensor_parallel_size=1 only")
+
+
 def _check_shape(loaded, dim: int, want: int, what: str) -> None:
     if loaded.shape[dim] != want:
         raise WeightLoadError(f"{what}: checkpoint dim {dim} is {loaded.shape[dim]}, the model expects {want}")
@@ -63,6 +70,10 @@ class ColumnParallelLinear(CheckpointLinear):
                     raise WeightLoadError(f"checkpoint slice has shape {tuple(piece.shape)}, the model expects "
                                           f"(..., {', '.join(map(str, param.shape[1:]))})")
                 param[dst:dst + n].copy_(piece)
+
+    def load_quantized(self, qw, part: int | None = None, sizes: list[int] | None = None) -> None:
+        _single_rank_only(self.tp)
+        super().load_quantized(qw, part, self.output_sizes if part is not None else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x, self.bias)
@@ -122,6 +133,10 @@ class RowParallelLinear(CheckpointLinear):
         _check_shape(loaded, 0, param.shape[0], "a RowParallelLinear bias")
         with torch.no_grad():
             param.copy_(materialize(loaded))
+
+    def load_quantized(self, qw, part: int | None = None, sizes: list[int] | None = None) -> None:
+        _single_rank_only(self.tp)
+        super().load_quantized(qw, part, sizes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:

@@ -2,6 +2,10 @@
 
 - ``int8``: symmetric, one fp32 scale per output channel (``s = amax(|w_n|) / 127``, q = round(w / s)).
   Resident weight bytes: N x K + 4 N, about half of bf16's.
+- ``w8a8``: the weight as ``int8``; the activations too, per token, quantised dynamically in each call (symmetric,
+  ``s_m = amax(|x_m|) / 127``), so the dot products are int8 x int8 -> int32 (``cpu_kernels/w8a8_gemm.cpp``), scaled
+  by s_m * s_n to fp32: vLLM / SGLang's CPU W8A8 and compressed-tensors ``int-quantized`` checkpoints.
+  Checkpoint weights may hold -128 (llm-compressor's range is [-128, 127]); ours are [-127, 127].
 - ``int4``: symmetric, one fp32 scale per output channel and group of ``INT4_GROUP`` input columns
   (``s = amax / 7``, q in [-7, 7], stored as q + 8 in a nibble), two per byte in the kernel's order
   (``cpu_kernels/lowbit_gemm.cpp``: in each run of 16 columns, byte i = column i | column i + 8 << 4); K is padded
@@ -21,7 +25,7 @@ import torch.nn.functional as F
 
 from openinfer.layers import cpu_ops
 
-QUANTIZATION_METHODS = ("int8", "int4")
+QUANTIZATION_METHODS = ("int8", "int4", "w8a8")
 INT4_GROUP = 128  # input columns per int4 scale (llama.cpp's Q4_0 uses 32, GPTQ/AWQ 128)
 _INT4_RUN = 16  # columns per packed run (the kernel's vector layout)
 
@@ -40,9 +44,9 @@ class QuantizedWeight:
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, method: str, group: int = INT4_GROUP) -> QuantizedWeight:
-        if method == "int8":
+        if method in ("int8", "w8a8"):
             q, s = quantize_int8(weight)
-            return cls("int8", q, s, tuple(weight.shape), weight.dtype)
+            return cls(method, q, s, tuple(weight.shape), weight.dtype)
         if method == "int4":
             q, s = quantize_int4(weight, group)
             return cls("int4", q, s, tuple(weight.shape), weight.dtype, group)
@@ -57,7 +61,7 @@ class QuantizedWeight:
 
     def dequantize(self) -> torch.Tensor:
         """W as a plain fp32 ``[N, K]`` matrix."""
-        if self.method == "int8":
+        if self.method in ("int8", "w8a8"):
             return self.qweight.float() * self.scales[:, None]
         return dequantize_int4(self.qweight, self.scales, self.group, self.shape[1])
 
@@ -69,6 +73,8 @@ class QuantizedWeight:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, k)
         ops = cpu_ops.ops_for(x2, self.qweight)
+        if self.method == "w8a8":
+            return self._matmul_w8a8(ops, x2, bias).to(x.dtype).reshape(*lead, n)
         if ops is None:
             y = F.linear(x2.float(), self.dequantize(), None if bias is None else bias.float())
             return y.to(x.dtype).reshape(*lead, n)
@@ -82,6 +88,52 @@ class QuantizedWeight:
         else:
             ops.int4_linear(y, xf, self.qweight, self.scales, self.group, b)
         return y.to(x.dtype).reshape(*lead, n)
+
+    def _matmul_w8a8(self, ops, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """fp32 [M, N]: the kernel quantises x per token and runs int8 dot products; the reference does the same
+        in torch (int32 matmul), so the two agree to the last bit."""
+        xf = x.float().contiguous()
+        b = None if bias is None else bias.float().contiguous()
+        if ops is not None:
+            y = torch.empty(xf.shape[0], self.shape[0], dtype=torch.float32)
+            ops.w8a8_linear(y, xf, self.qweight, self.scales, b)
+            return y
+        return w8a8_reference(xf, self.qweight, self.scales, b)
+
+    @classmethod
+    def cat(cls, parts: list[QuantizedWeight]) -> QuantizedWeight:
+        """Row-wise concatenation (the fused q/k/v or gate/up projection from its checkpoint parts)."""
+        first = parts[0]
+        for p in parts[1:]:
+            if (p.method, p.group, p.shape[1], p.qweight.shape[1:], p.dtype) != \
+                    (first.method, first.group, first.shape[1], first.qweight.shape[1:], first.dtype):
+                raise ValueError(f"cannot fuse quantised parts of different layouts: {first.method}/{first.group}/"
+                                 f"{tuple(first.shape)} and {p.method}/{p.group}/{tuple(p.shape)}")
+        if len(parts) == 1:
+            return first
+        n = sum(p.shape[0] for p in parts)
+        return cls(first.method, torch.cat([p.qweight for p in parts]).contiguous(),
+                   torch.cat([p.scales for p in parts]).contiguous(), (n, first.shape[1]), first.dtype, first.group)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 [M, K] -> (int8 [M, K] in [-127, 127], fp32 scales [M]): symmetric, per token (row). The kernel does
+    the same arithmetic (x / s rounded half to even), so both give the same integers."""
+    s = _safe_scale(x.abs().amax(dim=1), 127.0)
+    return torch.round(x / s[:, None]).clamp(-127, 127).to(torch.int8), s
+
+
+def w8a8_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    """The torch W8A8 path: int8 x int8 dot products accumulated exactly in int32, then (dot * s_m) * s_n (+ bias)
+    in fp32, in the kernel's order. ``torch._int_mm`` where the device has it (CUDA), else an int32 matmul."""
+    xq, xs = quantize_activations(x)
+    if x.is_cuda and xq.shape[0] > 16 and xq.shape[1] % 8 == 0 and qweight.shape[0] % 8 == 0:
+        dot = torch._int_mm(xq, qweight.t())
+    else:
+        dot = xq.to(torch.int32) @ qweight.to(torch.int32).t()
+    y = dot.float() * xs[:, None] * scales[None, :]
+    return y if bias is None else y + bias
 
 
 def _safe_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:

@@ -19,7 +19,9 @@ from openinfer.kv_cache_interface import KVGroupSpec
 from openinfer.layers import cpu_ops
 from openinfer.layers.activation import SiluAndMul
 from openinfer.layers.attention import Attention, bind_layer_caches, free_layer_caches, paged_attention_spec
+from openinfer.layers.linear import Linear
 from openinfer.layers.norm import RMSNorm
+from openinfer.layers.quant_linear import QuantizedWeight
 from openinfer.layers.parallel_linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from openinfer.layers.rotary import RotaryEmbedding, apply_neox, rope_parameters
 from openinfer.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -138,7 +140,8 @@ class LlamaForCausalLM(nn.Module):
     qk_norm = False
     qkv_bias = False
     supported_kv_cache_dtypes = ("auto", "fp8", "fp8_e4m3")  # engine_args checks kv_cache_dtype against it
-    supported_quantization = ("int8", "int4")  # --quantization (layers/quant_linear.py); engine_args checks
+    # --quantization (layers/quant_linear.py) and low-bit checkpoints (layers/checkpoint_quant.py); engine_args checks
+    supported_quantization = ("int8", "int4", "w8a8")
     # HF name fragment -> (fused parameter fragment, part)
     stacked_params = [
         ("q_proj", "qkv_proj", 0),
@@ -196,7 +199,16 @@ class LlamaForCausalLM(nn.Module):
             if param is None:
                 raise WeightLoadError(f"checkpoint tensor {name!r} does not belong to this model")
             loader = getattr(param, "weight_loader", None)
-            if loader is not None:
+            if isinstance(tensor, QuantizedWeight):  # a low-bit checkpoint's linear (layers/checkpoint_quant.py)
+                module = self.get_submodule(pname.rpartition(".")[0])
+                if not isinstance(module, Linear):
+                    raise WeightLoadError(f"checkpoint tensor {name!r} is quantised but {pname!r} is not a linear "
+                                          "weight (embeddings and a tied or untied LM head stay dense)")
+                try:
+                    module.load_quantized(tensor, part)
+                except ValueError as e:
+                    raise WeightLoadError(f"checkpoint tensor {name!r}: {e}") from None
+            elif loader is not None:
                 loader(param, tensor, part)
             else:
                 copy_into(param, tensor, name)

@@ -12,6 +12,8 @@ from torch import nn
 
 from openinfer.config import AttentionBackend, ModelConfig
 from openinfer.models.registry import resolve_model_class, resolve_mtp_class
+from openinfer.layers.checkpoint_quant import QuantizedTensorGrouper
+from openinfer.layers.linear import num_parameters
 from openinfer.layers.weight_utils import CheckpointTensor, WeightLoadError
 
 logger = logging.getLogger(__name__)
@@ -56,6 +58,15 @@ def iterate_weights(path: str | Path) -> Iterator[tuple[str, CheckpointTensor]]:
             yield name, tensor
 
 
+def checkpoint_weights(mc: ModelConfig) -> Iterator[tuple[str, object]]:
+    """``iterate_weights``, with a low-bit checkpoint's linears (compressed-tensors, GPTQ) gathered into
+    ``QuantizedWeight``\\ s that stay packed (layers/checkpoint_quant.py)."""
+    cq = mc.checkpoint_quantization
+    if cq is None:
+        return iterate_weights(mc.path)
+    return QuantizedTensorGrouper(cq, mc.dtype).convert(iterate_weights(mc.path))
+
+
 def read_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint, read (converters and tests; the engine reads lazily)."""
     return {name: t.load() for name, t in iterate_weights(path)}
@@ -73,9 +84,9 @@ def load_model(mc: ModelConfig, attention_backend: AttentionBackend = AttentionB
             model = cls(mc.hf_config, attention_backend=attention_backend)
     finally:
         torch.set_default_dtype(prev)
-    model.load_weights(iterate_weights(mc.path))
+    model.load_weights(checkpoint_weights(mc))
     model.eval()
-    n = sum(p.numel() for p in model.parameters())
+    n = num_parameters(model)  # a low-bit checkpoint's linears hold their weights outside parameters
     logger.info("loaded %s (%.1fM params, %s) from %s", mc.architecture, n / 1e6, mc.dtype, mc.path)
     return model
 

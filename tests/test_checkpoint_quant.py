@@ -1,0 +1,172 @@
+"""Low-bit checkpoints as published (compressed-tensors W8A8 / W4A16, GPTQ int4) and W8A8 int8 execution: the W8A8
+kernel (cpu_kernels/w8a8_gemm.cpp) against its torch reference, each format written by
+scripts/make_quantized_checkpoint.py and loaded packed through the real loader (the integers and scales exactly as
+in the file, resident bytes ~ the file's), greedy tokens with kernels on and off, and the config errors."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import engine_model, load_script, make_dense_checkpoint, random_prompts
+from safetensors.torch import load_file
+
+from openinfer import LLM, SamplingParams
+from openinfer.engine_args import EngineArgs
+from openinfer.layers import cpu_ops
+from openinfer.layers.linear import Linear, weight_bytes
+from openinfer.layers.quant_linear import QuantizedWeight, w8a8_reference
+
+mq = load_script("make_quantized_checkpoint")
+FORMATS = {"w8a8": "w8a8", "w4a16": "int4", "gptq": "int4"}  # writer format -> method that runs it
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("m", [1, 5, 33])
+def test_w8a8_kernel_matches_reference(monkeypatch, m):
+    if not cpu_ops.available():
+        pytest.skip("CPU kernels unavailable")
+    for i, (n, k) in enumerate([(7, 37), (9, 100), (40, 300), (130, 1000), (5, 64)]):  # K % 32 != 0 mostly
+        w = torch.randint(-128, 128, (n, k), generator=_gen(i), dtype=torch.int8)
+        w[0] = -128  # the extremes: |w| = 128 must not overflow the sign trick
+        w[1] = 127
+        w[2] = 0
+        x = torch.randn(m, k, generator=_gen(50 + i)) * 4
+        x[0] = -x[0].abs()  # a row whose every quantised value is negative, down to -127, against w = -128
+        if m > 1:
+            x[1] = 0.0  # an all-zero token: scale 1, output exactly 0 (+ bias)
+        scales = torch.rand(n, generator=_gen(90 + i)) * 0.01 + 1e-4
+        qw = QuantizedWeight("w8a8", w, scales, (n, k), torch.float32)
+        fast = qw.matmul(x)
+        with monkeypatch.context() as mp:
+            mp.setenv("OPENINFER_CPU_KERNELS", "0")
+            ref = qw.matmul(x)
+        assert torch.equal(fast, ref), (m, n, k)  # same integers, same fp32 operations in the same order
+        xs = x.abs().amax(1).clamp_min(1e-30) / 127
+        xq = torch.round(x / xs[:, None]).clamp(-127, 127)
+        exact = (xq.double() @ w.double().t()) * xs[:, None].double() * scales.double()
+        assert torch.allclose(fast.double(), exact, rtol=1e-5, atol=1e-6)
+        assert int(xq[0].min()) == -127 and (fast[0, 2] == 0)
+        bias = torch.randn(n, generator=_gen(7))
+        torch.testing.assert_close(qw.matmul(x, bias), w8a8_reference(x, w, scales, bias), rtol=1e-6, atol=1e-6)
+    bf = x.to(torch.bfloat16)  # bf16 activations come back bf16
+    assert qw.matmul(bf).dtype == torch.bfloat16
+
+
+def _file_dequant(path, fmt, prefix, group):
+    """What the checkpoint file says the weight is, decoded here independently of the loader."""
+    t = load_file(str(path / "model.safetensors"))
+    if fmt == "w8a8":
+        return t[f"{prefix}.weight"].float() * t[f"{prefix}.weight_scale"].float()
+    if fmt == "w4a16":
+        n, k = t[f"{prefix}.weight_shape"].tolist()
+        p = t[f"{prefix}.weight_packed"].to(torch.int64) & 0xFFFFFFFF
+        q = torch.stack([(p >> (4 * i)) & 0xF for i in range(8)], dim=2).reshape(n, -1)[:, :k] - 8
+        return q.float() * t[f"{prefix}.weight_scale"].float().repeat_interleave(group, 1)[:, :k]
+    p = t[f"{prefix}.qweight"].to(torch.int64) & 0xFFFFFFFF  # [K / 8, N]
+    q = torch.stack([(p >> (4 * i)) & 0xF for i in range(8)], dim=1).reshape(-1, p.shape[1]).t() - 8
+    return q.float() * t[f"{prefix}.scales"].float().t().repeat_interleave(group, 1)
+
+
+def _run(path, kernels, monkeypatch, **kw):
+    with monkeypatch.context() as mp:
+        mp.setenv("OPENINFER_CPU_KERNELS", "1" if kernels else "0")
+        llm = LLM(model=str(path), num_kv_blocks=64, **kw)
+        prompts = random_prompts(3, [5, 20, 9], vocab_size=100)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1))
+        toks = [o.outputs[0].token_ids for o in outs]
+        lps = [[float(d[t]) for t, d in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs]
+        model = engine_model(llm)
+        llm.engine.shutdown()
+    return toks, lps, model
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_published_format_loads_packed(tmp_path, monkeypatch, fmt):
+    src = make_dense_checkpoint(tmp_path / "src", vocab_size=128, hidden_size=128, intermediate_size=256)
+    dst = mq.convert(src, tmp_path / fmt, fmt, group=32)
+    toks, lps, model = _run(dst, False, monkeypatch)
+    layer = model.model.layers[1]
+    for mod in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        assert isinstance(mod._quant, QuantizedWeight) and mod._quant.method == FORMATS[fmt]
+        assert mod.weight.numel() == 0  # no dense copy kept
+    assert model.lm_head._quant is None  # ignore: ["lm_head"]
+    # The loaded integers and scales are exactly the file's: fused q|k|v rows in order.
+    want = torch.cat([_file_dequant(dst, fmt, f"model.layers.1.self_attn.{p}_proj", 32) for p in "qkv"])
+    assert torch.equal(layer.self_attn.qkv_proj._quant.dequantize(), want)
+    want = _file_dequant(dst, fmt, "model.layers.1.mlp.down_proj", 32)
+    assert torch.equal(layer.mlp.down_proj._quant.dequantize(), want)
+    # Resident weight bytes ~ the checkpoint's (int4: + fp32 scales instead of the file's; minus GPTQ's g_idx).
+    file_bytes = sum(t.numel() * t.element_size() for t in load_file(str(dst / "model.safetensors")).values())
+    assert 0.9 < weight_bytes(model) / file_bytes < 1.1, (weight_bytes(model), file_bytes)
+    if cpu_ops.available():  # the same packed weights through the kernels: same greedy tokens, close logprobs
+        fast, fast_lps, _ = _run(dst, True, monkeypatch)
+        assert fast == toks
+        for a, b in zip(fast_lps, lps):
+            assert max(abs(x - y) for x, y in zip(a, b)) < 1e-3
+
+
+def test_w8a8_quantized_at_load_kernels_match_reference(tmp_path, monkeypatch):
+    """``--quantization w8a8`` on a dense checkpoint: the same W8A8 path, quantised at load."""
+    if not cpu_ops.available():
+        pytest.skip("CPU kernels unavailable")
+    src = make_dense_checkpoint(tmp_path / "src", vocab_size=128, hidden_size=128, intermediate_size=256)
+    fast, fast_lps, model = _run(src, True, monkeypatch, quantization="w8a8")
+    assert all(m._quant.method == "w8a8" for m in model.modules() if isinstance(m, Linear) and m._quant is not None)
+    ref, ref_lps, _ = _run(src, False, monkeypatch, quantization="w8a8")
+    assert fast == ref
+    assert max(abs(x - y) for a, b in zip(fast_lps, ref_lps) for x, y in zip(a, b)) < 1e-3
+
+
+def _write_config(tmp_path, name, qc):
+    src = make_dense_checkpoint(tmp_path / "src", vocab_size=64)
+    d = tmp_path / name
+    d.mkdir()
+    cfg = json.loads((src / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))
+    return d
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda qc: qc.update(format="float-quantized"), r"quantization_config.format='float-quantized'"),
+    (lambda qc: qc["config_groups"]["group_0"]["weights"].update(num_bits=3), r"weights.num_bits=3"),
+    (lambda qc: qc["config_groups"]["group_0"]["weights"].update(symmetric=False), r"weights.symmetric=False"),
+    (lambda qc: qc["config_groups"]["group_0"]["input_activations"].update(dynamic=False),
+     r"input_activations.dynamic=False"),
+])
+def test_compressed_tensors_config_errors(tmp_path, mutate, match):
+    qc = mq.quantization_config("w8a8", 128)
+    mutate(qc)
+    with pytest.raises(ValueError, match=match):
+        EngineArgs(model=str(_write_config(tmp_path, "ct", qc))).create_engine_config()
+
+
+@pytest.mark.parametrize("field,value", [("bits", 3), ("desc_act", True), ("sym", False), ("group_size", -1)])
+def test_gptq_config_errors(tmp_path, field, value):
+    qc = {**mq.quantization_config("gptq", 128), field: value}
+    with pytest.raises(ValueError, match=rf"quantization_config.{field}={value!r}"):
+        EngineArgs(model=str(_write_config(tmp_path, "gptq", qc))).create_engine_config()
+
+
+def test_flag_must_match_checkpoint_and_bad_tensors(tmp_path):
+    src = make_dense_checkpoint(tmp_path / "src", vocab_size=64)
+    dst = mq.convert(src, tmp_path / "gptq", "gptq", group=32)
+    with pytest.raises(ValueError, match="quantization='w8a8' does not match the checkpoint, which is int4"):
+        EngineArgs(model=str(dst), quantization="w8a8").create_engine_config()
+    assert EngineArgs(model=str(dst), quantization="int4").create_engine_config().model.quantization is None
+    with pytest.raises(ValueError, match="tensor_parallel_size=2"):
+        EngineArgs(model=str(dst), tensor_parallel_size=2).create_engine_config()
+    awq = _write_config(tmp_path, "awq", {"quant_method": "awq", "bits": 4})
+    with pytest.raises(ValueError, match="quant_method='awq'"):
+        EngineArgs(model=str(awq)).create_engine_config()
+    # Asymmetric zeros in the tensors (the config claims sym): a load error naming the linear.
+    from safetensors.torch import save_file
+    t = load_file(str(dst / "model.safetensors"))
+    t["model.layers.0.mlp.up_proj.qzeros"] = torch.zeros_like(t["model.layers.0.mlp.up_proj.qzeros"])
+    save_file(t, str(dst / "model.safetensors"))
+    with pytest.raises(ValueError, match="model.layers.0.mlp.up_proj.*asymmetric"):
+        LLM(model=str(dst), num_kv_blocks=16)
