@@ -25,7 +25,13 @@ import json
 import os
 import random
 import statistics
+import sys
 import time
+from pathlib import Path
+
+# the checkout this script is in, not whichever openinfer is installed (``python scripts/x.py`` puts scripts/ on
+# sys.path, not the repository root): a before/after comparison must run the code under test
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 CONFIGS = {  # name -> (dtype, OPENINFER_CPU_PREPACK, gemv)
     "fp32-packed": ("float32", "1", True),

@@ -179,7 +179,8 @@ inline void dot_block(const float* __restrict__ x, int64_t K, const c10::BFloat1
 // then its odd ones, the tail in order.
 std::vector<float> bf16_pairs(const c10::BFloat16* x, int64_t M, int64_t K) {
   std::vector<float> out(M * K);
-  const int64_t full = kPair ? K / kPair * kPair : 0;
+  constexpr int64_t run = kPair > 0 ? kPair : 1;  // (no vector code: kPair 0, nothing de-interleaved)
+  const int64_t full = kPair > 0 ? K / run * run : 0;
   for (int64_t m = 0; m < M; ++m) {
     const c10::BFloat16* src = x + m * K;
     float* dst = out.data() + m * K;
