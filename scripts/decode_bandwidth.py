@@ -119,6 +119,8 @@ def main() -> None:
                 linear.GEMV = gemv
                 s = run_decode_window(engines[(dtype, prepack)], [prompt], args.steps, 0.0).sample
                 samples.setdefault((name, threads), []).append(nbytes[(dtype, prepack)] * args.steps / s.elapsed_s / 1e9)
+            print(f"threads {threads} round {r}: copy {c:.1f} GB/s, "
+                  + ", ".join(f"{n} {samples[(n, threads)][-1]:.1f}" for n in args.configs), flush=True)
         linear.GEMV = True
     load = os.getloadavg()
     print(f"\nload average at the end: {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} (cores: {os.cpu_count()})")
