@@ -34,7 +34,10 @@ M = 1. ``OPENINFER_CPU_PREPACK=0`` is the low-latency mode: fp32 weights stay ro
 the gemv kernel, larger M the split ``F.linear`` above. bf16 weights on a CPU without native bf16 (never packed,
 see ``cpu_prepack_supported``) run the gemv kernel at every M: torch's emulated bf16 GEMM is slower than it
 everywhere measured (M = 8: 2.4x, M = 32: 3x, M = 128: > 4x), and at M = 1 bf16 reads half fp32's bytes.
-``OPENINFER_CPU_GEMV=0`` turns the kernel off (the paths above without it).
+``OPENINFER_CPU_GEMV=0`` turns the kernel off (the paths above without it). Known limit: at M = 1 the bf16
+weights stream at only ~55-65 % of the copy bandwidth (fp32 at ~95-100 %, same loop structure; 1 thread, same
+runs), so batch-1 bf16 is ~1.1-1.3x fp32 instead of ~2x; 1-, 2- and 4-row blocks and software prefetch measured
+alike, so the limit is not the row-stream count. ``scripts/decode_bandwidth.py`` measures it end to end.
 """
 from __future__ import annotations
 
