@@ -363,3 +363,20 @@ def indexer_topk(q: torch.Tensor, head_w: torch.Tensor, keys: torch.Tensor, seq_
     ops.indexer_topk(ids, q, head_w.float().contiguous(), keys.contiguous(), seq_slots.contiguous(),
                      token_seq.contiguous(), visible.contiguous(), float(scale))
     return ids
+
+
+# ---- small-M dense linear (cpu_kernels/gemv.cpp) -----------------------------------------------------------------
+
+GEMV_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x [M, K] W^T (+ bias) for a plain row-major ``weight`` [N, K] in fp32 or bf16, x and bias in its dtype;
+    -> [M, N], or None when the kernel cannot take the call (the caller runs F.linear)."""
+    ops = ops_for(x, weight)
+    if (ops is None or x.dim() != 2 or weight.dtype not in GEMV_DTYPES or x.dtype != weight.dtype
+            or not weight.is_contiguous() or (bias is not None and bias.dtype != weight.dtype)):
+        return None
+    y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
+    ops.dense_gemv(y, x.contiguous(), weight, None if bias is None else bias.contiguous())
+    return y

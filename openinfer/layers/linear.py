@@ -17,9 +17,31 @@ so a packed module's ``weight`` is an empty placeholder: code that needs the mat
 Without prepacking (GPUs, dtypes oneDNN can't pack here, or ``OPENINFER_CPU_PREPACK=0``), wide outputs are
 split into 512-row weight blocks for 2 <= M <= 512, which measured faster than one MKL call there (2 threads:
 5632 x 1024 at M=32 7.2 vs 11.1 ms); neither path changes any dot product's inputs.
+
+Small M on a plain (unpacked) weight: ``cpu_ops.dense_gemv`` (``cpu_kernels/gemv.cpp``) streams the row-major
+fp32 / bf16 weight once per call at close to the copy bandwidth. Measured on this project's AVX2 EPYC (1 thread,
+the bench model's linears summed over 16 layers + lm_head, GB/s of weight bytes, median of 9 interleaved rounds;
+copy bandwidth 14.7 in the same run), fp32:
+
+| M                          | 1    | 4   | 8   | 16  | 32  | 64  |
+| gemv on the row-major W    | 14.5 | 9.1 | 6.8 | 4.6 | 2.5 | 1.4 |
+| oneDNN on the packed W     | 11.7 | 8.1 | 7.1 | 4.7 | 3.2 | 1.8 |
+| oneDNN on the row-major W  | 14.0 | 6.3 | 5.3 | 4.0 | 2.6 | 1.5 |
+
+Layout choice (one copy either way): fp32 keeps the oneDNN-packed layout by default, because batched decode
+(M = 16-64, where the engine's throughput is made) runs 15-25 % slower on any row-major path, against +24 % at
+M = 1. ``OPENINFER_CPU_PREPACK=0`` is the low-latency mode: fp32 weights stay row-major, M <= ``GEMV_MAX_M`` runs
+the gemv kernel, larger M the split ``F.linear`` above. bf16 weights on a CPU without native bf16 (never packed,
+see ``cpu_prepack_supported``) run the gemv kernel at every M: torch's emulated bf16 GEMM is slower than it
+everywhere measured (M = 8: 2.4x, M = 32: 3x, M = 128: > 4x), and at M = 1 bf16 reads half fp32's bytes.
+``OPENINFER_CPU_GEMV=0`` turns the kernel off (the paths above without it). Known limit: at M = 1 the bf16
+weights stream at only ~55-65 % of the copy bandwidth (fp32 at ~95-100 %, same loop structure; 1 thread, same
+runs), so batch-1 bf16 is ~1.1-1.3x fp32 instead of ~2x; 1-, 2- and 4-row blocks and software prefetch measured
+alike, so the limit is not the row-stream count. ``scripts/decode_bandwidth.py`` measures it end to end.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -27,6 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from openinfer.layers import cpu_ops
 from openinfer.layers.quant_linear import QuantizedWeight
 
 logger = logging.getLogger(__name__)
@@ -35,6 +58,21 @@ CPU_ROW_BLOCK = 512
 _SPLIT_ROWS = (2, 512)  # the M range where splitting measured faster
 # A hint for oneDNN's reorder; the packed layout serves every M (measured: hints 8/32/256 within noise).
 _PACK_BATCH_HINT = 32
+# Up to this many activation rows a plain fp32 weight runs the gemv kernel (it matches or beats oneDNN up to 8,
+# table above); bf16 without native bf16 runs it at every M.
+GEMV_MAX_M = 8
+# Read per call (module attribute), so a benchmark can compare both paths in one process.
+GEMV = os.environ.get("OPENINFER_CPU_GEMV", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+@functools.cache
+def _gemv_every_m(dtype: torch.dtype) -> bool:
+    """bf16 on a CPU without native bf16: the gemv kernel beats torch's emulated GEMM at every M."""
+    if dtype != torch.bfloat16:
+        return False
+    from openinfer.platform import cpu_has_fast_bf16
+
+    return not cpu_has_fast_bf16()
 
 
 def cpu_prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -119,6 +157,11 @@ class Linear(nn.Linear):
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
         n = self.weight.shape[0]
         m = x.numel() // max(x.shape[-1], 1)
+        if (GEMV and x.device.type == "cpu" and (m <= GEMV_MAX_M or _gemv_every_m(self.weight.dtype))
+                and not (torch.is_grad_enabled() and self.weight.requires_grad)):  # the kernel has no backward
+            y = cpu_ops.dense_gemv(x.reshape(m, x.shape[-1]), self.weight, bias)
+            if y is not None:
+                return y.view(*x.shape[:-1], n)
         if x.device.type != "cpu" or n <= 2 * CPU_ROW_BLOCK or not _SPLIT_ROWS[0] <= m <= _SPLIT_ROWS[1]:
             return F.linear(x, self.weight, bias)
         ws = self.weight.split(CPU_ROW_BLOCK)

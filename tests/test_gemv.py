@@ -1,0 +1,157 @@
+"""The small-M dense linear kernel (cpu_kernels/gemv.cpp) against torch, its dispatch from ``Linear``, the torch path
+with the kernels off, and the engine's greedy tokens with the kernel on and off."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import make_dense_checkpoint, random_prompts
+
+from openinfer import LLM, SamplingParams
+from openinfer.layers import cpu_ops, linear
+from openinfer.layers.linear import Linear
+
+# (M, N, K): M 1, 2, 3, 8 and a larger odd M; N not a multiple of the 4-row block, K not a multiple of the vector
+# width (8 / 16 floats) nor of the bf16 pair run (16 / 32), plus aligned shapes and a K tail after full runs.
+SHAPES = [(1, 7, 37), (1, 64, 256), (2, 13, 100), (3, 33, 1030), (8, 40, 300), (8, 5, 16), (21, 9, 70), (1, 3, 5)]
+
+
+def _data(m, n, k, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(m, k, generator=g).to(dtype), torch.randn(n, k, generator=g).to(dtype),
+            torch.randn(n, generator=g).to(dtype))
+
+
+def _tol(dtype, exact):
+    scale = max(1.0, float(exact.abs().max()))
+    return 1e-5 * scale if dtype == torch.float32 else 1e-2 * scale  # bf16: one rounding of the output
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemv_matches_torch(kernel_ops, dtype, with_bias):
+    for i, (m, n, k) in enumerate(SHAPES):
+        x, w, b = _data(m, n, k, dtype, i)
+        bias = b if with_bias else None
+        y = cpu_ops.dense_gemv(x, w, bias)
+        assert y is not None and y.dtype == dtype and y.shape == (m, n)
+        exact = x.double() @ w.double().t() + (b.double() if with_bias else 0)
+        assert (y.double() - exact).abs().max() <= _tol(dtype, exact), (m, n, k)
+        ref = F.linear(x, w, bias)
+        assert (y.double() - ref.double()).abs().max() <= 2 * _tol(dtype, exact), (m, n, k)
+        if dtype == torch.bfloat16:  # fp32 accumulation rounded once: within half a bf16 step of the exact value
+            err = (y.double() - exact).abs()
+            assert (err <= exact.abs() * 2 ** -8 + 1e-4 * float(exact.abs().max())).all(), (m, n, k)
+        prev = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:  # each output is one thread's dot product: the split over threads changes no bit
+            assert torch.equal(cpu_ops.dense_gemv(x, w, bias), y)
+        finally:
+            torch.set_num_threads(prev)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_nan_inf_propagate_like_torch(kernel_ops, dtype):
+    m, n, k = 3, 10, 45
+    x, w, _ = _data(m, n, k, dtype, 7)
+    x[0, 3] = float("nan")  # in the vector part
+    x[1, 44] = float("inf")  # in the scalar K tail
+    x[2, 20] = -float("inf")
+    y = cpu_ops.dense_gemv(x, w, None).float()
+    ref = (x.float() @ w.float().t())
+    assert torch.equal(torch.isnan(y), torch.isnan(ref))
+    assert torch.equal(torch.isposinf(y), torch.isposinf(ref)) and torch.equal(torch.isneginf(y), torch.isneginf(ref))
+    assert torch.isnan(y[0]).all() and torch.isinf(y[1]).all() and torch.isinf(y[2]).all()
+
+
+def test_gemv_rejects_what_it_cannot_take(kernel_ops):
+    x, w, b = _data(2, 8, 16, torch.float32, 0)
+    assert cpu_ops.dense_gemv(x.bfloat16(), w, None) is None  # dtype mix: the caller runs F.linear
+    assert cpu_ops.dense_gemv(x, w.t().contiguous().t(), None) is None  # not row-major
+    assert cpu_ops.dense_gemv(x.half(), w.half(), None) is None
+    with pytest.raises(RuntimeError, match="x must be contiguous"):
+        kernel_ops.dense_gemv(torch.empty(2, 8), x[:, :15], w, None)
+
+
+def _spy(monkeypatch):
+    calls = []
+    real = cpu_ops.dense_gemv
+
+    def spy(x, w, b):
+        y = real(x, w, b)
+        calls.append(y is not None)
+        return y
+
+    monkeypatch.setattr(cpu_ops, "dense_gemv", spy)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_dispatch_and_kernels_off(kernel_ops, monkeypatch, dtype):
+    """Unpacked weights run the kernel at M <= GEMV_MAX_M (bf16 without native bf16: at every M); leading dims pass
+    through; with OPENINFER_CPU_KERNELS=0 or OPENINFER_CPU_GEMV=0 the torch path gives the same values."""
+    from openinfer.platform import cpu_has_fast_bf16
+
+    torch.manual_seed(0)
+    lin = Linear(100, 37, bias=True).to(dtype).requires_grad_(False)
+    calls = _spy(monkeypatch)
+    for m in (1, 3, linear.GEMV_MAX_M, 20):
+        x = torch.randn(m, 100).to(dtype)
+        calls.clear()
+        y = lin(x)
+        every_m = dtype == torch.bfloat16 and not cpu_has_fast_bf16()
+        assert calls == ([True] if m <= linear.GEMV_MAX_M or every_m else []), m
+        with monkeypatch.context() as mp:
+            mp.setenv("OPENINFER_CPU_KERNELS", "0")
+            off = lin(x)
+        with monkeypatch.context() as mp:
+            mp.setattr(linear, "GEMV", False)
+            calls.clear()
+            assert torch.equal(lin(x), off) and calls == []
+        exact = x.double() @ lin.weight.double().t() + lin.bias.double()
+        assert (y.double() - off.double()).abs().max() <= 2 * _tol(dtype, exact), m
+    x3 = torch.randn(2, 3, 100).to(dtype)
+    assert torch.equal(lin(x3), lin(x3.reshape(6, 100)).reshape(2, 3, 37))
+    lin.weight.requires_grad_(True)  # training: the kernel has no backward, F.linear runs
+    calls.clear()
+    assert lin(torch.randn(1, 100).to(dtype)).requires_grad and calls == []
+
+
+def _greedy(path, monkeypatch, gemv, **kw):
+    with monkeypatch.context() as mp:
+        mp.setattr(linear, "GEMV", gemv)
+        llm = LLM(model=str(path), num_kv_blocks=64, **kw)
+        prompts = random_prompts(3, [5, 20, 9], vocab_size=100)
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    return outs
+
+
+@pytest.mark.parametrize("dtype,prepack", [("float32", "0"), ("bfloat16", "1")])
+def test_llama_greedy_same_with_gemv_on_and_off(tmp_path, monkeypatch, kernel_ops, dtype, prepack):
+    """fp32 in the low-latency mode (row-major weights) and bf16: the kernel changes only summation order."""
+    monkeypatch.setenv("OPENINFER_CPU_PREPACK", prepack)
+    path = make_dense_checkpoint(tmp_path / "m", vocab_size=128, hidden_size=128, intermediate_size=256)
+    calls = _spy(monkeypatch)
+    fast = _greedy(path, monkeypatch, True, dtype=dtype)
+    assert calls and all(calls)
+    ref = _greedy(path, monkeypatch, False, dtype=dtype)
+    lp_tol = 1e-4 if dtype == "float32" else 5e-2
+    for a, b in zip(fast, ref):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for j, t in enumerate(a.outputs[0].token_ids):
+            assert abs(a.outputs[0].logprobs[j][t] - b.outputs[0].logprobs[j][t]) < lp_tol
+
+
+@pytest.mark.skipif(bool(__import__("os").environ.get("OPENINFER_KERNEL_CFLAGS")), reason="already a variant")
+def test_gemv_avx2_build(kernel_ops, avx2_variant):
+    """On an AVX-512 host the native build runs the 512-bit code: rerun the kernel tests on the x86-64-v3 build."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OPENINFER_KERNEL_CFLAGS="-march=x86-64-v3", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "gemv_matches or nan_inf"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert " passed" in r.stdout and "skipped" not in r.stdout.splitlines()[-1], r.stdout[-1000:]
