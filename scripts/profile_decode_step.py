@@ -1,9 +1,11 @@
 #!/usr/bin/env python
 """Where the time of one decode step goes: prefill ``--batch`` prompts untimed, then profile ``--steps`` steps in
 which every sequence decodes, with torch.profiler; prints the mean step time and the ops by self CPU time,
-grouped into attention / linears / MoE / the rest.
+grouped into attention / linears / MoE / the rest. ``--prefill`` profiles the prompts' prefill instead;
+``--python N`` adds a cProfile table of the Python functions with the most own time (per-step work outside ops).
 
     python scripts/profile_decode_step.py --model .bench/dsv3-65m --dtype float32 --batch 32 --context 128
+    python scripts/profile_decode_step.py --model .bench/v4-bench --batch 32 --context 128 --prefill --threads 1
 
 Grouping is by op name (see GROUPS); ops of no group are listed as they are.
 """
@@ -41,6 +43,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--prefill", action="store_true",
+                    help="profile the prefill of the --batch prompts (one engine step each) instead of decode steps")
+    ap.add_argument("--python", type=int, default=0, metavar="N",
+                    help="also print the N Python functions with the most own time over the profiled steps "
+                         "(cProfile): the per-step work outside torch ops")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from openinfer import LLM, SamplingParams
@@ -55,25 +62,41 @@ def main() -> None:
     for i in range(args.batch):
         engine.add_request(f"p{i}", {"prompt_token_ids": [rng.randrange(10, vocab) for _ in range(args.context)]},
                            params)
-    started: set[str] = set()
-    while len(started) < args.batch:  # every request has its first token: the batch decodes from here
-        started.update(o.request_id for o in engine.step() if any(c.token_ids for c in o.outputs))
-    for _ in range(args.steps):  # warm-up decode steps (first-touch of buffers, kernel build)
-        engine.step()
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        engine.step()
-    plain_ms = (time.perf_counter() - t0) * 1e3 / args.steps
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    if args.prefill:
+        # every step until each request has its first token is prefill work; the one or few steps it takes are
+        # timed and profiled as they come (a second prefill would hit the prefix cache)
+        args.steps = 1
+        started: set[str] = set()
+        t0, c0 = time.perf_counter(), time.process_time()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            while len(started) < args.batch:
+                started.update(o.request_id for o in engine.step() if any(c.token_ids for c in o.outputs))
+        plain_ms = (time.perf_counter() - t0) * 1e3
+        cpu_ms = (time.process_time() - c0) * 1e3
+        what = f"prefill of {args.batch} x {args.context} tokens"
+    else:
+        started = set()
+        while len(started) < args.batch:  # every request has its first token: the batch decodes from here
+            started.update(o.request_id for o in engine.step() if any(c.token_ids for c in o.outputs))
+        for _ in range(args.steps):  # warm-up decode steps (first-touch of buffers, kernel build)
+            engine.step()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(args.steps):
             engine.step()
+        plain_ms = (time.perf_counter() - t0) * 1e3 / args.steps
+        cpu_ms = (time.process_time() - c0) * 1e3 / args.steps
+        what = f"decode step at batch {args.batch}, context ~{args.context}"
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(args.steps):
+                engine.step()
     events = prof.key_averages()
     total = sum(e.self_cpu_time_total for e in events)
     groups: dict[str, float] = {}
     for e in events:
         groups[group_of(e.key)] = groups.get(group_of(e.key), 0.0) + e.self_cpu_time_total
-    print(f"decode step at batch {args.batch}, context ~{args.context}: {plain_ms:.1f} ms (unprofiled mean of "
-          f"{args.steps}); profiled self CPU {total / 1e3 / args.steps:.1f} ms/step")
+    # process CPU time next to wall time: on a loaded host the wall time includes waiting for a core
+    print(f"{what}: {plain_ms:.1f} ms wall, {cpu_ms:.1f} ms process CPU (unprofiled mean of {args.steps}); "
+          f"profiled self CPU in ops {total / 1e3 / args.steps:.1f} ms/step")
     print("| group | ms/step | share |\n|---|---|---|")
     for g, t in sorted(groups.items(), key=lambda kv: -kv[1]):
         print(f"| {g} | {t / 1e3 / args.steps:.2f} | {100 * t / total:.1f}% |")
@@ -81,6 +104,17 @@ def main() -> None:
     for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:args.top]:
         print(f"| {e.key} | {group_of(e.key)} | {e.self_cpu_time_total / 1e3 / args.steps:.2f} | "
               f"{100 * e.self_cpu_time_total / total:.1f}% |")
+    if args.python and not args.prefill:
+        import cProfile
+        import pstats
+
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(args.steps):
+            engine.step()
+        pr.disable()
+        print(f"\nPython functions by own time over {args.steps} steps (cProfile; torch ops count in their caller):")
+        pstats.Stats(pr).sort_stats("tottime").print_stats(args.python)
 
 
 if __name__ == "__main__":

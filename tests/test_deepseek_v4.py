@@ -380,6 +380,36 @@ def test_indexer_breaks_ties_towards_lowest_entry():
     assert chosen.tolist() == [[0, 1, 2], [0, 1, -1], [0, 1, -1]]
 
 
+def test_step_index_shares_its_per_step_indices_across_layers():
+    """Two compressors of one ratio (a CSA layer's main and indexer ones, or two layers) pool from the same slots:
+    the second reuses the first's plan, and each writes exactly what a fresh plan gives; a slice is built once."""
+    from openinfer.models.deepseek_v4.compressor import Compressor
+    from openinfer.layers.rotary import RotaryEmbedding
+
+    torch.manual_seed(0)
+    comps = [Compressor(hidden_size=8, dim=4, ratio=4, overlap=True, eps=1e-6) for _ in range(2)]
+    for c in comps:
+        for p in c.parameters():
+            p.data.normal_()
+    rotary = RotaryEmbedding(2, {"rope_theta": 10000.0, "rope_type": "default"})
+
+    def make_step():
+        return StepIndex(tables=torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]]), token_seq=torch.tensor([0, 1, 1]),
+                         positions=torch.tensor([11, 6, 7]), block_size=4)
+    store = torch.randn(8 * 4, comps[0].row_width)
+    step = make_step()
+    shared = [torch.zeros(8 * 4, 4) for _ in comps]
+    for c, out in zip(comps, shared):
+        c.emit(step, store, out, 4, rotary, torch.float32)
+    assert [k for k in step._memo if k[0] == "compress"] == [("compress", 4, True, 4)]
+    for c, out in zip(comps, shared):  # each alone, on a fresh step: the same rows in the same slots
+        fresh = torch.zeros(8 * 4, 4)
+        c.emit(make_step(), store, fresh, 4, rotary, torch.float32)
+        assert torch.equal(out, fresh) and fresh.abs().sum() > 0
+    assert step.slice(0, 3) is step and step.slice(1, 3) is step.slice(1, 3)
+    assert step.slice(1, 3).positions.tolist() == [6, 7] and step.max_position == 11
+
+
 def test_both_config_styles_parse_alike(ckpt):
     hf_style = DeepseekV4Config.from_hf(json.loads((ckpt / "config.json").read_text()))
     ds = _deepseek_style_config(json.loads((ckpt / "config.json").read_text()))

@@ -137,7 +137,7 @@ class DeepseekV4Attention(nn.Module):
     def _query_chunk(self, step: StepIndex, elem: int) -> int:
         keys = self.sliding_window
         if self.compressor is not None:
-            keys += int(step.positions.max() + 1) // self.ratio
+            keys += (step.max_position + 1) // self.ratio
         per_token = keys * (self.head_dim + (self.indexer.head_dim if self.indexer is not None else 0)) * 4
         return max(1, GATHER_BUDGET_BYTES // max(per_token, 1))
 
@@ -146,10 +146,8 @@ class DeepseekV4Attention(nn.Module):
         cache, pos = self.cache, step.positions
         seq = step.token_seq[:, None]
         windows = None
-        if self.layer_type == HCA:
-            visible = (pos + 1) // self.ratio
-            windows = torch.arange(int(visible.max()), device=pos.device).expand(pos.shape[0], -1)
-            windows = torch.where(windows < visible[:, None], windows, torch.full_like(windows, -1))
+        if self.layer_type == HCA:  # every visible entry: the same windows for each HCA layer of the step
+            windows = step.memo(("hca_windows", self.ratio), lambda: self._all_visible(step))
         elif self.layer_type == CSA:
             windows = self.indexer.select(q_residual, x, step, cache.flat("index_entries"), cache.entry_cap,
                                           cos, sin)
@@ -157,7 +155,11 @@ class DeepseekV4Attention(nn.Module):
             windows = None
         entry_slots = None
         if windows is not None:
-            entry_slots = step.entry_slots(seq, windows, self.ratio, cache.entry_cap)
+            if self.layer_type == HCA:
+                entry_slots = step.memo(("hca_slots", self.ratio, cache.entry_cap),
+                                        lambda: step.entry_slots(seq, windows, self.ratio, cache.entry_cap))
+            else:
+                entry_slots = step.entry_slots(seq, windows, self.ratio, cache.entry_cap)
         # CPU kernel: the window and the chosen entries read in place, no [T, keys, d] gather
         # (fp8_ds_mla stores: the kernel widens the packed rows it reads in registers)
         out = cpu_ops.sink_sparse_attention(
@@ -174,6 +176,13 @@ class DeepseekV4Attention(nn.Module):
             keys = torch.cat([keys, cache.flat("entries")[entry_slots]], dim=1)
             valid = torch.cat([valid, windows >= 0], dim=1)
         return sink_attention(q, keys, valid, self.sinks, self.scale)
+
+    def _all_visible(self, step: StepIndex) -> torch.Tensor:
+        """[T, max visible] entry indices of every entry each query sees, -1 past its own count."""
+        pos = step.positions
+        visible = (pos + 1) // self.ratio
+        windows = torch.arange((step.max_position + 1) // self.ratio, device=pos.device).expand(pos.shape[0], -1)
+        return torch.where(windows < visible[:, None], windows, torch.full_like(windows, -1))
 
     def _project_out(self, o: torch.Tensor) -> torch.Tensor:
         t, g = o.shape[0], self.o_groups

@@ -51,7 +51,9 @@ group ~4x); fp8/fp4 indexer keys.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -201,6 +203,10 @@ class StepIndex:
     # The coarse group's tables [S, max coarse blocks] and its block span (= the coarse layers' ratio).
     coarse_tables: torch.Tensor | None = None
     coarse_tokens: int | None = None
+    # Index tensors that depend only on this step (not on a layer's weights or stores), computed by the first
+    # layer that asks and reused by the others: the 8-61 layers of a step share a handful of ratios, and each
+    # such index is a few small ops (and a host read) that ran once per layer per step. See ``memo``.
+    _memo: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def build(cls, md: AttentionMetadata, positions: torch.Tensor, coarse_tokens: int | None = None) -> StepIndex:
@@ -209,9 +215,25 @@ class StepIndex:
                    md.group(WINDOW).block_tables, coarse.block_tables if coarse is not None else None, coarse_tokens)
 
     def slice(self, start: int, end: int) -> StepIndex:
-        """The tokens [start, end) of this step (same tables)."""
-        return StepIndex(self.tables, self.token_seq[start:end], self.positions[start:end], self.block_size,
-                         self.win_tables, self.coarse_tables, self.coarse_tokens)
+        """The tokens [start, end) of this step (same tables); the whole step is itself, and a slice is built
+        once per step, so the layers that query in the same chunks share its memo."""
+        if start == 0 and end == self.positions.shape[0]:
+            return self
+        return self.memo(("slice", start, end), lambda: StepIndex(
+            self.tables, self.token_seq[start:end], self.positions[start:end], self.block_size, self.win_tables,
+            self.coarse_tables, self.coarse_tokens))
+
+    def memo(self, key: Any, build: Callable[[], Any]) -> Any:
+        """``build()`` once per step and key; later calls with the key return the same object (treat as
+        read-only). Keys name what is built and every argument it depends on besides this step."""
+        if key not in self._memo:
+            self._memo[key] = build()
+        return self._memo[key]
+
+    @property
+    def max_position(self) -> int:
+        """The largest position in this step (one host read per step, not one per layer)."""
+        return self.memo("max_position", lambda: int(self.positions.max()))
 
     @property
     def token_tables(self) -> torch.Tensor:

@@ -65,18 +65,28 @@ class Compressor(nn.Module):
     def emit(self, step: StepIndex, store: torch.Tensor, entries: torch.Tensor, cap: int, rotary: RotaryEmbedding,
              dtype: torch.dtype) -> None:
         """Pool and write every entry whose window closes in this step (vectorised over windows)."""
+        plan = step.memo(("compress", self.ratio, self.overlap, cap), lambda: self._plan(step, cap))
+        if plan is None:
+            return
+        start, has_prev, cur_slots, prev_slots, entry_slots = plan
+        prev = store[prev_slots] if self.overlap else None
+        out = self.pool(store[cur_slots], prev, has_prev, start, rotary, dtype)
+        entries.index_copy_(0, entry_slots, out.to(entries.dtype))
+
+    def _plan(self, step: StepIndex, cap: int):
+        """Which windows close in this step and where their rows and entries live: the same for every compressor
+        of this ratio in the step (the stores differ, the slots do not), so ``emit`` builds it once per step.
+        -> (start, has_prev, cur_slots, prev_slots, entry_slots), or None when no window closes."""
         m = self.ratio
         closing = ((step.positions + 1) % m == 0).nonzero().squeeze(1)
         if closing.numel() == 0:
-            return
+            return None
         seq = step.token_seq[closing].unsqueeze(1)
         start = step.positions[closing] - (m - 1)
         offsets = torch.arange(m, device=start.device)
-        cur = store[step.token_slots(seq, start[:, None] + offsets)]
-        prev = has_prev = None
+        cur_slots = step.token_slots(seq, start[:, None] + offsets)
+        has_prev = prev_slots = None
         if self.overlap:
             has_prev = start >= m
-            prev = store[step.token_slots(seq, start[:, None] - m + offsets)]
-        out = self.pool(cur, prev, has_prev, start, rotary, dtype)
-        slots = step.entry_slots(seq.squeeze(1), start // m, m, cap)
-        entries.index_copy_(0, slots, out.to(entries.dtype))
+            prev_slots = step.token_slots(seq, start[:, None] - m + offsets)
+        return start, has_prev, cur_slots, prev_slots, step.entry_slots(seq.squeeze(1), start // m, m, cap)

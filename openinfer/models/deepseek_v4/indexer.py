@@ -58,7 +58,7 @@ class Indexer(nn.Module):
         The indexer's own entries for this step must already be emitted."""
         m = self.ratio
         visible = (step.positions + 1) // m
-        max_visible = int(visible.max())
+        max_visible = (step.max_position + 1) // m
         t = x.shape[0]
         if max_visible == 0:
             return torch.empty(t, 0, dtype=torch.long, device=x.device)
@@ -67,11 +67,12 @@ class Indexer(nn.Module):
         k = min(self.topk, max_visible)
         if self.tp.world_size == 1:
             # CPU kernel: each query's visible keys scored in place and only k of them selected
-            seqs = torch.arange(step.tables.shape[0], device=x.device)
             raw = index_entries.data if isinstance(index_entries, PackedRows) else index_entries  # fp8 rows as is
-            chosen = cpu_ops.indexer_topk(q, head_w, raw,
-                                          step.entry_slots(seqs[:, None], windows[None, :], m, cap),
-                                          step.token_seq, visible, k, self.head_dim ** -0.5)
+            # each sequence's entry slots: the same table for every CSA layer of the step
+            slots = step.memo(("index_slots", m, cap), lambda: step.entry_slots(
+                torch.arange(step.tables.shape[0], device=x.device)[:, None], windows[None, :], m, cap))
+            chosen = cpu_ops.indexer_topk(q, head_w, raw, slots, step.token_seq, visible, k,
+                                          self.head_dim ** -0.5)
             if chosen is not None:
                 return chosen
         keys = index_entries[step.entry_slots(step.token_seq[:, None], windows[None, :], m, cap)]
