@@ -22,6 +22,11 @@ import random
 import statistics
 import subprocess
 import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from a checkout: this checkout's openinfer, not an installed one
+    sys.path.insert(0, str(ROOT))
 
 MODES = ("dequantize", "packed")
 
@@ -65,7 +70,9 @@ def rss_child(args) -> None:
 
     torch.set_num_threads(args.threads)
     llm = _engine(args.model, args.rss_of, args.dtype, args.batches, args.context_len, args.steps)
-    out = {"mode": args.rss_of, **_bytes(llm), "rss_after_load": _rss_bytes()}
+    import openinfer
+
+    out = {"mode": args.rss_of, **_bytes(llm), "rss_after_load": _rss_bytes(), "openinfer": openinfer.__file__}
     rng = random.Random(0)
     vocab = llm.engine.config.model.vocab_size
     prompts = [[rng.randrange(3, vocab) for _ in range(args.context_len)] for _ in range(max(args.batches))]
@@ -96,8 +103,8 @@ def main() -> None:
         r = subprocess.run(cmd, capture_output=True, text=True, check=True)
         line = next(ln for ln in r.stdout.splitlines() if ln.startswith("RSS_JSON "))
         resident[mode] = json.loads(line.removeprefix("RSS_JSON "))
-        print(f"{mode}: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in resident[mode].items() if k != "mode"),
-              flush=True)
+        print(f"{mode}: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in resident[mode].items()
+                                      if isinstance(v, int)) + f" ({resident[mode]['openinfer']})", flush=True)
 
     import torch
 
