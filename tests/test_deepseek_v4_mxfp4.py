@@ -5,7 +5,6 @@ greedy tokens and logprobs against the same checkpoint with the experts dequanti
 from __future__ import annotations
 
 import pytest
-import torch
 from helpers import engine_model, load_script
 
 from openinfer import LLM, SamplingParams

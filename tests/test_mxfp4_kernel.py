@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from openinfer.layers import cpu_ops
 from openinfer.layers.fp8 import E8M0_DTYPE
-from openinfer.layers.mxfp4 import (Mxfp4Weight, dequantize_kernel_layout, dequantize_mxfp4, quantize_mxfp4,
+from openinfer.layers.mxfp4 import (Mxfp4Tensor, Mxfp4Weight, dequantize_kernel_layout, dequantize_mxfp4, quantize_mxfp4,
                                     stacked_mxfp4, to_kernel_layout)
 
 # (N, K): K even (two values per byte), ragged against the 32-column scale blocks where it can be
@@ -46,8 +46,6 @@ def test_packed_bytes_and_stacked_views():
     assert [w.nbytes for w in ws] == [10 * 48 + 10 * 3] * 3  # 70 -> 96 columns: 48 code bytes + 3 scales a row
     assert ws[1].qweight.untyped_storage().data_ptr() == ws[0].qweight.untyped_storage().data_ptr()
     packed, scale = _random_mxfp4(4, 70, 0)
-    from openinfer.layers.mxfp4 import Mxfp4Tensor
-
     ws[1].load_rows(6, Mxfp4Tensor(packed, scale))
     dense = ws[1].dequantize()
     assert torch.equal(dense[6:], dequantize_mxfp4(packed, scale, torch.float32)) and not dense[:6].any()
