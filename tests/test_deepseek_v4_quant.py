@@ -17,6 +17,7 @@ from openinfer import LLM, SamplingParams
 from openinfer.worker.loader import iterate_weights, read_checkpoint
 from openinfer.layers.fp8 import (E8M0_DTYPE, FP8_DTYPE, dequantize_fp8_block, fp8_block_size,
                                   quantize_fp8_block)
+from openinfer.layers.deepseek_moe import DeepseekExperts
 from openinfer.layers.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from openinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
 from openinfer.models.weights import WeightLoadError
@@ -120,14 +121,23 @@ def test_quantised_checkpoint_loads_like_its_dequantised_twin(quant_pair, base):
         models.append(m)
     a, b = (dict(m.named_parameters()) for m in models)
     assert a.keys() == b.keys()
+    fp4 = json.loads((quant / "config.json").read_text())["expert_dtype"] == "fp4"
+    twin_modules = dict(models[1].named_modules())
+    experts = [(n, e) for n, e in models[0].named_modules() if isinstance(e, DeepseekExperts)]
+    assert experts and all(e.mxfp4 == fp4 and not twin_modules[n].mxfp4 for n, e in experts)
     for name in a:
+        if fp4 and name.endswith(("experts.w13_weight", "experts.w2_weight")):
+            assert a[name].numel() == 0  # MXFP4 experts stay packed: compared dequantised below
+            continue
         assert torch.equal(a[name], b[name]), name
+    for n, e in experts:  # the packed codes and scales dequantise to exactly the twin's weights
+        for x, y in zip(e.dense_weights(), twin_modules[n].dense_weights()):
+            assert torch.equal(x, y), n
     # ...and the dequantised weights are near the unquantised originals (FP4 is coarse: 1 bit of mantissa).
     orig = DeepseekV4ForCausalLM(json.loads((base / "config.json").read_text()))
     orig.load_weights(iterate_weights(base))
-    w13, w = a["model.layers.1.mlp.experts.w13_weight"], orig.model.layers[1].mlp.experts.w13_weight
+    w13, w = models[0].model.layers[1].mlp.experts.dense_weights()[0], orig.model.layers[1].mlp.experts.w13_weight
     rel = float((w13 - w).norm() / w.norm())
-    fp4 = json.loads((quant / "config.json").read_text())["expert_dtype"] == "fp4"
     assert 0 < rel < (0.2 if fp4 else 0.05), rel
     q_a, q_a0 = a["model.layers.2.self_attn.q_a_proj.weight"], orig.model.layers[2].self_attn.q_a_proj.weight
     assert 0 < float((q_a - q_a0).detach().norm() / q_a0.detach().norm()) < 0.05

@@ -27,6 +27,7 @@ from openinfer.layers import cpu_ops
 from openinfer.layers.expert_map import ExpertMap
 from openinfer.layers.expert_parallel import expert_parallel_experts
 from openinfer.layers.linear import cpu_prepack_supported
+from openinfer.layers.mxfp4 import MXFP4_BLOCK, Mxfp4Tensor, stacked_mxfp4
 from openinfer.layers.moe import combine_experts, experts_on_sorted_rows, fused_experts, pack_experts, swiglu
 from openinfer.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear, divide
 from openinfer.layers.quant_linear import QuantizedWeight
@@ -174,10 +175,14 @@ class DeepseekExperts(nn.Module):
     dimension. With it, whole experts in *slots*: a contiguous range of the ``num_slots`` slots per rank, slot s
     holding logical expert ``map.phy_to_log[s]`` (the identity unless load balancing placed replicas: see
     expert_map.py, and worker/eplb.py for the rebalancing). HF stores one module per expert; the model's loader
-    hands each checkpoint tensor to ``load_expert``."""
+    hands each checkpoint tensor to ``load_expert``.
+
+    ``mxfp4``: the checkpoint's MXFP4 experts stay packed as loaded (``layers/mxfp4.py``): ``_packed`` holds
+    per-expert ``Mxfp4Weight`` views of stacked code/scale buffers from construction on, ``w13_weight`` /
+    ``w2_weight`` are empty placeholders (the names the loader maps to)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
-                 swiglu_limit: float | None = None) -> None:
+                 swiglu_limit: float | None = None, mxfp4: bool = False) -> None:
         super().__init__()
         self.ep, self.tp = get_ep_group(), get_tp_group()
         self.num_experts = num_experts
@@ -200,8 +205,19 @@ class DeepseekExperts(nn.Module):
         self.num_local_slots = local
         self.intermediate_size = intermediate_size
         self.swiglu_limit = swiglu_limit
-        self.w13_weight = nn.Parameter(torch.empty(local, 2 * intermediate_size, hidden_size), requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(local, hidden_size, intermediate_size), requires_grad=False)
+        self.mxfp4 = mxfp4
+        if mxfp4:
+            if self.shard is not None and (self.shard % MXFP4_BLOCK or intermediate_size % MXFP4_BLOCK):
+                raise ValueError(f"MXFP4 experts split over tensor-parallel ranks need moe_intermediate_size / tp = "
+                                 f"{intermediate_size} to be a multiple of {MXFP4_BLOCK} (one scale block)")
+            dtype = torch.get_default_dtype()
+            self._packed = (stacked_mxfp4(local, 2 * intermediate_size, hidden_size, dtype),
+                            stacked_mxfp4(local, hidden_size, intermediate_size, dtype))
+            local_shape = ((0,), (0,))
+        else:
+            local_shape = ((local, 2 * intermediate_size, hidden_size), (local, hidden_size, intermediate_size))
+        self.w13_weight = nn.Parameter(torch.empty(local_shape[0]), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(local_shape[1]), requires_grad=False)
         # Tokens routed since the last rebalance: per logical expert (what placement balances) and per slot (what
         # each rank actually served). Summed over ranks by the rebalancer.
         self.register_buffer("logical_load", torch.zeros(num_experts, dtype=torch.long), persistent=False)
@@ -236,6 +252,8 @@ class DeepseekExperts(nn.Module):
         if not slots:
             return False
         i = self.intermediate_size
+        if self.mxfp4:
+            return self._load_mxfp4(expert, part, tensor, slots)
         if part == 2:
             src = tensor if self.shard is None else narrow(tensor, 1, self.shard, i)
         else:
@@ -247,6 +265,26 @@ class DeepseekExperts(nn.Module):
                 raise WeightLoadError(f"expert {expert} part {part}: checkpoint slice has shape {tuple(src.shape)}, "
                                       f"the model expects {tuple(dst.shape)}")
             dst.copy_(src)
+        return True
+
+    def _load_mxfp4(self, expert: int, part: int, tensor, slots: list[int]) -> bool:
+        if not isinstance(tensor, Mxfp4Tensor):
+            raise WeightLoadError(f"expert {expert} part {part}: the config declares MXFP4 experts "
+                                  f"(expert_dtype fp4) but the checkpoint tensor is {getattr(tensor, 'dtype', None)}")
+        i = self.intermediate_size
+        if self.shard is not None:  # rows of w1/w3, columns (whole scale blocks) of w2
+            if part == 2:
+                tensor = Mxfp4Tensor(tensor.packed[:, self.shard // 2:(self.shard + i) // 2],
+                                     tensor.scale[:, self.shard // MXFP4_BLOCK:(self.shard + i) // MXFP4_BLOCK])
+            else:
+                tensor = Mxfp4Tensor(tensor.packed[self.shard:self.shard + i], tensor.scale[self.shard:self.shard + i])
+        for e in slots:
+            dst = self._packed[1][e] if part == 2 else self._packed[0][e]
+            want = (dst.shape[0], dst.shape[1]) if part == 2 else (i, dst.shape[1])
+            if tuple(tensor.shape) != want:
+                raise WeightLoadError(f"expert {expert} part {part}: checkpoint slice has shape {tuple(tensor.shape)}, "
+                                      f"the model expects {want}")
+            dst.load_rows(0 if part == 2 else part * i, tensor)
         return True
 
     @torch.no_grad()
@@ -339,10 +377,11 @@ class DeepseekMoE(nn.Module):
 
     def __init__(self, hidden_size: int, moe_intermediate_size: int, n_shared_experts: int,
                  cfg: RouterConfig, swiglu_limit: float | None = None,
-                 hash_vocab_size: int | None = None) -> None:
+                 hash_vocab_size: int | None = None, mxfp4_experts: bool = False) -> None:
         super().__init__()
         self.gate = DeepseekTopkRouter(hidden_size, cfg, hash_vocab_size)
-        self.experts = DeepseekExperts(cfg.n_routed_experts, hidden_size, moe_intermediate_size, swiglu_limit)
+        self.experts = DeepseekExperts(cfg.n_routed_experts, hidden_size, moe_intermediate_size, swiglu_limit,
+                                       mxfp4=mxfp4_experts)
         self.tp_reduce = self.experts.reduces_over_tp
         self.shared_experts = (
             DeepseekMLP(hidden_size, moe_intermediate_size * n_shared_experts, swiglu_limit,

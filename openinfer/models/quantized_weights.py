@@ -3,7 +3,8 @@
 - FP8 e4m3 linears with one multiplier per ``weight_block_size`` block (``layers/fp8.py``), under either name:
   ``X.weight_scale_inv`` (HF-converted) or ``X.scale`` (DeepSeek's release); fp32 or UE8M0 scales.
 - MXFP4 routed experts (V4-Flash ``expert_dtype: fp4``): int8-packed E2M1 + UE8M0 per 32 (``layers/mxfp4.py``),
-  scale named like the FP8 ones.
+  scale named like the FP8 ones. Those ``keep_packed`` names come out as an ``Mxfp4Tensor`` (the pair, shapes
+  checked) instead, for the experts that keep them packed.
 A weight and its scale may sit in different shards, in any order: each is held until its partner arrives. The
 result is fp32; copying it into a parameter casts it once to the model dtype (the math is fp32 either way).
 """
@@ -14,7 +15,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from openinfer.layers.fp8 import FP8_DTYPE, dequantize_fp8_block
-from openinfer.layers.mxfp4 import PACKED_DTYPES, dequantize_mxfp4
+from openinfer.layers.mxfp4 import PACKED_DTYPES, Mxfp4Tensor, check_mxfp4, dequantize_mxfp4
 from openinfer.models.weights import WeightLoadError, materialize
 
 SCALE_SUFFIXES = (".weight_scale_inv", ".scale")
@@ -34,10 +35,11 @@ class Dequantizer:
     raises for anything left unpaired."""
 
     def __init__(self, fp8_block: tuple[int, int] | None, expert_dtype: str | None,
-                 is_param: Callable[[str], bool]) -> None:
+                 is_param: Callable[[str], bool], keep_packed: Callable[[str], bool] = lambda name: False) -> None:
         self.fp8_block = fp8_block  # from config.json's quantization_config (None: not FP8-quantised)
         self.expert_dtype = expert_dtype  # "fp4": MXFP4 routed experts
         self.is_param = is_param  # a ".scale" that names a model parameter is not a quantisation scale
+        self.keep_packed = keep_packed  # an MXFP4 weight its layer keeps packed (V4's routed experts)
         self.weights: dict[str, torch.Tensor] = {}
         self.scales: dict[str, tuple[str, torch.Tensor]] = {}
 
@@ -70,8 +72,11 @@ class Dequantizer:
             raise WeightLoadError(f"tensor {name!r} is {tensor.dtype} (packed MXFP4) but config.json "
                                   f"declares expert_dtype={self.expert_dtype!r}, not 'fp4'")
 
-    def _dequantize(self, name: str, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    def _dequantize(self, name: str, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | Mxfp4Tensor:
         try:
+            if weight.dtype in PACKED_DTYPES and self.keep_packed(name):
+                check_mxfp4(weight, scale)
+                return Mxfp4Tensor(weight, scale)
             if weight.dtype == FP8_DTYPE:
                 return dequantize_fp8_block(weight, scale, self.fp8_block, torch.float32)
             return dequantize_mxfp4(weight, scale, torch.float32)

@@ -4,8 +4,9 @@
   ``model.embed_tokens.weight``, ``model.hc_head.hc_fn``, ``head.weight``), no MTP tensors.
 - DeepSeek's release: unprefixed (``embed.weight``, ``layers.N...``, ``hc_head_fn``, ``head.weight``, ``mtp.K...``).
 Per-expert ``w1``/``w3``/``w2`` go into the stacked ``w13_weight`` / ``w2_weight``; the shared expert's
-``w1``/``w3`` into its fused ``gate_up_proj``. FP8 / MXFP4 weights are dequantised on the way
-(models/quantized_weights.py).
+``w1``/``w3`` into its fused ``gate_up_proj``. FP8 weights are dequantised on the way
+(models/quantized_weights.py); MXFP4 routed experts too, unless their experts module keeps them packed
+(``DeepseekExperts.mxfp4``).
 """
 from __future__ import annotations
 
@@ -108,12 +109,25 @@ def _not_this_ranks_expert(model, raw_name: str) -> bool:
     return 0 <= shard[0] < experts.num_experts and shard[0] not in experts.expert_ids
 
 
+def _packed_expert(model, name: str) -> bool:
+    """A routed expert's weight whose experts module keeps MXFP4 packed (an MTP block's too: built with the same
+    setting when its first tensor arrives, so the model's setting is asked when its module does not exist yet)."""
+    pname, shard = canonical_name(name)
+    if shard is None or shard[0] is None:
+        return False
+    try:
+        return bool(model.get_submodule(pname.rsplit(".", 1)[0]).mxfp4)
+    except AttributeError:
+        return any(getattr(m, "mxfp4", False) for m in model.modules())
+
+
 def load_v4_weights(model, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
     targets = _targets(model)
     loaded: set[str] = set()
     # targets is rebound when the MTP block is built; the lambda reads the current binding.
     dequantizer = Dequantizer(model.config.fp8_block, model.config.expert_dtype,
-                              lambda n: canonical_name(n)[0] in targets)
+                              lambda n: canonical_name(n)[0] in targets,
+                              keep_packed=lambda n: _packed_expert(model, n))
     for raw_name, raw_tensor in weights:
         if _not_this_ranks_expert(model, raw_name):
             continue  # expert parallelism: another rank holds it (and reads it)
