@@ -15,7 +15,7 @@ from openinfer.engine_args import EngineArgs
 from openinfer.forward_context import AttentionMetadata, set_forward_context
 from openinfer.layers.attention import Attention, reference_paged_attention
 from openinfer.layers.kv_quant import FP8_DTYPE, as_cached, to_cache
-from openinfer.layers.mla import MLAAttention, reference_mla
+from openinfer.layers.mla import MLAAttention
 
 NAN_CODE = 0x7F  # e4m3fn's NaN (0xFF too); it has no infinity
 

@@ -121,7 +121,7 @@ def test_preemption_by_recompute_keeps_order_and_tokens():
 def test_recompute_after_preemption_covers_prompt_and_outputs():
     s, kv = make(num_blocks=4, caching=False)
     add(s, "a", 7, max_tokens=6)
-    b = add(s, "b", 7, max_tokens=6, base=50)
+    add(s, "b", 7, max_tokens=6, base=50)
     for _ in range(3):
         run_step(s)  # b is preempted in the third step holding two output tokens
     seen = []

@@ -29,7 +29,7 @@ from openinfer.distributed.kv_transfer.stats import KVTransferStats
 from openinfer.executor.abstract import Executor, ExecutorFailed
 from openinfer.kv_cache_interface import bytes_per_token, kv_startup_message
 from openinfer.kv_events import KVEventBatch
-from openinfer.step_io import ExpertLoadStats, ModelRunnerOutput, SchedulerOutput
+from openinfer.step_io import ExpertLoadStats, ModelRunnerOutput
 from openinfer.structured_outputs.manager import GrammarCompiler, RequestGrammar
 
 logger = logging.getLogger(__name__)

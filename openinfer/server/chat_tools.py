@@ -12,7 +12,7 @@ from typing import Any
 from openinfer.sampling_params import StructuredOutputsParams
 from openinfer.server.errors import APIError
 from openinfer.server.reasoning import make_reasoning_parser
-from openinfer.server.tool_parsers import ToolParser, get_tool_parser
+from openinfer.server.tool_parsers import ToolParser
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 MAX_TOOLS = 128

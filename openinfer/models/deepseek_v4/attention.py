@@ -26,7 +26,6 @@ from openinfer.layers.linear import CheckpointLinear
 from openinfer.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear, divide, sharded_parameter
 from openinfer.layers.norm import RMSNorm, unweighted_rms_norm
 from openinfer.models.deepseek_v4.cache import WINDOW, StepIndex, V4LayerCache
-from openinfer.models.deepseek_v4.common import fp32_param
 from openinfer.models.deepseek_v4.compressor import Compressor
 from openinfer.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
 from openinfer.models.deepseek_v4.indexer import Indexer

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from openinfer.layers.rotary import apply_interleaved
 from openinfer.models.deepseek_v4.hc import sinkhorn
