@@ -31,3 +31,20 @@ def test_no_lock_no_watcher(tmp_path):
     before = {t.name for t in threading.enumerate()}
     cpu_ops._clear_stale_lock(str(tmp_path))
     assert "kernel-lock-watch" not in {t.name for t in threading.enumerate()} - before
+
+
+def test_two_checkouts_of_the_same_kernels_build_apart(tmp_path):
+    """torch's build.ninja names the sources by path: a second checkout sharing the cache directory must get its own
+    build directory, or each would rebuild everything on the other's next load. The same checkout keeps its name;
+    an edited source gets a new one."""
+    import shutil
+
+    copy = tmp_path / "cpu_kernels"
+    shutil.copytree(cpu_ops._KERNEL_DIR, copy)
+    flags = cpu_ops._cflags()
+    here = cpu_ops._extension_name(flags)
+    assert here == cpu_ops._extension_name(flags, cpu_ops._KERNEL_DIR)
+    there = cpu_ops._extension_name(flags, copy)
+    assert there != here and there == cpu_ops._extension_name(flags, copy)
+    next(copy.glob("*.cpp")).write_text("// edited\n", encoding="utf-8")
+    assert cpu_ops._extension_name(flags, copy) not in (here, there)

@@ -25,9 +25,30 @@ ARGS = ["--dtype", "float32", "--max-model-len", "1024", "--num-kv-blocks", "256
 BODY = {"model": "tiny", "prompt": "health", "ignore_eos": True, "temperature": 0}
 
 
+# Each fault test gets its own server (a fault leaves it sick or gone). The four start together and the tests run
+# once all are up: the startups (mostly one core each) overlap on the two cores instead of running one after another,
+# and no test's timing bounds run while other servers are still starting.
+SERVERS = {
+    "forward_raises": (("--ready-max-step-failures", "3"), "forward_raises:3"),
+    "step_hangs": (("--step-timeout-s", "6"), "step_hangs:3"),
+    "engine_dies": ((), "engine_dies:3"),
+    "slow_steps": (("--request-timeout-s", "1"), "slow_steps:0.02"),
+}
+
+
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return shared_checkpoint(tmp_path_factory)
+def servers(tmp_path_factory):
+    ckpt = shared_checkpoint(tmp_path_factory)
+    started: dict[str, ServerProcess] = {}
+    try:
+        for name, (flags, fault) in SERVERS.items():
+            started[name] = ServerProcess(ckpt, *ARGS, *flags, env={ENV: fault}, wait=False)
+        for s in started.values():
+            s.wait_ready()
+        yield started
+    finally:
+        for s in started.values():
+            s.stop()
 
 
 def _complete(url: str, max_tokens: int = 4, timeout: float = 30) -> httpx.Response:
@@ -103,9 +124,9 @@ def test_fault_spec_parsing():
             parse(bad)
 
 
-def test_failing_forwards_flip_readiness_until_a_step_succeeds(ckpt):
+def test_failing_forwards_flip_readiness_until_a_step_succeeds(servers):
     # The first 3 forwards raise, then they succeed again.
-    with ServerProcess(ckpt, *ARGS, "--ready-max-step-failures", "3", env={ENV: "forward_raises:3"}) as s:
+    with servers["forward_raises"] as s:
         assert _status(s.url, "/health/ready") == 200
         t0 = time.monotonic()
         r = _complete(s.url)
@@ -129,9 +150,9 @@ def test_failing_forwards_flip_readiness_until_a_step_succeeds(ckpt):
         assert m["openinfer:kv_cache_free_blocks"] == m["openinfer:kv_cache_total_blocks"]  # no block leaked
 
 
-def test_hung_step_fails_liveness_and_exits(ckpt):
+def test_hung_step_fails_liveness_and_exits(servers):
     # The step after 3 steps with work hangs: the stream is running by then.
-    with ServerProcess(ckpt, *ARGS, "--step-timeout-s", "6", env={ENV: "step_hangs:3"}) as s:
+    with servers["step_hangs"] as s:
         stream = _Call(s.url, 200, stream=True)
         assert stream.first.wait(20) and stream.events, stream.failure
         t0 = time.monotonic()
@@ -155,10 +176,10 @@ def test_hung_step_fails_liveness_and_exits(ckpt):
         assert "exits for its supervisor to restart it" in s.log()
 
 
-def test_dead_engine_thread_fails_requests_and_exits(ckpt):
+def test_dead_engine_thread_fails_requests_and_exits(servers):
     # The step after 3 steps with work dies. The stream must be admitted before that (its first token means it was),
     # else it is the plain request's steps that kill the engine and the stream is answered 503 at the door.
-    with ServerProcess(ckpt, *ARGS, env={ENV: "engine_dies:3"}) as s:
+    with servers["engine_dies"] as s:
         stream = _Call(s.url, 200, stream=True)
         assert stream.first.wait(20) and stream.events, stream.failure
         plain = _Call(s.url, 200, stream=False)
@@ -171,8 +192,8 @@ def test_dead_engine_thread_fails_requests_and_exits(ckpt):
         assert "engine core thread died" in s.log()
 
 
-def test_request_timeout_answers_504_and_frees_blocks(ckpt):
-    with ServerProcess(ckpt, *ARGS, "--request-timeout-s", "1", env={ENV: "slow_steps:0.02"}) as s:
+def test_request_timeout_answers_504_and_frees_blocks(servers):
+    with servers["slow_steps"] as s:
         stream = _Call(s.url, 500, stream=True)
         t0 = time.monotonic()
         r = _complete(s.url, max_tokens=500)

@@ -58,24 +58,32 @@ def _cflags() -> list[str]:
     return _CFLAGS + os.environ.get("OPENINFER_KERNEL_CFLAGS", "").split()
 
 
+def _extension_name(cflags: list[str], kernel_dir: Path = _KERNEL_DIR) -> str:
+    """The extension's name, which is its build directory's name in the cache. It carries a hash of sources,
+    flags, torch and the CPU: an edited kernel, another torch, or a cache directory shared with a different CPU
+    (-march=native) builds afresh instead of loading a stale or illegal-instruction library. It carries the
+    sources' directory too: torch's build.ninja names the sources by path, so two checkouts of the same code
+    sharing one cache directory (a worktree and the main checkout, a script importing the installed copy) would
+    otherwise rewrite it in turn and each rebuild everything (minutes) on the other's next load."""
+    from openinfer.platform import cpu_info
+
+    h = hashlib.sha256()
+    for src in sorted(kernel_dir.glob("*.[ch]*")):  # the headers too: an edited vec.h must rebuild
+        h.update(src.read_bytes())
+    h.update(" ".join(cflags + _LDFLAGS).encode())
+    h.update(torch.__version__.encode())
+    h.update(str(kernel_dir.resolve()).encode())
+    model, cpu_flags = cpu_info()
+    h.update((model + " " + " ".join(sorted(cpu_flags))).encode())
+    return f"openinfer_cpu_{h.hexdigest()[:12]}"
+
+
 def _build():
     from torch.utils import cpp_extension
 
     _ninja_on_path()
     cflags = _cflags()
-    # The name carries a hash of sources, flags, torch and the CPU: an edited kernel, another torch, or a
-    # cache directory shared with a different CPU (-march=native) builds afresh instead of loading a stale
-    # or illegal-instruction library.
-    from openinfer.platform import cpu_info
-
-    h = hashlib.sha256()
-    for src in sorted(_KERNEL_DIR.glob("*.[ch]*")):  # the headers too: an edited vec.h must rebuild
-        h.update(src.read_bytes())
-    h.update(" ".join(cflags + _LDFLAGS).encode())
-    h.update(torch.__version__.encode())
-    model, cpu_flags = cpu_info()
-    h.update((model + " " + " ".join(sorted(cpu_flags))).encode())
-    name = f"openinfer_cpu_{h.hexdigest()[:12]}"
+    name = _extension_name(cflags)
     build_dir = None
     root = os.environ.get("OPENINFER_KERNEL_CACHE")
     if root:
