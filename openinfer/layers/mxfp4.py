@@ -27,13 +27,7 @@ PACKED_DTYPES = (torch.int8, torch.uint8)
 def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor,
                      dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """packed [N, K/2] int8/uint8 + scale [N, K/32] (UE8M0 or float) -> [N, K] in ``dtype`` (math in fp32)."""
-    if packed.dtype not in PACKED_DTYPES or packed.dim() != 2:
-        raise ValueError(f"MXFP4 weights must be 2-D int8/uint8, got {packed.dtype} {tuple(packed.shape)}")
-    n, k = packed.shape[0], packed.shape[1] * 2
-    want = (n, -(-k // MXFP4_BLOCK))
-    if tuple(scale.shape) != want:
-        raise ValueError(f"scale has shape {tuple(scale.shape)}; a packed [{n}, {k // 2}] MXFP4 weight "
-                         f"({k} values per row, blocks of {MXFP4_BLOCK}) needs {want}")
+    n, k = _check_shapes(packed, scale)
     b = packed.view(torch.uint8).long()
     nibbles = torch.stack([b & 0xF, b >> 4], dim=-1).view(n, k)  # low nibble first
     values = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)[nibbles]
@@ -85,7 +79,8 @@ class Mxfp4Tensor(NamedTuple):
         return self.packed.shape[0], self.packed.shape[1] * 2
 
 
-def check_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> None:
+def _check_shapes(packed: torch.Tensor, scale: torch.Tensor) -> tuple[int, int]:
+    """The [N, K/2] codes and their [N, ceil(K/32)] scales agree; returns (N, K)."""
     if packed.dtype not in PACKED_DTYPES or packed.dim() != 2:
         raise ValueError(f"MXFP4 weights must be 2-D int8/uint8, got {packed.dtype} {tuple(packed.shape)}")
     n, k = packed.shape[0], packed.shape[1] * 2
@@ -93,6 +88,11 @@ def check_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> None:
     if tuple(scale.shape) != want:
         raise ValueError(f"scale has shape {tuple(scale.shape)}; a packed [{n}, {k // 2}] MXFP4 weight "
                          f"({k} values per row, blocks of {MXFP4_BLOCK}) needs {want}")
+    return n, k
+
+
+def check_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> None:
+    _check_shapes(packed, scale)
     if scale.dtype != E8M0_DTYPE:
         raise ValueError(f"an MXFP4 scale kept packed must be float8_e8m0fnu, got {scale.dtype}")
 
