@@ -28,7 +28,11 @@ def test_two_nodes_on_loopback_match_one_process(tmp_path, tp, dp):
         [{"prompt_token_ids": p} for p in ([5, 6, 7, 8, 9], list(range(10, 44)), [77] * 17)],
         SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)]
     port = free_port()
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    # PYTHONPATH: the ranks run this checkout's openinfer (torchrun's script dir is tests/, so from another
+    # worktree they would import the installed copy's code, and build its kernels, instead)
+    repo = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
     out = tmp_path / "tokens"
     nodes = [subprocess.Popen(
         [str(TORCHRUN), "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node),
