@@ -1,6 +1,6 @@
 """Low-bit checkpoints as people publish them, turned into ``QuantizedWeight``\\ s without dequantising.
 
-``config.checkpoint_quantization`` reads the format from config.json; ``QuantizedTensorGrouper.convert`` gathers
+``quantization_config.checkpoint_quantization`` reads the format from config.json; ``QuantizedTensorGrouper.convert`` gathers
 each linear's tensors (which may arrive in any order, from any shard) and yields one ``(X.weight, QuantizedWeight)``
 per linear, repacked once into the kernels' layout (``quant_linear.py``); every other tensor passes through as is.
 
@@ -20,7 +20,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from openinfer.config import CheckpointQuantization
+from openinfer.quantization_config import CheckpointQuantization
 from openinfer.layers.quant_linear import QuantizedWeight
 from openinfer.layers.weight_utils import WeightLoadError, materialize
 

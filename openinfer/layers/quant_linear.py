@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from openinfer.layers import cpu_ops
+from openinfer.quantization_config import QUANTIZATION_METHODS
 
-QUANTIZATION_METHODS = ("int8", "int4", "w8a8")
 INT4_GROUP = 128  # input columns per int4 scale (llama.cpp's Q4_0 uses 32, GPTQ/AWQ 128)
 _INT4_RUN = 16  # columns per packed run (the kernel's vector layout)
 
