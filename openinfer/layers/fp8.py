@@ -1,17 +1,25 @@
-"""FP8 e4m3 block-quantised weights (DeepSeek-V3 / V4 style), dequantised once at load.
+"""FP8 e4m3 block-quantised weights (DeepSeek-V3 / V4 style): kept as shipped (``Fp8Weight``, run by
+``cpu_kernels/fp8_gemm.cpp``) or dequantised once at load.
 
 DeepSeek ships linear weights as ``float8_e4m3fn [N, K]`` plus one multiplier per ``[bn, bk]`` block
 (``[ceil(N/bn), ceil(K/bk)]``, bn = bk = 128; the last block row/column may be ragged): ``w = fp8 * scale``.
 HF-converted checkpoints call the multiplier ``weight_scale_inv``, DeepSeek's own release ``scale``; it is
 fp32 (V3, V4-Flash-Base) or UE8M0 (``scale_fmt: ue8m0``, V4-Flash: ``float8_e8m0fnu`` = 2^(byte-127)).
-We dequantise at load (to the model dtype) because CPU and most GPUs have no FP8 GEMM we can rely on; an FP8
-GEMM path would keep the raw tensors.
+On the CPU the linears the loaders hand over (``models/quantized_weights.py``: single-rank, read only through
+their matmul) stay as the checkpoint's bytes, decoded in registers by the kernel: a quarter of fp32's bytes per
+step. Everything else (GPUs, whose FP8 GEMMs we do not rely on, tensor-parallel slices, weights other code reads
+as matrices such as MLA's ``kv_b_proj``, ``OPENINFER_FP8_WEIGHTS=dequantize``) is dequantised at load as before.
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+
+from openinfer.layers import cpu_ops
+from openinfer.layers.quant_linear import QuantizedWeight
 
 FP8_DTYPE = torch.float8_e4m3fn
 E8M0_DTYPE = torch.float8_e8m0fnu
@@ -88,3 +96,88 @@ def quantize_fp8_block(weight: torch.Tensor, block: tuple[int, int] = DEFAULT_BL
         scale_inv = torch.exp2(torch.ceil(torch.log2(scale_inv)))
     q = (weight.float() / _expand_scale(scale_inv, (n, k), block)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale_inv.to(E8M0_DTYPE) if scale_fmt == "ue8m0" else scale_inv
+
+
+def packed_fp8_enabled() -> bool:
+    """``OPENINFER_FP8_WEIGHTS=dequantize`` turns the packed FP8 linears off (dequantise at load, the old path)."""
+    mode = os.environ.get("OPENINFER_FP8_WEIGHTS", "packed")
+    if mode not in ("packed", "dequantize"):
+        raise ValueError(f"OPENINFER_FP8_WEIGHTS={mode!r}: choose packed or dequantize")
+    return mode == "packed"
+
+
+class Fp8Weight(QuantizedWeight):
+    """One FP8 block-quantised matrix ``[N, K]`` as the checkpoint ships it (``cpu_kernels/fp8_gemm.cpp`` says
+    the layout): the e4m3 codes as uint8 ``[N, Kp]`` (K padded to 8 with +0 codes) and each row's block
+    multipliers as fp32 ``[N, ceil(K / bk)]``. Usable wherever a ``QuantizedWeight`` is (``Linear._quant``,
+    ``weight_bytes``). ``matmul`` runs the C++ kernel on the CPU, else the torch reference (this matrix
+    dequantised for the call, fp32 matmul); the kernel's weights are the reference's bit for bit."""
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype,
+                 bk: int) -> None:
+        super().__init__("fp8", qweight, scales, shape, dtype, bk)
+
+    @classmethod
+    def from_checkpoint(cls, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+                        dtype: torch.dtype = torch.float32) -> Fp8Weight:
+        """weight float8_e4m3fn [N, K] + its [ceil(N / bn), ceil(K / bk)] multipliers (fp32 or UE8M0)."""
+        if weight.dim() != 2 or weight.dtype != FP8_DTYPE:
+            raise ValueError(f"an FP8 weight must be 2-D float8_e4m3fn, got {weight.dtype} {tuple(weight.shape)}")
+        n, k = weight.shape
+        bn, bk = block
+        if bk % 8:
+            raise ValueError(f"weight_block_size [{bn}, {bk}]: the FP8 kernel needs a block width divisible by 8")
+        want = (-(-n // bn), -(-k // bk))
+        if tuple(scale_inv.shape) != want:
+            raise ValueError(f"weight_scale_inv has shape {tuple(scale_inv.shape)}; a [{n}, {k}] weight in "
+                             f"{bn}x{bk} blocks needs {want}")
+        codes = weight.contiguous().view(torch.uint8)
+        if bool(((codes & 0x7F) == 0x7F).any()):
+            raise ValueError("the FP8 weight holds NaN codes (0x7f / 0xff)")
+        kp = -(-k // 8) * 8
+        q = codes if kp == k else F.pad(codes, (0, kp - k))
+        scales = scale_to_float(scale_inv).repeat_interleave(bn, 0)[:n].contiguous()
+        return cls(q.contiguous(), scales, (n, k), dtype, bk)
+
+    @property
+    def nbytes(self) -> int:
+        return self.qweight.numel() + self.scales.numel() * 4
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 [N, K]: ``dequantize_fp8_block``'s values exactly."""
+        n, k = self.shape
+        codes = self.qweight[:, :k].contiguous().view(FP8_DTYPE)
+        return codes.float() * self.scales.repeat_interleave(self.group, 1)[:, :k]
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        n, k = self.shape
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, k)
+        ops = cpu_ops.ops_for(x2, self.qweight)
+        if ops is None:
+            y = F.linear(x2.float(), self.dequantize(), None if bias is None else bias.float())
+            return y.to(x.dtype).reshape(*lead, n)
+        xf = x2.float().contiguous()
+        kp = self.qweight.shape[1]
+        if kp != k:
+            xf = F.pad(xf, (0, kp - k))
+        y = torch.empty(xf.shape[0], n, dtype=torch.float32)
+        ops.fp8_linear(y, xf, self.qweight, self.scales, self.group)
+        if bias is not None:
+            y += bias.float()
+        return y.to(x.dtype).reshape(*lead, n)
+
+    @classmethod
+    def cat(cls, parts: list[QuantizedWeight]) -> QuantizedWeight:
+        """Row-wise concatenation (gate and up into the fused projection): rows carry their own multipliers, so
+        any row counts fuse."""
+        first = parts[0]
+        for p in parts[1:]:
+            if not isinstance(p, Fp8Weight) or (p.group, p.shape[1], p.qweight.shape[1]) != \
+                    (first.group, first.shape[1], first.qweight.shape[1]):
+                raise ValueError(f"cannot fuse FP8 parts of different layouts: {tuple(first.shape)} and "
+                                 f"{getattr(p, 'method', None)} {tuple(p.shape)}")
+        if len(parts) == 1:
+            return first
+        return cls(torch.cat([p.qweight for p in parts]).contiguous(), torch.cat([p.scales for p in parts]),
+                   (sum(p.shape[0] for p in parts), first.shape[1]), first.dtype, first.group)

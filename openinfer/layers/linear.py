@@ -127,6 +127,7 @@ class Linear(nn.Linear):
         want = (sizes[part or 0], self.in_features)
         if tuple(qw.shape) != want:
             raise ValueError(f"quantised weight has shape {tuple(qw.shape)}, the model expects {want}")
+        qw.dtype = self.weight.dtype  # what its dense form (``dense_weight``) comes back as
         if part is None:
             self._quant = qw
         else:
@@ -134,7 +135,7 @@ class Linear(nn.Linear):
             parts[part] = qw
             if len(parts) < len(sizes):
                 return
-            self._quant = QuantizedWeight.cat([parts[i] for i in range(len(sizes))])
+            self._quant = type(parts[0]).cat([parts[i] for i in range(len(sizes))])
             del self.__dict__["_quant_parts"]
         self._packed = None
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)

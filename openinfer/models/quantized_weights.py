@@ -2,6 +2,8 @@
 
 - FP8 e4m3 linears with one multiplier per ``weight_block_size`` block (``layers/fp8.py``), under either name:
   ``X.weight_scale_inv`` (HF-converted) or ``X.scale`` (DeepSeek's release); fp32 or UE8M0 scales.
+  A linear the model's loader names in ``keep_packed`` (``packs_fp8``) comes out as an ``Fp8Weight`` instead: the
+  codes and multipliers as shipped, for ``Linear.load_quantized``.
 - MXFP4 routed experts (V4-Flash ``expert_dtype: fp4``): int8-packed E2M1 + UE8M0 per 32 (``layers/mxfp4.py``),
   scale named like the FP8 ones. Those ``keep_packed`` names come out as an ``Mxfp4Tensor`` (the pair, shapes
   checked) instead, for the experts that keep them packed.
@@ -14,7 +16,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from openinfer.layers.fp8 import FP8_DTYPE, dequantize_fp8_block
+from openinfer.layers.fp8 import FP8_DTYPE, Fp8Weight, dequantize_fp8_block, packed_fp8_enabled
+from openinfer.layers.linear import Linear
 from openinfer.layers.mxfp4 import PACKED_DTYPES, Mxfp4Tensor, check_mxfp4, dequantize_mxfp4
 from openinfer.models.weights import WeightLoadError, materialize
 
@@ -29,6 +32,17 @@ def scale_owner(name: str) -> str | None:
     return None
 
 
+def packs_fp8(module: torch.nn.Module | None, block: tuple[int, int] | None) -> bool:
+    """Whether an FP8 checkpoint weight of ``module`` stays packed (``Fp8Weight``): a ``Linear`` on the CPU that
+    only multiplies (``prepack``: nothing reads its weight as a matrix), not split over tensor-parallel ranks,
+    with a block width the kernel takes, unless ``OPENINFER_FP8_WEIGHTS=dequantize``."""
+    if block is None or block[1] % 8 or not isinstance(module, Linear) or not module.prepack:
+        return False
+    if module.weight.device.type != "cpu" or getattr(getattr(module, "tp", None), "world_size", 1) != 1:
+        return False
+    return packed_fp8_enabled()
+
+
 class Dequantizer:
     """Feed every checkpoint tensor through ``feed``: plain tensors pass straight through (still lazy); a quantised
     weight comes out dequantised (fp32, under its weight name) once both it and its scale have been fed. ``finish``
@@ -39,7 +53,7 @@ class Dequantizer:
         self.fp8_block = fp8_block  # from config.json's quantization_config (None: not FP8-quantised)
         self.expert_dtype = expert_dtype  # "fp4": MXFP4 routed experts
         self.is_param = is_param  # a ".scale" that names a model parameter is not a quantisation scale
-        self.keep_packed = keep_packed  # an MXFP4 weight its layer keeps packed (V4's routed experts)
+        self.keep_packed = keep_packed  # a weight its layer keeps packed (V4's MXFP4 experts, FP8 linears)
         self.weights: dict[str, torch.Tensor] = {}
         self.scales: dict[str, tuple[str, torch.Tensor]] = {}
 
@@ -77,6 +91,8 @@ class Dequantizer:
             if weight.dtype in PACKED_DTYPES and self.keep_packed(name):
                 check_mxfp4(weight, scale)
                 return Mxfp4Tensor(weight, scale)
+            if weight.dtype == FP8_DTYPE and self.keep_packed(name):
+                return Fp8Weight.from_checkpoint(weight, scale, self.fp8_block)
             if weight.dtype == FP8_DTYPE:
                 return dequantize_fp8_block(weight, scale, self.fp8_block, torch.float32)
             return dequantize_mxfp4(weight, scale, torch.float32)

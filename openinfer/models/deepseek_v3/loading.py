@@ -1,7 +1,7 @@
 """Checkpoint names -> DeepseekV3ForCausalLM parameters, as transformers writes them and as DeepSeek releases
 them: per-expert tensors go into the stacked expert weights, HF's separate gate/up into the fused
-``gate_up_proj``, FP8 block-quantised weights are paired with their scales and dequantised
-(models/quantized_weights.py), and MTP layers (``model.layers.{num_hidden_layers}.*``) are skipped."""
+``gate_up_proj``, FP8 block-quantised weights are paired with their scales and either kept packed (the linears
+``packs_fp8`` accepts, as ``Fp8Weight``) or dequantised (models/quantized_weights.py), and MTP layers (``model.layers.{num_hidden_layers}.*``) are skipped."""
 from __future__ import annotations
 
 import logging
@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from openinfer.layers.deepseek_moe import DeepseekExperts
-from openinfer.models.quantized_weights import Dequantizer, scale_owner
+from openinfer.layers.quant_linear import QuantizedWeight
+from openinfer.models.quantized_weights import Dequantizer, packs_fp8, scale_owner
 from openinfer.models.weights import WeightLoadError, copy_into
 
 logger = logging.getLogger(__name__)
@@ -42,7 +43,8 @@ def load_v3_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
     args = model.args
     params = dict(model.named_parameters())
     loaded: set[str] = set()
-    dequantizer = Dequantizer(args.fp8_block, None, lambda n: n in params)
+    dequantizer = Dequantizer(args.fp8_block, None, lambda n: n in params,
+                              keep_packed=lambda n: packs_fp8(_linear_of(model, n), args.fp8_block))
     mtp = 0
     for raw_name, raw_tensor in weights:
         m = _LAYER.match(raw_name)
@@ -82,11 +84,32 @@ def _not_this_ranks_expert(model: nn.Module, name: str) -> bool:
     return found is not None and found[1] not in found[0].expert_ids
 
 
+def _linear_of(model: nn.Module, name: str) -> nn.Module | None:
+    """The module a (non-expert) ``X.weight`` loads into: HF's gate / up into the fused ``gate_up_proj``."""
+    if _experts_of(model, name) is not None:
+        return None
+    path = name.rpartition(".")[0]
+    for proj in (".gate_proj", ".up_proj"):
+        if path.endswith(proj):
+            path = path[:-len(proj)] + ".gate_up_proj"
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        return None
+
+
 def _load_one(model: nn.Module, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> None:
     found = _experts_of(model, name)
     if found is not None:
         experts, e, proj = found
         experts.load_expert(e, {"gate_proj": 0, "up_proj": 1, "down_proj": 2}[proj], tensor)
+        return
+    if isinstance(tensor, QuantizedWeight):  # an FP8 linear kept packed (packs_fp8 chose this module)
+        part = 0 if ".gate_proj." in name else (1 if ".up_proj." in name else None)
+        try:
+            _linear_of(model, name).load_quantized(tensor, part)
+        except ValueError as e:
+            raise WeightLoadError(f"checkpoint tensor {name!r}: {e}") from None
         return
     for proj, part in ((".gate_proj.", 0), (".up_proj.", 1)):
         if proj in name:  # dense MLP / shared experts: HF's gate and up fill parts of gate_up_proj
