@@ -102,8 +102,8 @@ def _dense_state(model) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("mode", ["packed", "dequantize"])
 def test_fp8_checkpoint_loads_like_its_fp32_twin(fp8_pair, mode, monkeypatch):
     """Packed (the default) or dequantised at load (OPENINFER_FP8_WEIGHTS=dequantize), the weights are the twin's
-    exactly; packed, every non-expert linear but kv_b_proj (read as a matrix by MLA) and the (unquantised) LM head holds the checkpoint's codes
-    and multipliers (an Fp8Weight), with a third of the fp32 bytes or less."""
+    exactly; packed, every non-expert linear but kv_b_proj (read as a matrix by MLA) and the (unquantised) LM head
+    holds the checkpoint's codes and multipliers (an Fp8Weight), with a third of the fp32 bytes or less."""
     monkeypatch.setenv("OPENINFER_FP8_WEIGHTS", mode)
     fp8, twin = fp8_pair
     models = []
@@ -120,7 +120,8 @@ def test_fp8_checkpoint_loads_like_its_fp32_twin(fp8_pair, mode, monkeypatch):
     if mode == "dequantize":
         assert not packed
     else:
-        assert packed == {n for n in linears if not n.endswith("kv_b_proj") and n != "lm_head"}, sorted(set(linears) - packed)
+        want = {n for n in linears if not n.endswith("kv_b_proj") and n != "lm_head"}
+        assert packed == want, sorted(want ^ packed)
         for n in packed:
             mod = linears[n]
             assert mod.weight.numel() == 0

@@ -1,7 +1,8 @@
 """Checkpoint names -> DeepseekV3ForCausalLM parameters, as transformers writes them and as DeepSeek releases
 them: per-expert tensors go into the stacked expert weights, HF's separate gate/up into the fused
 ``gate_up_proj``, FP8 block-quantised weights are paired with their scales and either kept packed (the linears
-``packs_fp8`` accepts, as ``Fp8Weight``) or dequantised (models/quantized_weights.py), and MTP layers (``model.layers.{num_hidden_layers}.*``) are skipped."""
+``packs_fp8`` accepts, as ``Fp8Weight``) or dequantised (models/quantized_weights.py), and MTP layers
+(``model.layers.{num_hidden_layers}.*``) are skipped."""
 from __future__ import annotations
 
 import logging
