@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 from openinfer import LLM, SamplingParams
 from openinfer.worker.loader import iterate_weights, read_checkpoint
 from openinfer.layers.fp8 import FP8_DTYPE, Fp8Weight, dequantize_fp8_block, fp8_block_size, quantize_fp8_block
+from openinfer.layers.deepseek_moe import DeepseekExperts
 from openinfer.layers.linear import Linear
 from openinfer.models.deepseek_v3 import DeepseekV3ForCausalLM
 from openinfer.models.weights import WeightLoadError
@@ -96,14 +97,17 @@ def _dense_state(model) -> dict[str, torch.Tensor]:
     for name, mod in model.named_modules():
         if isinstance(mod, Linear):
             state[f"{name}.weight"] = mod.dense_weight().float()
+        if isinstance(mod, DeepseekExperts):
+            w13, w2 = mod.dense_weights()
+            state[f"{name}.w13_weight"], state[f"{name}.w2_weight"] = w13.float(), w2.float()
     return state
 
 
 @pytest.mark.parametrize("mode", ["packed", "dequantize"])
 def test_fp8_checkpoint_loads_like_its_fp32_twin(fp8_pair, mode, monkeypatch):
     """Packed (the default) or dequantised at load (OPENINFER_FP8_WEIGHTS=dequantize), the weights are the twin's
-    exactly; packed, every non-expert linear but kv_b_proj (read as a matrix by MLA) and the (unquantised) LM head
-    holds the checkpoint's codes and multipliers (an Fp8Weight), with a third of the fp32 bytes or less."""
+    exactly; packed, the routed experts and every linear but kv_b_proj (read as a matrix by MLA) and the
+    (unquantised) LM head hold the checkpoint's codes and multipliers (Fp8Weights), a third of fp32's bytes or less."""
     monkeypatch.setenv("OPENINFER_FP8_WEIGHTS", mode)
     fp8, twin = fp8_pair
     models = []
@@ -117,6 +121,15 @@ def test_fp8_checkpoint_loads_like_its_fp32_twin(fp8_pair, mode, monkeypatch):
         assert torch.equal(a[name], b[name]), name
     linears = {n: mod for n, mod in models[0].named_modules() if isinstance(mod, Linear)}
     packed = {n for n, mod in linears.items() if isinstance(mod._quant, Fp8Weight)}
+    experts = [mod for mod in models[0].modules() if isinstance(mod, DeepseekExperts)]
+    assert experts
+    for mod in experts:
+        ws = mod._packed[0] + mod._packed[1] if mod._packed is not None else []
+        if mode == "dequantize":
+            assert mod.fp8_block is None and not any(isinstance(w, Fp8Weight) for w in ws)
+        else:
+            assert mod.w13_weight.numel() == 0 and len(ws) == 2 * mod.num_experts
+            assert all(isinstance(w, Fp8Weight) and w.nbytes < 0.3 * w.numel() * 4 for w in ws)
     if mode == "dequantize":
         assert not packed
     else:

@@ -27,6 +27,7 @@ from openinfer.layers import cpu_ops
 from openinfer.layers.expert_map import ExpertMap
 from openinfer.layers.expert_parallel import expert_parallel_experts
 from openinfer.layers.linear import cpu_prepack_supported
+from openinfer.layers.fp8 import Fp8Weight, packed_fp8_enabled, stacked_fp8
 from openinfer.layers.mxfp4 import MXFP4_BLOCK, Mxfp4Tensor, stacked_mxfp4
 from openinfer.layers.moe import combine_experts, experts_on_sorted_rows, fused_experts, pack_experts, swiglu
 from openinfer.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear, divide
@@ -179,10 +180,14 @@ class DeepseekExperts(nn.Module):
 
     ``mxfp4``: the checkpoint's MXFP4 experts stay packed as loaded (``layers/mxfp4.py``): ``_packed`` holds
     per-expert ``Mxfp4Weight`` views of stacked code/scale buffers from construction on, ``w13_weight`` /
-    ``w2_weight`` are empty placeholders (the names the loader maps to)."""
+    ``w2_weight`` are empty placeholders (the names the loader maps to). ``fp8_block``: the same for an FP8
+    block-quantised checkpoint's experts (``Fp8Weight``, layers/fp8.py) on the CPU, unless they are split over
+    tensor-parallel ranks or ``OPENINFER_FP8_WEIGHTS=dequantize`` (then ``self.fp8_block`` is None and the loader
+    hands over dequantised tensors)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
-                 swiglu_limit: float | None = None, mxfp4: bool = False) -> None:
+                 swiglu_limit: float | None = None, mxfp4: bool = False,
+                 fp8_block: tuple[int, int] | None = None) -> None:
         super().__init__()
         self.ep, self.tp = get_ep_group(), get_tp_group()
         self.num_experts = num_experts
@@ -206,11 +211,19 @@ class DeepseekExperts(nn.Module):
         self.intermediate_size = intermediate_size
         self.swiglu_limit = swiglu_limit
         self.mxfp4 = mxfp4
-        if mxfp4:
+        dtype = torch.get_default_dtype()
+        self.fp8_block = fp8_block if (fp8_block is not None and not mxfp4 and self.shard is None
+                                       and fp8_block[1] % 8 == 0 and torch.empty(0).device.type == "cpu"
+                                       and packed_fp8_enabled()) else None
+        if self.fp8_block is not None:
+            bk = self.fp8_block[1]
+            self._packed = (stacked_fp8(local, 2 * intermediate_size, hidden_size, bk, dtype),
+                            stacked_fp8(local, hidden_size, intermediate_size, bk, dtype))
+            local_shape = ((0,), (0,))
+        elif mxfp4:
             if self.shard is not None and (self.shard % MXFP4_BLOCK or intermediate_size % MXFP4_BLOCK):
                 raise ValueError(f"MXFP4 experts split over tensor-parallel ranks need moe_intermediate_size / tp = "
                                  f"{intermediate_size} to be a multiple of {MXFP4_BLOCK} (one scale block)")
-            dtype = torch.get_default_dtype()
             self._packed = (stacked_mxfp4(local, 2 * intermediate_size, hidden_size, dtype),
                             stacked_mxfp4(local, hidden_size, intermediate_size, dtype))
             local_shape = ((0,), (0,))
@@ -252,8 +265,8 @@ class DeepseekExperts(nn.Module):
         if not slots:
             return False
         i = self.intermediate_size
-        if self.mxfp4:
-            return self._load_mxfp4(expert, part, tensor, slots)
+        if self.mxfp4 or self.fp8_block is not None:
+            return self._load_packed(expert, part, tensor, slots)
         if part == 2:
             src = tensor if self.shard is None else narrow(tensor, 1, self.shard, i)
         else:
@@ -267,12 +280,14 @@ class DeepseekExperts(nn.Module):
             dst.copy_(src)
         return True
 
-    def _load_mxfp4(self, expert: int, part: int, tensor, slots: list[int]) -> bool:
-        if not isinstance(tensor, Mxfp4Tensor):
-            raise WeightLoadError(f"expert {expert} part {part}: the config declares MXFP4 experts "
-                                  f"(expert_dtype fp4) but the checkpoint tensor is {getattr(tensor, 'dtype', None)}")
+    def _load_packed(self, expert: int, part: int, tensor, slots: list[int]) -> bool:
+        """An MXFP4 (``Mxfp4Tensor``) or FP8 (``Fp8Weight``) checkpoint matrix into the packed slots, as loaded."""
+        kind, what = (Mxfp4Tensor, "MXFP4 experts (expert_dtype fp4)") if self.mxfp4 else (Fp8Weight, "FP8 experts")
+        if not isinstance(tensor, kind):
+            raise WeightLoadError(f"expert {expert} part {part}: the config declares {what} but the checkpoint "
+                                  f"tensor is {getattr(tensor, 'dtype', None)}")
         i = self.intermediate_size
-        if self.shard is not None:  # rows of w1/w3, columns (whole scale blocks) of w2
+        if self.mxfp4 and self.shard is not None:  # rows of w1/w3, columns (whole scale blocks) of w2
             if part == 2:
                 tensor = Mxfp4Tensor(tensor.packed[:, self.shard // 2:(self.shard + i) // 2],
                                      tensor.scale[:, self.shard // MXFP4_BLOCK:(self.shard + i) // MXFP4_BLOCK])
@@ -284,7 +299,10 @@ class DeepseekExperts(nn.Module):
             if tuple(tensor.shape) != want:
                 raise WeightLoadError(f"expert {expert} part {part}: checkpoint slice has shape {tuple(tensor.shape)}, "
                                       f"the model expects {want}")
-            dst.load_rows(0 if part == 2 else part * i, tensor)
+            try:
+                dst.load_rows(0 if part == 2 else part * i, tensor)
+            except ValueError as e:
+                raise WeightLoadError(f"expert {expert} part {part}: {e}") from None
         return True
 
     @torch.no_grad()
@@ -377,11 +395,12 @@ class DeepseekMoE(nn.Module):
 
     def __init__(self, hidden_size: int, moe_intermediate_size: int, n_shared_experts: int,
                  cfg: RouterConfig, swiglu_limit: float | None = None,
-                 hash_vocab_size: int | None = None, mxfp4_experts: bool = False) -> None:
+                 hash_vocab_size: int | None = None, mxfp4_experts: bool = False,
+                 fp8_block: tuple[int, int] | None = None) -> None:
         super().__init__()
         self.gate = DeepseekTopkRouter(hidden_size, cfg, hash_vocab_size)
         self.experts = DeepseekExperts(cfg.n_routed_experts, hidden_size, moe_intermediate_size, swiglu_limit,
-                                       mxfp4=mxfp4_experts)
+                                       mxfp4=mxfp4_experts, fp8_block=fp8_block)
         self.tp_reduce = self.experts.reduces_over_tp
         self.shared_experts = (
             DeepseekMLP(hidden_size, moe_intermediate_size * n_shared_experts, swiglu_limit,

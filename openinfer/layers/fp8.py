@@ -167,6 +167,16 @@ class Fp8Weight(QuantizedWeight):
             y += bias.float()
         return y.to(x.dtype).reshape(*lead, n)
 
+    def load_rows(self, row: int, src: Fp8Weight) -> None:
+        """Rows ``row:row + src rows`` from a checkpoint matrix (an expert's gate or up into its fused w13)."""
+        rows = src.shape[0]
+        if row < 0 or row + rows > self.shape[0] or (src.shape[1], src.group) != (self.shape[1], self.group):
+            raise ValueError(f"FP8 weight of shape {tuple(src.shape)} (block width {src.group}) does not fit rows "
+                             f"{row}:{row + rows} of a [{self.shape[0]}, {self.shape[1]}] weight (block width "
+                             f"{self.group})")
+        self.qweight[row:row + rows].copy_(src.qweight)
+        self.scales[row:row + rows].copy_(src.scales)
+
     @classmethod
     def cat(cls, parts: list[QuantizedWeight]) -> QuantizedWeight:
         """Row-wise concatenation (gate and up into the fused projection): rows carry their own multipliers, so
@@ -181,3 +191,11 @@ class Fp8Weight(QuantizedWeight):
             return first
         return cls(torch.cat([p.qweight for p in parts]).contiguous(), torch.cat([p.scales for p in parts]),
                    (sum(p.shape[0] for p in parts), first.shape[1]), first.dtype, first.group)
+
+
+def stacked_fp8(count: int, n: int, k: int, bk: int, dtype: torch.dtype) -> list[Fp8Weight]:
+    """``count`` zero [N, K] FP8 matrices as views of one stacked buffer each for codes and multipliers (the layout
+    of a stacked ``[E, N, K]`` expert parameter: a quarter of fp32's bytes plus 4 per row and block)."""
+    q = torch.zeros(count, n, -(-k // 8) * 8, dtype=torch.uint8)
+    s = torch.ones(count, n, -(-k // bk), dtype=torch.float32)
+    return [Fp8Weight(q[e], s[e], (n, k), dtype, bk) for e in range(count)]

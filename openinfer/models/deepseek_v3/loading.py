@@ -45,7 +45,7 @@ def load_v3_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     dequantizer = Dequantizer(args.fp8_block, None, lambda n: n in params,
-                              keep_packed=lambda n: packs_fp8(_linear_of(model, n), args.fp8_block))
+                              keep_packed=lambda n: _keeps_fp8(model, n, args.fp8_block))
     mtp = 0
     for raw_name, raw_tensor in weights:
         m = _LAYER.match(raw_name)
@@ -83,6 +83,15 @@ def _experts_of(model: nn.Module, name: str) -> tuple[DeepseekExperts, int, str]
 def _not_this_ranks_expert(model: nn.Module, name: str) -> bool:
     found = _experts_of(model, name)
     return found is not None and found[1] not in found[0].expert_ids
+
+
+def _keeps_fp8(model: nn.Module, name: str, block: tuple[int, int] | None) -> bool:
+    """Whether the FP8 weight ``name`` stays packed: its experts module chose to at construction, a linear if
+    ``packs_fp8`` accepts it."""
+    found = _experts_of(model, name)
+    if found is not None:
+        return found[0].fp8_block is not None
+    return packs_fp8(_linear_of(model, name), block)
 
 
 def _linear_of(model: nn.Module, name: str) -> nn.Module | None:

@@ -31,7 +31,7 @@ class DeepseekV3DecoderLayer(nn.Module):
         self.self_attn = DeepseekV3Attention(a, backend)
         if a.is_moe_layer(layer_idx):
             self.mlp: nn.Module = DeepseekMoE(a.hidden_size, a.moe_intermediate_size, a.n_shared_experts,
-                                              a.router)
+                                              a.router, fp8_block=a.fp8_block)
         else:
             self.mlp = DeepseekMLP(a.hidden_size, a.intermediate_size)
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
