@@ -64,6 +64,22 @@ def hf_greedy(path: str | Path, prompts: list[list[int]], max_new_tokens: int):
     return results
 
 
+def dense_state(model) -> dict[str, torch.Tensor]:
+    """Every parameter, with each linear's weight and each experts module's stacked weights in their dense form
+    (packed ones - FP8, MXFP4, low-bit - are empty placeholders among the parameters), in fp32."""
+    from openinfer.layers.deepseek_moe import DeepseekExperts
+    from openinfer.layers.linear import Linear
+
+    state = dict(model.named_parameters())
+    for name, mod in model.named_modules():
+        if isinstance(mod, Linear):
+            state[f"{name}.weight"] = mod.dense_weight().float()
+        if isinstance(mod, DeepseekExperts):
+            w13, w2 = mod.dense_weights()
+            state[f"{name}.w13_weight"], state[f"{name}.w2_weight"] = w13.float(), w2.float()
+    return state
+
+
 def engine_model(llm):
     """The model inside an in-process engine (tests inspect weights and caches; the engine itself never does)."""
     return llm.engine.core.executor.driver_worker.model

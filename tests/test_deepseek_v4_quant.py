@@ -13,9 +13,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from helpers import dense_state
 from openinfer import LLM, SamplingParams
 from openinfer.worker.loader import iterate_weights, read_checkpoint
-from openinfer.layers.fp8 import (E8M0_DTYPE, FP8_DTYPE, dequantize_fp8_block, fp8_block_size,
+from openinfer.layers.fp8 import (E8M0_DTYPE, FP8_DTYPE, Fp8Weight, dequantize_fp8_block, fp8_block_size,
                                   quantize_fp8_block)
 from openinfer.layers.deepseek_moe import DeepseekExperts
 from openinfer.layers.mxfp4 import dequantize_mxfp4, quantize_mxfp4
@@ -119,24 +120,24 @@ def test_quantised_checkpoint_loads_like_its_dequantised_twin(quant_pair, base):
         m = DeepseekV4ForCausalLM(json.loads((path / "config.json").read_text()))
         m.load_weights(iterate_weights(path))
         models.append(m)
-    a, b = (dict(m.named_parameters()) for m in models)
+    a, b = (dense_state(m) for m in models)  # packed weights (MXFP4 experts, FP8 linears) dequantised
     assert a.keys() == b.keys()
     fp4 = json.loads((quant / "config.json").read_text())["expert_dtype"] == "fp4"
     twin_modules = dict(models[1].named_modules())
     experts = [(n, e) for n, e in models[0].named_modules() if isinstance(e, DeepseekExperts)]
     assert experts and all(e.mxfp4 == fp4 and not twin_modules[n].mxfp4 for n, e in experts)
-    for name in a:
-        if fp4 and name.endswith(("experts.w13_weight", "experts.w2_weight")):
-            assert a[name].numel() == 0  # MXFP4 experts stay packed: compared dequantised below
-            continue
+    # FP8 experts stay as shipped too (fp8_block), and so do the FP8 linears but o_a_proj (read as a matrix)
+    assert all((e.fp8_block is None) == fp4 and twin_modules[n].fp8_block is None for n, e in experts)
+    assert all(e.w13_weight.numel() == 0 for _, e in experts)
+    fp8_linears = {n for n, mod in models[0].named_modules() if isinstance(getattr(mod, "_quant", None), Fp8Weight)}
+    assert "model.layers.2.self_attn.q_a_proj" in fp8_linears and "model.layers.2.mlp.shared_experts.gate_up_proj" \
+        in fp8_linears and not any(n.endswith("o_a_proj") for n in fp8_linears), sorted(fp8_linears)
+    for name in a:  # the packed codes and scales dequantise to exactly the twin's weights
         assert torch.equal(a[name], b[name]), name
-    for n, e in experts:  # the packed codes and scales dequantise to exactly the twin's weights
-        for x, y in zip(e.dense_weights(), twin_modules[n].dense_weights()):
-            assert torch.equal(x, y), n
     # ...and the dequantised weights are near the unquantised originals (FP4 is coarse: 1 bit of mantissa).
     orig = DeepseekV4ForCausalLM(json.loads((base / "config.json").read_text()))
     orig.load_weights(iterate_weights(base))
-    w13, w = models[0].model.layers[1].mlp.experts.dense_weights()[0], orig.model.layers[1].mlp.experts.w13_weight
+    w13, w = a["model.layers.1.mlp.experts.w13_weight"], orig.model.layers[1].mlp.experts.w13_weight
     rel = float((w13 - w).norm() / w.norm())
     assert 0 < rel < (0.2 if fp4 else 0.05), rel
     q_a, q_a0 = a["model.layers.2.self_attn.q_a_proj.weight"], orig.model.layers[2].self_attn.q_a_proj.weight

@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from helpers import dense_state
 from openinfer import LLM, SamplingParams
 from openinfer.worker.loader import iterate_weights, read_checkpoint
 from openinfer.layers.fp8 import FP8_DTYPE, Fp8Weight, dequantize_fp8_block, fp8_block_size, quantize_fp8_block
@@ -91,18 +92,6 @@ def fp8_pair(tmp_path_factory):
     return fp8, twin
 
 
-def _dense_state(model) -> dict[str, torch.Tensor]:
-    """Every parameter, with each linear's weight in its dense form (a packed FP8 linear's weight is empty)."""
-    state = {n: p for n, p in model.named_parameters()}
-    for name, mod in model.named_modules():
-        if isinstance(mod, Linear):
-            state[f"{name}.weight"] = mod.dense_weight().float()
-        if isinstance(mod, DeepseekExperts):
-            w13, w2 = mod.dense_weights()
-            state[f"{name}.w13_weight"], state[f"{name}.w2_weight"] = w13.float(), w2.float()
-    return state
-
-
 @pytest.mark.parametrize("mode", ["packed", "dequantize"])
 def test_fp8_checkpoint_loads_like_its_fp32_twin(fp8_pair, mode, monkeypatch):
     """Packed (the default) or dequantised at load (OPENINFER_FP8_WEIGHTS=dequantize), the weights are the twin's
@@ -115,7 +104,7 @@ def test_fp8_checkpoint_loads_like_its_fp32_twin(fp8_pair, mode, monkeypatch):
         m = DeepseekV3ForCausalLM(json.loads((path / "config.json").read_text()))
         m.load_weights(iterate_weights(path))
         models.append(m)
-    a, b = (_dense_state(m) for m in models)
+    a, b = (dense_state(m) for m in models)
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name

@@ -4,7 +4,8 @@
   ``model.embed_tokens.weight``, ``model.hc_head.hc_fn``, ``head.weight``), no MTP tensors.
 - DeepSeek's release: unprefixed (``embed.weight``, ``layers.N...``, ``hc_head_fn``, ``head.weight``, ``mtp.K...``).
 Per-expert ``w1``/``w3``/``w2`` go into the stacked ``w13_weight`` / ``w2_weight``; the shared expert's
-``w1``/``w3`` into its fused ``gate_up_proj``. FP8 weights are dequantised on the way
+``w1``/``w3`` into its fused ``gate_up_proj``. FP8 weights stay as shipped where their module takes them (linears
+``packs_fp8`` accepts, experts modules built with ``fp8_block``), else they are dequantised on the way
 (models/quantized_weights.py); MXFP4 routed experts too, unless their experts module keeps them packed
 (``DeepseekExperts.mxfp4``).
 """
@@ -16,7 +17,8 @@ from collections.abc import Iterable
 
 import torch
 
-from openinfer.models.quantized_weights import Dequantizer, scale_owner
+from openinfer.layers.quant_linear import QuantizedWeight
+from openinfer.models.quantized_weights import Dequantizer, packs_fp8, scale_owner
 from openinfer.models.weights import WeightLoadError, copy_into, materialize
 
 logger = logging.getLogger(__name__)
@@ -89,6 +91,9 @@ def _copy_shard(model, pname: str, param: torch.Tensor, tensor, name: str, shard
     """A routed expert's w1/w3/w2 (the experts module places it: its slice under tensor parallelism), or part of
     the shared expert's fused gate_up (its weight_loader)."""
     expert, part = shard
+    if expert is None and isinstance(tensor, QuantizedWeight):  # FP8 kept as shipped (packs_fp8)
+        _load_packed_linear(model, pname, tensor, name, part)
+        return
     if expert is None:
         param.weight_loader(param, tensor, part)
         return
@@ -109,16 +114,31 @@ def _not_this_ranks_expert(model, raw_name: str) -> bool:
     return 0 <= shard[0] < experts.num_experts and shard[0] not in experts.expert_ids
 
 
-def _packed_expert(model, name: str) -> bool:
-    """A routed expert's weight whose experts module keeps MXFP4 packed (an MTP block's too: built with the same
-    setting when its first tensor arrives, so the model's setting is asked when its module does not exist yet)."""
-    pname, shard = canonical_name(name)
-    if shard is None or shard[0] is None:
-        return False
+def _load_packed_linear(model, pname: str, tensor: QuantizedWeight, name: str, part: int | None) -> None:
     try:
-        return bool(model.get_submodule(pname.rsplit(".", 1)[0]).mxfp4)
+        model.get_submodule(pname.rsplit(".", 1)[0]).load_quantized(tensor, part)
+    except ValueError as e:
+        raise WeightLoadError(f"checkpoint tensor {name!r}: {e}") from None
+
+
+def _packs(experts) -> bool:
+    return bool(experts.mxfp4 or experts.fp8_block is not None)
+
+
+def _keeps_packed(model, name: str) -> bool:
+    """A routed expert's weight whose experts module keeps MXFP4 / FP8 packed (an MTP block's too: built with the
+    same setting when its first tensor arrives, so the model's setting is asked when its module does not exist
+    yet), or an FP8 linear ``packs_fp8`` accepts."""
+    pname, shard = canonical_name(name)
+    try:
+        module = model.get_submodule(pname.rsplit(".", 1)[0])
     except AttributeError:
-        return any(getattr(m, "mxfp4", False) for m in model.modules())
+        module = None
+    if shard is None or shard[0] is None:
+        return packs_fp8(module, model.config.fp8_block)
+    if module is None:
+        return any(_packs(m) for m in model.modules() if hasattr(m, "mxfp4"))
+    return _packs(module)
 
 
 def load_v4_weights(model, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -127,7 +147,7 @@ def load_v4_weights(model, weights: Iterable[tuple[str, torch.Tensor]]) -> set[s
     # targets is rebound when the MTP block is built; the lambda reads the current binding.
     dequantizer = Dequantizer(model.config.fp8_block, model.config.expert_dtype,
                               lambda n: canonical_name(n)[0] in targets,
-                              keep_packed=lambda n: _packed_expert(model, n))
+                              keep_packed=lambda n: _keeps_packed(model, n))
     for raw_name, raw_tensor in weights:
         if _not_this_ranks_expert(model, raw_name):
             continue  # expert parallelism: another rank holds it (and reads it)
@@ -148,7 +168,10 @@ def load_v4_weights(model, weights: Iterable[tuple[str, torch.Tensor]]) -> set[s
                 tensor = materialize(tensor)
                 _check_hash_table(name, tensor, model.config.n_routed_experts)
             param = targets[pname]
-            if shard is None:
+            if shard is None and isinstance(tensor, QuantizedWeight):
+                _load_packed_linear(model, pname, tensor, name, None)
+                loaded.add(pname)
+            elif shard is None:
                 loader = getattr(param, "weight_loader", None)
                 loader(param, tensor) if loader is not None else copy_into(param, tensor, name)
                 loaded.add(pname)

@@ -24,7 +24,8 @@ class DeepseekV4MoE(DeepseekMoE):
         super().__init__(cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_shared_experts, cfg.router,
                          swiglu_limit=cfg.swiglu_limit,
                          hash_vocab_size=cfg.vocab_size if cfg.is_hash_layer(layer_idx) else None,
-                         mxfp4_experts=cfg.expert_dtype == "fp4" and packed_experts_enabled())
+                         mxfp4_experts=cfg.expert_dtype == "fp4" and packed_experts_enabled(),
+                         fp8_block=None if cfg.expert_dtype == "fp4" else cfg.fp8_block)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         return super().forward(x, input_ids)

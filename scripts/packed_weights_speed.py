@@ -1,17 +1,19 @@
-"""DeepSeek-V4 with MXFP4 routed experts kept packed vs dequantised at load (issue 16, must-show 4): resident bytes
-and decode tokens/s on the same checkpoint, the two modes interleaved in one process (the box is shared, so only
+"""DeepSeek weights kept as shipped vs dequantised at load (issue 16): V4's MXFP4 routed experts (``--format
+mxfp4``, must-show 4) or V3 / V4's FP8 block-quantised linears and experts (``--format fp8``). Resident bytes and
+decode tokens/s on the same checkpoint, the two modes interleaved in one process (the box is shared, so only
 ratios measured side by side mean much).
 
 - Resident bytes: the engine's weight bytes (``layers.linear.weight_bytes``: parameters, prepacked and packed
   weights) and the routed experts' share of them, and the process RSS after loading and one decode window,
   each mode in a fresh subprocess of its own (RSS is per process).
-- Decode tok/s: one engine per mode loaded up front (``OPENINFER_MXFP4_EXPERTS`` is read when the model is
-  built); for each round and batch size every mode runs one timed decode window (``bench/decode_window.py``:
-  prefill untimed, then exactly ``--steps`` pure decode steps), in rotating order. Reported per mode and batch:
+- Decode tok/s: one engine per mode loaded up front (``OPENINFER_MXFP4_EXPERTS`` / ``OPENINFER_FP8_WEIGHTS`` is
+  read when the model is built); for each round and batch size every mode runs one timed decode window
+  (``bench/decode_window.py``: prefill untimed, then exactly ``--steps`` pure decode steps), in rotating order. Reported per mode and batch:
   the median over the rounds with its min-max and the ratio to the dequantised median.
 
     python scripts/make_deepseek_v4_checkpoint.py --size bench --quantize release-fp4 --out /work/bench/v4-bench-fp4
-    python scripts/mxfp4_speed.py --model /work/bench/v4-bench-fp4 --dtype bfloat16 --batches 1 8 32 --rounds 3
+    python scripts/packed_weights_speed.py --model /work/bench/v4-bench-fp4 --dtype bfloat16 --batches 1 8 32 --rounds 3
+    python scripts/packed_weights_speed.py --format fp8 --model /work/bench/dsv3-65m-fp8 --dtype float32
 """
 from __future__ import annotations
 
@@ -29,12 +31,13 @@ if str(ROOT) not in sys.path:  # run as a script from a checkout: this checkout'
     sys.path.insert(0, str(ROOT))
 
 MODES = ("dequantize", "packed")
+SWITCH = {"mxfp4": "OPENINFER_MXFP4_EXPERTS", "fp8": "OPENINFER_FP8_WEIGHTS"}  # --format -> its mode variable
 
 
-def _engine(model: str, mode: str, dtype: str, batches: list[int], context_len: int, steps: int):
+def _engine(model: str, fmt: str, mode: str, dtype: str, batches: list[int], context_len: int, steps: int):
     from openinfer import LLM
 
-    os.environ["OPENINFER_MXFP4_EXPERTS"] = mode
+    os.environ[SWITCH[fmt]] = mode
     max_len = context_len + steps * 4 + 64
     return LLM(model=model, dtype=dtype, max_num_seqs=max(batches), max_model_len=max_len,
                num_kv_blocks=max(batches) * (-(-max_len // 16)) + 8)
@@ -69,7 +72,7 @@ def rss_child(args) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    llm = _engine(args.model, args.rss_of, args.dtype, args.batches, args.context_len, args.steps)
+    llm = _engine(args.model, args.format, args.rss_of, args.dtype, args.batches, args.context_len, args.steps)
     import openinfer
 
     out = {"mode": args.rss_of, **_bytes(llm), "rss_after_load": _rss_bytes(), "openinfer": openinfer.__file__}
@@ -85,6 +88,7 @@ def rss_child(args) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
+    ap.add_argument("--format", choices=sorted(SWITCH), default="mxfp4", help="which shipped format to A/B")
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=16)
@@ -111,7 +115,8 @@ def main() -> None:
     from openinfer.bench.decode_window import run_decode_window
 
     torch.set_num_threads(args.threads)
-    engines = {mode: _engine(args.model, mode, args.dtype, args.batches, args.context_len, args.steps).engine
+    engines = {mode: _engine(args.model, args.format, mode, args.dtype, args.batches, args.context_len,
+                             args.steps).engine
                for mode in MODES}
     rng = random.Random(0)
     vocab = engines[MODES[0]].config.model.vocab_size
