@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from helpers import make_dense_checkpoint
+from helpers import make_dense_checkpoint, peer_args
 from openinfer.bench import results as R
-from openinfer.bench.peers import parse_peers, sample_of
+from openinfer.bench.peers import check_weights, parse_peers, sample_of
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -77,6 +77,20 @@ def test_parse_peers():
     for bad in ("", "hf,tgi"):
         with pytest.raises(ValueError, match="--peers takes a comma-separated subset of hf, vllm"):
             parse_peers(bad)
+
+
+def test_quantization_must_reach_every_engine(ckpt):
+    """--quantization quantises openinfer alone: refused beside vLLM / HF (they would run the plain weights) and
+    beside llama.cpp unless its GGUF is quantized too; what each engine ran goes into the report."""
+    for peers in (["hf"], ["vllm", "llamacpp"]):
+        with pytest.raises(ValueError, match="--quantization int8 quantises openinfer's weights only"):
+            check_weights(peer_args(ckpt, "--quantization", "int8"), peers)
+    with pytest.raises(ValueError, match="needs --llamacpp-quant"):
+        check_weights(peer_args(ckpt, "--quantization", "int4"), ["llamacpp"])
+    got = check_weights(peer_args(ckpt, "--quantization", "int8", "--llamacpp-quant", "q8_0"), ["llamacpp"])
+    assert got == {"openinfer_quantization": "int8", "checkpoint_quantization": None, "llamacpp_quant": "q8_0"}
+    assert check_weights(peer_args(ckpt), ["hf", "vllm"]) == {"openinfer_quantization": None,
+                                                           "checkpoint_quantization": None, "llamacpp_quant": None}
 
 
 def test_one_iteration_summaries_merge_back_to_the_same_point():

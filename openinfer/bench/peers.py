@@ -104,9 +104,28 @@ def detect(peer: str, vllm_python: str | None = None, llamacpp_python: str | Non
     return llamacpp_peer.detect(llamacpp_python)
 
 
+def check_weights(args: argparse.Namespace, peers: list[str]) -> dict[str, Any]:
+    """Every engine must run the same weights: ``--quantization`` quantises openinfer's alone, so it is refused
+    beside vLLM and HF (which would run the plain weights; give them all a quantised checkpoint as ``--model``)
+    and needs ``--llamacpp-quant`` beside llama.cpp. Returns what the report says about the weights."""
+    quant = args.quantization if args.quantization not in (None, "", "none") else None
+    if quant and any(p in ("vllm", "hf") for p in peers):
+        raise ValueError(f"--quantization {quant} quantises openinfer's weights only; --peers "
+                         f"{','.join(p for p in peers if p in ('vllm', 'hf'))} would run the unquantised ones. "
+                         "Compare quantised engines on a quantised checkpoint (--model) that each of them loads")
+    if quant and "llamacpp" in peers and not args.llamacpp_quant:
+        raise ValueError(f"--quantization {quant} with the llama.cpp peer needs --llamacpp-quant (q8_0 / q4_0): "
+                         "otherwise llama.cpp would run the unquantised GGUF")
+    qc = json.loads((Path(_model_path(args)) / "config.json").read_text()).get("quantization_config") or {}
+    checkpoint = " ".join(str(qc[k]) for k in ("quant_method", "format") if qc.get(k)) or None
+    return {"openinfer_quantization": quant, "checkpoint_quantization": checkpoint,
+            "llamacpp_quant": args.llamacpp_quant if "llamacpp" in peers else None}
+
+
 def main(args: argparse.Namespace) -> int:
     batches = resolve_workload(args)
     peers = parse_peers(args.peers)
+    weights = check_weights(args, peers)
     statuses = [detect(p, args.vllm_python, args.llamacpp_python) for p in peers]
     for s in statuses:
         if s["status"] == "installed" and s["peer"] not in RUNNERS:
@@ -122,6 +141,7 @@ def main(args: argparse.Namespace) -> int:
         llamacpp.update(prepare_gguf(args, llamacpp["python"]))
     result = run_alternating(args, batches, engines, vllm_python, llamacpp)
     result["peers"] = statuses
+    result["weights"] = weights
     for s in statuses:
         if s["status"] == "installed":
             s["status"] = "ran"

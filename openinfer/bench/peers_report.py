@@ -101,6 +101,7 @@ def _environment(result: dict[str, Any]) -> list[str]:
         f"{env['transformers']}, Python {env['python']}",
         f"- dtype: {oi['dtype']} (both engines); model: {model.get('architecture')} "
         f"{(model.get('num_params') or 0) / 1e6:.1f}M params at `{model.get('path')}`",
+        *_weights_lines(result),
         f"- workload: mode {w['mode']}, "
         + (f"context {w['context_len']}, decode steps {w['decode_steps']}, " if w["mode"] == "decode" else
            f"input {w['input_len']}, output {w['output_len']}, ")
@@ -117,6 +118,15 @@ def _environment(result: dict[str, Any]) -> list[str]:
         f"- command: `{_command(result)}`",
     ]
     return lines
+
+
+def _weights_lines(result: dict[str, Any]) -> list[str]:
+    w = result.get("weights")
+    if not w or not any(w.values()):
+        return []
+    return [f"- weights: checkpoint quantization {w.get('checkpoint_quantization') or 'none'}; openinfer "
+            f"--quantization {w.get('openinfer_quantization') or 'none'}"
+            + (f"; llama.cpp GGUF quantized to {w['llamacpp_quant']}" if w.get("llamacpp_quant") else "")]
 
 
 def _vllm_lines(result: dict[str, Any]) -> list[str]:
