@@ -74,7 +74,7 @@ def test_awq_nibble_order_round_trip():
 
 @pytest.mark.parametrize("m", [1, 5, 33])
 def test_int4_zero_correction_matches_exact(monkeypatch, m):
-    """Asymmetric int4 (zero_corr = s (8 - z)): the kernel + group-sum correction and the dequantising torch
+    """Asymmetric int4 (zero_corr = (s (8 - z))^T): the kernel + group-sum correction and the dequantising torch
     reference both match sum_k x_k (q_k - z) s computed exactly, including K not a multiple of 16 or the group."""
     from openinfer.layers.checkpoint_quant import pack_kernel_int4
     for i, (n, k, g) in enumerate([(40, 100, 32), (9, 256, 128), (24, 64, 16)]):
@@ -82,7 +82,8 @@ def test_int4_zero_correction_matches_exact(monkeypatch, m):
         groups = -(-k // g)
         s = (torch.rand(n, groups, generator=_gen(10 + i)) * 0.02 + 1e-3).half().float()  # as checkpoints store it
         z = torch.randint(0, 17, (n, groups), generator=_gen(20 + i))  # GPTQ v1 may read a zero of 16
-        qw = QuantizedWeight("int4", pack_kernel_int4(q), s, (n, k), torch.float32, g, s * (8 - z.float()))
+        qw = QuantizedWeight("int4", pack_kernel_int4(q), s, (n, k), torch.float32, g,
+                              (s * (8 - z.float())).t().contiguous())
         w = (q.double() - z.double().repeat_interleave(g, 1)[:, :k]) * s.double().repeat_interleave(g, 1)[:, :k]
         assert torch.equal(qw.dequantize().double(), w)  # (q - 8) s + s (8 - z) is exact in fp32
         x = torch.randn(m, k, generator=_gen(30 + i))
@@ -97,7 +98,7 @@ def test_int4_zero_correction_matches_exact(monkeypatch, m):
         # Fusing an asymmetric part with a symmetric one (zero correction 0) keeps both exact.
         sym = QuantizedWeight("int4", pack_kernel_int4(q[:3]), s[:3], (3, k), torch.float32, g)
         fused = QuantizedWeight.cat([qw, sym])
-        assert fused.zero_corr.shape == (n + 3, groups) and not fused.zero_corr[n:].any()
+        assert fused.zero_corr.shape == (groups, n + 3) and not fused.zero_corr[:, n:].any()
         torch.testing.assert_close(fused.matmul(x), torch.cat([qw.matmul(x), sym.matmul(x)], 1), rtol=1e-5,
                                    atol=1e-5)
 

@@ -16,7 +16,7 @@ per linear, repacked once into the kernels' layout (``quant_linear.py``); every 
   columns 8 j .. 8 j + 7 with column 8 j + AWQ_ORDER[i] at bits 4 i; ``X.qzeros`` int32 [G, N / 8] the same way
   (the zero itself, no offset); ``X.scales`` fp16 [G, N]; w = (q - z) * s.
 All int4 forms dequantise as (nibble - zero) * scale; the int4 kernel's arithmetic is (nibble - 8) * scale, so the
-nibbles are only moved, never changed, and a zero other than 8 becomes ``QuantizedWeight.zero_corr`` = s (8 - z)
+nibbles are only moved, never changed, and a zero other than 8 becomes ``QuantizedWeight.zero_corr``, s (8 - z)
 (quant_linear.py says how it is applied). Scales are widened to fp32 (exact from bf16 / fp16).
 """
 from __future__ import annotations
@@ -163,7 +163,7 @@ class QuantizedTensorGrouper:
         s = scales.float().contiguous()
         corr = None
         if zeros is not None and bool((zeros != 8).any()):
-            corr = (s * (8 - zeros.float())).contiguous()  # exact: a small integer times an fp16 / bf16 scale
+            corr = (s * (8 - zeros.float())).t().contiguous()  # exact: a small integer times an fp16 / bf16 scale
         return QuantizedWeight("int4", pack_kernel_int4(nibbles), s, (n, k), self.dtype, g, corr)
 
     def _pack_quantized(self, t: dict[str, torch.Tensor]) -> QuantizedWeight:

@@ -20,9 +20,10 @@ All-zero rows/groups get scale 1 (q = 0), never a 0 or NaN scale.
 
 Asymmetric int4 (AWQ, GPTQ ``sym=false`` checkpoints: ``w = (q - z) * s`` with a zero point z per row and group)
 runs on the same kernel, the nibbles as they are: sum_k x_k (q_k - z) s = sum_k x_k (q_k - 8) s + s (8 - z) xg,
-xg the sum of x over the group. So ``zero_corr`` [N, G] = s (8 - z) holds the difference, and the kernel path adds
-xg @ zero_corr^T (a matmul G = K / group wide) to the kernel's result. The torch reference instead dequantises
-(q - 8) s + zero_corr, which is exactly (q - z) s in fp32 when s is an fp16 / bf16 value (as checkpoints store
+xg the sum of x over the group. So ``zero_corr`` = (s (8 - z))^T, fp32 [G, N], holds the difference, and the kernel
+path adds xg @ zero_corr (a matmul G = K / group deep; [G, N] rather than [N, G] because that operand order is what
+makes it cheap at M = 1: ~7 us against ~30 us per linear here) to the kernel's result. The torch reference instead dequantises
+(q - 8) s + zero_corr^T, which is exactly (q - z) s in fp32 when s is an fp16 / bf16 value (as checkpoints store
 it): every term is a small integer times s's 11-bit mantissa, so no sum rounds.
 """
 from __future__ import annotations
@@ -48,10 +49,10 @@ class QuantizedWeight:
         self.shape = torch.Size(shape)  # the logical [N, K]
         self.dtype = dtype  # what the dense weight was (dequantised weights come back in it)
         self.group = group
-        # int4 with zero points: fp32 [N, G] = s (8 - z), shaped like ``scales`` (None: symmetric, z = 8)
-        if zero_corr is not None and (method != "int4" or zero_corr.shape != scales.shape
-                                      or zero_corr.dtype != torch.float32):
-            raise ValueError(f"zero_corr must be fp32 {tuple(scales.shape)} on an int4 weight, got "
+        # int4 with zero points: fp32 [G, N] = (s (8 - z))^T, ``scales`` transposed (None: symmetric, z = 8)
+        if zero_corr is not None and (method != "int4" or zero_corr.shape != scales.t().shape
+                                      or zero_corr.dtype != torch.float32 or not zero_corr.is_contiguous()):
+            raise ValueError(f"zero_corr must be contiguous fp32 {tuple(scales.t().shape)} on an int4 weight, got "
                              f"{zero_corr.dtype} {tuple(zero_corr.shape)} on {method}")
         self.zero_corr = zero_corr
 
@@ -102,10 +103,10 @@ class QuantizedWeight:
         else:
             ops.int4_linear(y, xf, self.qweight, self.scales, self.group, b)
             if self.zero_corr is not None:
-                groups = self.zero_corr.shape[1]
+                groups = self.zero_corr.shape[0]
                 if xf.shape[1] != groups * self.group:
                     xf = F.pad(xf, (0, groups * self.group - xf.shape[1]))
-                y.addmm_(xf.view(xf.shape[0], groups, self.group).sum(dim=2), self.zero_corr.t())
+                y.addmm_(xf.view(xf.shape[0], groups, self.group).sum(dim=2), self.zero_corr)
         return y.to(x.dtype).reshape(*lead, n)
 
     def _matmul_w8a8(self, ops, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -133,7 +134,8 @@ class QuantizedWeight:
         n = sum(p.shape[0] for p in parts)
         corr = None
         if any(p.zero_corr is not None for p in parts):  # a symmetric part's correction is zero (z = 8)
-            corr = torch.cat([torch.zeros_like(p.scales) if p.zero_corr is None else p.zero_corr for p in parts])
+            corr = torch.cat([torch.zeros_like(p.scales.t()) if p.zero_corr is None else p.zero_corr for p in parts],
+                             dim=1)
         return cls(first.method, torch.cat([p.qweight for p in parts]).contiguous(),
                    torch.cat([p.scales for p in parts]).contiguous(), (n, first.shape[1]), first.dtype, first.group,
                    None if corr is None else corr.contiguous())
@@ -193,12 +195,12 @@ def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.
 
 def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, group: int, k: int,
                     zero_corr: torch.Tensor | None = None) -> torch.Tensor:
-    """The inverse of ``quantize_int4`` (up to rounding): fp32 [N, k]; with ``zero_corr`` (asymmetric),
+    """The inverse of ``quantize_int4`` (up to rounding): fp32 [N, k]; with ``zero_corr`` [G, N] (asymmetric),
     (q - 8) s + s (8 - z) = (q - z) s."""
     n, kp = packed.shape[0], packed.shape[1] * 2
     b = packed.view(n, kp // _INT4_RUN, _INT4_RUN // 2).to(torch.int16)
     q = torch.stack([b & 0xF, b >> 4], dim=2).view(n, kp).float() - 8.0
     w = q * scales.repeat_interleave(group, dim=1)[:, :kp]
     if zero_corr is not None:
-        w += zero_corr.repeat_interleave(group, dim=1)[:, :kp]
+        w += zero_corr.t().repeat_interleave(group, dim=1)[:, :kp]
     return w[:, :k]
