@@ -183,12 +183,14 @@ def test_published_format_loads_packed(tmp_path, monkeypatch, fmt):
             assert max(abs(x - y) for x, y in zip(a, b)) < 1e-3
 
 
-@pytest.mark.parametrize("fmt", ["awq", "gptq-asym"])
-def test_asymmetric_formats_match_dequantised_checkpoint(tmp_path, monkeypatch, fmt):
+@pytest.mark.parametrize("fmt,arch", [("awq", "llama"), ("gptq-asym", "llama"), ("awq", "qwen2")])
+def test_asymmetric_formats_match_dequantised_checkpoint(tmp_path, monkeypatch, fmt, arch):
     """The packed model (kernels, zero correction) gives the tokens and logprobs of the same weights dequantised
-    (decoded from the file here, independently of the loader) and loaded as a plain fp32 checkpoint."""
+    (decoded from the file here, independently of the loader) and loaded as a plain fp32 checkpoint. Qwen2: q/k/v
+    biases stay dense beside the quantised weights, as AutoAWQ writes them."""
     from safetensors.torch import save_file
-    src = make_dense_checkpoint(tmp_path / "src", vocab_size=128, hidden_size=128, intermediate_size=256)
+    src = make_dense_checkpoint(tmp_path / "src", arch=arch, vocab_size=128, hidden_size=128,
+                                intermediate_size=256)
     dst = mq.convert(src, tmp_path / fmt, fmt, group=32)
     dense = load_file(str(src / "model.safetensors"))
     for name in dense:
@@ -200,7 +202,9 @@ def test_asymmetric_formats_match_dequantised_checkpoint(tmp_path, monkeypatch, 
         if f.is_file() and f.name != "model.safetensors":
             (plain / f.name).write_bytes(f.read_bytes())
     save_file(dense, str(plain / "model.safetensors"), metadata={"format": "pt"})
-    toks, lps, _ = _run(dst, cpu_ops.available(), monkeypatch)
+    toks, lps, model = _run(dst, cpu_ops.available(), monkeypatch)
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert qkv._quant.zero_corr is not None and (qkv.bias is not None) == (arch == "qwen2")
     want, want_lps, _ = _run(plain, cpu_ops.available(), monkeypatch)
     assert toks == want
     assert max(abs(x - y) for a, b in zip(lps, want_lps) for x, y in zip(a, b)) < 1e-3
