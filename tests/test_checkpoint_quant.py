@@ -262,15 +262,23 @@ def test_awq_config_errors(tmp_path, field, value):
         EngineArgs(model=str(_write_config(tmp_path, "awq", qc))).create_engine_config()
 
 
-def test_awq_group_must_divide_k(tmp_path):
-    """A group size that does not divide a linear's K (the config is read before the tensors): a load error naming
-    the linear and the field."""
+def test_awq_bad_tensors(tmp_path):
+    """A group size that does not divide a linear's K (the config is read before the tensors), and qzeros of the
+    wrong shape: load errors naming the linear and what is wrong."""
     src = make_dense_checkpoint(tmp_path / "src", vocab_size=64)  # hidden 64, intermediate 128
     dst = mq.convert(src, tmp_path / "awq", "awq", group=32)
     cfg = json.loads((dst / "config.json").read_text())
     cfg["quantization_config"]["group_size"] = 48
     (dst / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=r"model.layers.0.*group_size=48 does not divide the input size K=(64|128)"):
+        LLM(model=str(dst), num_kv_blocks=16)
+    cfg["quantization_config"]["group_size"] = 32
+    (dst / "config.json").write_text(json.dumps(cfg))
+    from safetensors.torch import save_file
+    t = load_file(str(dst / "model.safetensors"))
+    t["model.layers.1.self_attn.o_proj.qzeros"] = t["model.layers.1.self_attn.o_proj.qzeros"][:1].contiguous()
+    save_file(t, str(dst / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"model.layers.1.self_attn.o_proj.*qzeros must be int32 \(2, 8\)"):
         LLM(model=str(dst), num_kv_blocks=16)
 
 
