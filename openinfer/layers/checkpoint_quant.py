@@ -10,8 +10,8 @@ per linear, repacked once into the kernels' layout (``quant_linear.py``); every 
   column 8 j + i at bits 4 i of word j; ``X.weight_shape`` [2] = (N, K); ``X.weight_scale`` [N, ceil(K / group)].
 - GPTQ (v1 checkpoint format, no desc_act): ``X.qweight`` int32 [K / 8, N], the nibble of input row 8 j + i at
   bits 4 i of row j; ``X.qzeros`` int32 [G, N / 8] (zero - 1 per nibble, so 7 for symmetric 4-bit, whose zero is
-  8; as vLLM's gptq kernels read it, a stored 15 means 16); ``X.scales`` [G, N]; ``X.g_idx`` [K] (must be
-  k // group: no activation order).
+  8; the + 1 is applied after unpacking, so a stored 15 reads as 16); ``X.scales`` [G, N]; ``X.g_idx`` [K] (must
+  be k // group: no activation order). ``sym: false`` checkpoints hold other zeros.
 - AWQ (AutoAWQ's ``gemm`` version): ``X.qweight`` int32 [K, N / 8], packed along N: word j of a row holds
   columns 8 j .. 8 j + 7 with column 8 j + AWQ_ORDER[i] at bits 4 i; ``X.qzeros`` int32 [G, N / 8] the same way
   (the zero itself, no offset); ``X.scales`` fp16 [G, N]; w = (q - z) * s.

@@ -21,10 +21,10 @@ All-zero rows/groups get scale 1 (q = 0), never a 0 or NaN scale.
 Asymmetric int4 (AWQ, GPTQ ``sym=false`` checkpoints: ``w = (q - z) * s`` with a zero point z per row and group)
 runs on the same kernel, the nibbles as they are: sum_k x_k (q_k - z) s = sum_k x_k (q_k - 8) s + s (8 - z) xg,
 xg the sum of x over the group. So ``zero_corr`` = (s (8 - z))^T, fp32 [G, N], holds the difference, and the kernel
-path adds xg @ zero_corr (a matmul G = K / group deep; [G, N] rather than [N, G] because that operand order is what
-makes it cheap at M = 1: ~7 us against ~30 us per linear here) to the kernel's result. The torch reference instead dequantises
-(q - 8) s + zero_corr^T, which is exactly (q - z) s in fp32 when s is an fp16 / bf16 value (as checkpoints store
-it): every term is a small integer times s's 11-bit mantissa, so no sum rounds.
+path adds xg @ zero_corr to the kernel's result (a matmul G = K / group deep; [G, N] rather than [N, G] because that
+operand order is what keeps it cheap at M = 1: ~7 us against ~30 us per linear on the AVX2 dev host). The torch
+reference instead dequantises (q - 8) s + zero_corr^T, which is exactly (q - z) s in fp32 when s is an fp16 / bf16
+value (as checkpoints store it): every term is a small integer times s's mantissa (11 bits at most), so no sum rounds.
 """
 from __future__ import annotations
 
