@@ -19,14 +19,19 @@ class CheckpointQuantization:
       [N, K] + ``X.weight_scale`` [N, 1] per channel, activations per token, dynamic, symmetric -> method ``w8a8``.
     - ``compressed-tensors`` ``pack-quantized``: W4A16, ``X.weight_packed`` int32 [N, K / 8] (8 nibbles along K,
       value + 8), ``X.weight_scale`` [N, K / group], ``X.weight_shape`` [2], symmetric -> method ``int4``.
-    - ``gptq`` 4-bit, sym, no desc_act: ``X.qweight`` int32 [K / 8, N] (8 nibbles along K), ``X.qzeros`` int32
-      [K / group, N / 8], ``X.scales`` [K / group, N], ``X.g_idx`` [K] -> method ``int4``.
-    The weights stay in their low-bit form (layers/checkpoint_quant.py repacks them once into the kernels' layout)."""
+    - ``gptq`` 4-bit, no desc_act, sym or not: ``X.qweight`` int32 [K / 8, N] (8 nibbles along K), ``X.qzeros``
+      int32 [K / group, N / 8] (zero - 1), ``X.scales`` [K / group, N], ``X.g_idx`` [K] -> method ``int4``.
+    - ``awq`` 4-bit, zero_point, version ``gemm`` (AutoAWQ's GEMM layout, what vLLM's ``awq`` / ``awq_marlin``
+      read): ``X.qweight`` int32 [K, N / 8] (8 nibbles along N, AWQ's interleaved order), ``X.qzeros`` int32
+      [K / group, N / 8] (same order), ``X.scales`` fp16 [K / group, N] -> method ``int4``.
+    The weights stay in their low-bit form (layers/checkpoint_quant.py repacks them once into the kernels' layout;
+    asymmetric zeros become a per-group correction, ``QuantizedWeight.zero_corr``)."""
 
-    quant_method: str  # "compressed-tensors" | "gptq"
-    format: str  # "int-quantized" | "naive-quantized" | "pack-quantized" | "gptq"
+    quant_method: str  # "compressed-tensors" | "gptq" | "awq"
+    format: str  # "int-quantized" | "naive-quantized" | "pack-quantized" | "gptq" | "gemm"
     method: str  # what runs: "w8a8" | "int4" (QUANTIZATION_METHODS)
     group: int = 0  # int4: input columns per scale
+    symmetric: bool = True  # False: per-group zero points in the tensors (AWQ, GPTQ sym=false)
     # compressed-tensors' ``ignore`` list (modules left dense, e.g. lm_head) needs no reading: such a module's
     # tensors are plain ``X.weight`` floats, which the loader passes through as they are.
 
@@ -54,8 +59,7 @@ def checkpoint_quantization(hf_config: dict[str, Any]) -> CheckpointQuantization
     if qm == "gptq":
         return _gptq(qc)
     if qm == "awq":
-        raise ValueError("quantization_config.quant_method='awq' is not supported yet; supported: "
-                         "compressed-tensors (int-quantized, naive-quantized, pack-quantized), gptq")
+        return _awq(qc)
     return None
 
 
@@ -103,7 +107,7 @@ def _compressed_tensors(qc: dict[str, Any]) -> CheckpointQuantization:
 
 def _gptq(qc: dict[str, Any]) -> CheckpointQuantization:
     _require(qc.get("bits") == 4, "bits", qc.get("bits"), "only 4-bit GPTQ is supported")
-    _require(qc.get("sym", True) is True, "sym", qc.get("sym"), "only symmetric GPTQ is supported")
+    _require(isinstance(qc.get("sym", True), bool), "sym", qc.get("sym"), "true or false")
     _require(not qc.get("desc_act"), "desc_act", qc.get("desc_act"),
              "activation-order (desc_act) GPTQ checkpoints are not supported")
     _require(not qc.get("lm_head"), "lm_head", qc.get("lm_head"), "a quantised lm_head is not supported")
@@ -112,7 +116,32 @@ def _gptq(qc: dict[str, Any]) -> CheckpointQuantization:
     group = qc.get("group_size")
     _require(isinstance(group, int) and group > 0 and group % 16 == 0, "group_size", group,
              "a positive multiple of 16 is supported (-1, one group per row, is not)")
-    return CheckpointQuantization("gptq", "gptq", "int4", group)
+    return CheckpointQuantization("gptq", "gptq", "int4", group, symmetric=qc.get("sym", True))
+
+
+# AutoAWQ's other kernels' layouts: "gemv" / "gemv_fast" pack along K in another order, "marlin" / "exllama" are
+# repacked for those GPU kernels. Only "gemm" (the published default, what vLLM's awq / awq_marlin load) is read.
+_AWQ_VERSIONS = ("gemm",)
+
+
+def _awq(qc: dict[str, Any]) -> CheckpointQuantization:
+    """AutoAWQ's config (``w_bit`` / ``q_group_size`` are the names of its older ``quant_config.json``, which
+    vLLM's awq config also accepts). ``modules_to_not_convert`` needs no reading: those modules' tensors are plain
+    ``X.weight`` floats, which the loader passes through as they are."""
+    bits = qc.get("bits", qc.get("w_bit"))
+    _require(bits == 4, "bits", bits, "only 4-bit AWQ is supported")
+    version = str(qc.get("version", "gemm")).lower()
+    _require(version in _AWQ_VERSIONS, "version", qc.get("version"),
+             "only 'gemm' (AutoAWQ's GEMM layout) is supported")
+    _require(qc.get("zero_point", True) is True, "zero_point", qc.get("zero_point"),
+             "only zero-point (asymmetric) AWQ is supported")
+    group = qc.get("group_size", qc.get("q_group_size"))
+    _require(isinstance(group, int) and group > 0 and group % 16 == 0, "group_size", group,
+             "a positive multiple of 16 is supported (-1, one group per row, is not)")
+    skip = qc.get("modules_to_not_convert")
+    _require(skip is None or (isinstance(skip, list) and all(isinstance(m, str) for m in skip)),
+             "modules_to_not_convert", skip, "a list of module names or null")
+    return CheckpointQuantization("awq", "gemm", "int4", group, symmetric=False)
 
 
 def check_quantization(method: str | None, hf_config: dict[str, Any]) -> str | None:

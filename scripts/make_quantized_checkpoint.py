@@ -11,6 +11,12 @@ tensors and ``config.json`` ``quantization_config`` that llm-compressor / AutoGP
   [K / group, N / 8] (zero - 1 = 7 per nibble), ``X.scales`` fp16 [K / group, N] (2 amax / 15), ``X.g_idx`` int32
   [K]. The values are rounded to nearest: GPTQ's Hessian-based error compensation is an offline calibration step
   that changes which integers are stored, not the format, and it needs calibration data we do not ship.
+- ``gptq-asym``: the same with ``sym: false``: per group s = (max - min) / 15 (max >= 0 >= min, AutoGPTQ's
+  quantizer), zero z = round(-min / s), q = clamp(round(w / s) + z, 0, 15), w = (q - z) s; qzeros hold z - 1.
+- ``awq``: AutoAWQ's ``gemm`` version: ``X.qweight`` int32 [K, N / 8] packed along N in AWQ's nibble order
+  (``AWQ_ORDER``), ``X.qzeros`` int32 [K / group, N / 8] (z, same order), ``X.scales`` fp16 [K / group, N]; per group
+  s = (max - min) / 15, z = clamp(round(-min / s), 0, 15), q = clamp(round(w / s) + z, 0, 15) (AutoAWQ's
+  zero-point quantizer; its activation-aware scale search is calibration, like GPTQ's, and is not done here).
 
 The decoder layers' projections (q/k/v/o, gate/up/down) are quantised; embeddings, norms and ``lm_head`` stay in the
 source dtype (``ignore: ["lm_head"]``, as llm-compressor's recipes do). Tokenizer and other files are copied.
@@ -27,7 +33,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-FORMATS = ("w8a8", "w4a16", "gptq")
+from openinfer.layers.checkpoint_quant import AWQ_ORDER
+
+FORMATS = ("w8a8", "w4a16", "gptq", "gptq-asym", "awq")
 _TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -87,11 +95,61 @@ def quantize_gptq(w: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
             "g_idx": (torch.arange(k) // group).to(torch.int32)}
 
 
+def _asym_groups(w: torch.Tensor, group: int, with_zero: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round-to-nearest asymmetric 4-bit per (row, group of K) for w [N, K] (K a multiple of ``group``): (q int64
+    [N, K] in 0..15, z int64 [N, K / group] in 0..15, s fp16 [N, K / group]); w ~ (q - z) s. ``with_zero``: the
+    range includes 0 (AutoGPTQ's quantizer) rather than only the group's own min / max (AutoAWQ's)."""
+    n, k = w.shape
+    wg = w.float().view(n, k // group, group)
+    mx, mn = wg.amax(dim=2), wg.amin(dim=2)
+    if with_zero:
+        mx, mn = mx.clamp(min=0), mn.clamp(max=0)
+    scale = ((mx - mn).clamp(min=1e-5) / 15).to(torch.float16)  # AutoAWQ clamps the range at 1e-5 too
+    s = scale.float()  # quantise with the scale as stored, so dequantising the file reproduces the rounding
+    z = torch.round(-mn / s).clamp(0, 15)
+    q = (torch.round(wg / s[..., None]) + z[..., None]).clamp(0, 15)
+    return q.view(n, k).to(torch.int64), z.to(torch.int64), scale
+
+
+def quantize_gptq_asym(w: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
+    n, k = w.shape
+    if k % group or k % 8 or n % 8:
+        raise ValueError(f"GPTQ needs K ({k}) divisible by group_size ({group}) and by 8, and N ({n}) by 8")
+    q, z, scale = _asym_groups(w, group, with_zero=True)
+    if bool((z == 0).any()):  # v1 stores z - 1 in an unsigned nibble: z = 0 would read back as 16
+        raise ValueError("a group's zero point is 0 (its values are all >= 0), which GPTQ v1 cannot store")
+    return {"qweight": pack_nibbles_int32(q).t().contiguous(),
+            "qzeros": pack_nibbles_int32((z - 1).t().contiguous()),  # [K / group, N / 8]
+            "scales": scale.t().contiguous(),
+            "g_idx": (torch.arange(k) // group).to(torch.int32)}
+
+
+def pack_awq(values: torch.Tensor) -> torch.Tensor:
+    """uint 0..15 [R, C] (C a multiple of 8) -> AWQ's int32 [R, C / 8]: word j holds column 8 j + AWQ_ORDER[i] at
+    bits 4 i."""
+    r, c = values.shape
+    v = values.to(torch.int64).view(r, c // 8, 8)[:, :, list(AWQ_ORDER)]
+    return _to_int32((v << (torch.arange(8, dtype=torch.int64) * 4)).sum(dim=2))
+
+
+def quantize_awq(w: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
+    n, k = w.shape
+    if k % group or n % 8:
+        raise ValueError(f"AWQ needs K ({k}) divisible by group_size ({group}) and N ({n}) by 8")
+    q, z, scale = _asym_groups(w, group, with_zero=False)
+    return {"qweight": pack_awq(q.t().contiguous()),  # [K, N / 8]: packed along N
+            "qzeros": pack_awq(z.t().contiguous()),  # [K / group, N / 8]
+            "scales": scale.t().contiguous()}  # [K / group, N]
+
+
 def quantization_config(fmt: str, group: int) -> dict:
-    if fmt == "gptq":
-        return {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False, "sym": True,
+    if fmt in ("gptq", "gptq-asym"):
+        return {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False, "sym": fmt == "gptq",
                 "damp_percent": 0.01, "static_groups": False, "true_sequential": True, "lm_head": False,
                 "checkpoint_format": "gptq"}
+    if fmt == "awq":  # AutoAWQ's save_quantized config
+        return {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm",
+                "modules_to_not_convert": None}
     if fmt == "w8a8":
         weights = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False,
                    "group_size": None, "block_structure": None, "actorder": None, "observer": "minmax",
@@ -136,8 +194,12 @@ def convert(src: str | Path, dst: str | Path, fmt: str, group: int = 128) -> Pat
             parts = quantize_w8a8(t, t.dtype)
         elif fmt == "w4a16":
             parts = quantize_w4a16(t, group, t.dtype)
-        else:
+        elif fmt == "gptq":
             parts = quantize_gptq(t, group)
+        elif fmt == "gptq-asym":
+            parts = quantize_gptq_asym(t, group)
+        else:
+            parts = quantize_awq(t, group)
         out.update({f"{prefix}.{k}": v.contiguous() for k, v in parts.items()})
     save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
     cfg["quantization_config"] = quantization_config(fmt, group)
@@ -150,7 +212,7 @@ def main() -> None:
     ap.add_argument("--src", required=True, help="a bf16 / fp32 HF-shaped checkpoint folder")
     ap.add_argument("--dst", required=True)
     ap.add_argument("--format", required=True, choices=FORMATS)
-    ap.add_argument("--group-size", type=int, default=128, help="w4a16 / gptq: input columns per scale")
+    ap.add_argument("--group-size", type=int, default=128, help="w4a16 / gptq / awq: input columns per scale")
     a = ap.parse_args()
     print(convert(a.src, a.dst, a.format, a.group_size))
 

@@ -10,6 +10,7 @@ LM head included, read once per step; the embedding is a lookup and is not count
     python scripts/make_bench_checkpoint.py
     python scripts/quant_speed.py --model .bench/llama-200m --batches 1 8 32 --rounds 3
     python scripts/quant_speed.py --microbench --batches 1 8 32 --rounds 5   # one layer's linears only
+    python scripts/quant_speed.py --microbench --modes int4 int4-zp --batches 1 32   # the zero-point correction
     python scripts/quant_speed.py --model .bench/llama-200m --modes int8 w8a8 ct-w8a8=/tmp/llama-200m-w8a8
 
 A mode is a ``--quantization`` method (``none``: unquantised), or ``NAME=PATH``: a low-bit checkpoint
@@ -45,6 +46,7 @@ def microbench(batches: list[int], rounds: int, modes: list[str]) -> None:
     import torch
 
     from openinfer.layers.linear import Linear
+    from openinfer.layers.quant_linear import QuantizedWeight
 
     shapes = [(1536, 1024), (1024, 1024), (5632, 1024), (1024, 2816)]  # qkv, o, gate_up, down: (N, K)
     torch.manual_seed(0)
@@ -55,6 +57,11 @@ def microbench(batches: list[int], rounds: int, modes: list[str]) -> None:
             lin = Linear(k, n, bias=False)
             if mode == "none":
                 lin.prepack_cpu()
+            elif mode == "int4-zp":  # int4 with per-group zero points, as AWQ / asymmetric GPTQ checkpoints load
+                lin.quantize("int4")
+                q = lin._quant
+                lin._quant = QuantizedWeight("int4", q.qweight, q.scales, tuple(q.shape), q.dtype, q.group,
+                                             (q.scales * torch.randint(-7, 9, q.scales.shape)).t().contiguous())
             else:
                 lin.quantize(mode)
             ls.append(lin)

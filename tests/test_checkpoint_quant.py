@@ -1,7 +1,9 @@
-"""Low-bit checkpoints as published (compressed-tensors W8A8 / W4A16, GPTQ int4) and W8A8 int8 execution: the W8A8
-kernel (cpu_kernels/w8a8_gemm.cpp) against its torch reference, each format written by
+"""Low-bit checkpoints as published (compressed-tensors W8A8 / W4A16, GPTQ int4 sym and asym, AWQ int4) and W8A8
+int8 execution: the W8A8 kernel (cpu_kernels/w8a8_gemm.cpp) against its torch reference, the int4 zero-point
+correction against an exact (q - z) * s product, AWQ's nibble order, each format written by
 scripts/make_quantized_checkpoint.py and loaded packed through the real loader (the integers and scales exactly as
-in the file, resident bytes ~ the file's), greedy tokens with kernels on and off, and the config errors."""
+in the file, resident bytes ~ the file's), greedy tokens with kernels on and off, the asymmetric formats against the
+same weights dequantised into a plain checkpoint, and the config errors."""
 from __future__ import annotations
 
 import json
@@ -18,7 +20,8 @@ from openinfer.layers.linear import Linear, weight_bytes
 from openinfer.layers.quant_linear import QuantizedWeight, w8a8_reference
 
 mq = load_script("make_quantized_checkpoint")
-FORMATS = {"w8a8": "w8a8", "w4a16": "int4", "gptq": "int4"}  # writer format -> method that runs it
+FORMATS = {"w8a8": "w8a8", "w4a16": "int4", "gptq": "int4", "gptq-asym": "int4", "awq": "int4"}  # -> what runs it
+AUTOAWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ WQLinear_GEMM.from_linear's order_map, restated independently
 
 
 def _gen(seed):
@@ -56,6 +59,50 @@ def test_w8a8_kernel_matches_reference(monkeypatch, m):
     assert qw.matmul(bf).dtype == torch.bfloat16
 
 
+def test_awq_nibble_order_round_trip():
+    """The writer packs AWQ's order, the loader reads it back, and both agree with AutoAWQ's packing loop."""
+    from openinfer.layers.checkpoint_quant import unpack_awq_columns
+    # Columns 0..7 holding 0..7: nibble i holds column AUTOAWQ_ORDER[i], so the word reads 7 5 3 1 6 4 2 0.
+    assert int(mq.pack_awq(torch.arange(8)[None])) & 0xFFFFFFFF == 0x75316420
+    v = torch.randint(0, 16, (6, 40), generator=_gen(3))
+    v[0, :8] = 15  # the sign bit of the int32 word
+    words = mq.pack_awq(v)
+    assert words.dtype == torch.int32 and words.shape == (6, 5)
+    assert torch.equal(_awq_unpack(words), v)
+    assert torch.equal(unpack_awq_columns(words).long(), v)
+
+
+@pytest.mark.parametrize("m", [1, 5, 33])
+def test_int4_zero_correction_matches_exact(monkeypatch, m):
+    """Asymmetric int4 (zero_corr = (s (8 - z))^T): the kernel + group-sum correction and the dequantising torch
+    reference both match sum_k x_k (q_k - z) s computed exactly, including K not a multiple of 16 or the group."""
+    from openinfer.layers.checkpoint_quant import pack_kernel_int4
+    for i, (n, k, g) in enumerate([(40, 100, 32), (9, 256, 128), (24, 64, 16)]):
+        q = torch.randint(0, 16, (n, k), generator=_gen(i), dtype=torch.uint8)
+        groups = -(-k // g)
+        s = (torch.rand(n, groups, generator=_gen(10 + i)) * 0.02 + 1e-3).half().float()  # as checkpoints store it
+        z = torch.randint(0, 17, (n, groups), generator=_gen(20 + i))  # GPTQ v1 may read a zero of 16
+        qw = QuantizedWeight("int4", pack_kernel_int4(q), s, (n, k), torch.float32, g,
+                              (s * (8 - z.float())).t().contiguous())
+        w = (q.double() - z.double().repeat_interleave(g, 1)[:, :k]) * s.double().repeat_interleave(g, 1)[:, :k]
+        assert torch.equal(qw.dequantize().double(), w)  # (q - 8) s + s (8 - z) is exact in fp32
+        x = torch.randn(m, k, generator=_gen(30 + i))
+        bias = torch.randn(n, generator=_gen(40 + i))
+        exact = x.double() @ w.t() + bias.double()
+        with monkeypatch.context() as mp:
+            mp.setenv("OPENINFER_CPU_KERNELS", "0")
+            ref = qw.matmul(x, bias)
+        torch.testing.assert_close(ref.double(), exact, rtol=1e-5, atol=1e-5)
+        if cpu_ops.available():
+            torch.testing.assert_close(qw.matmul(x, bias).double(), exact, rtol=1e-5, atol=1e-5)
+        # Fusing an asymmetric part with a symmetric one (zero correction 0) keeps both exact.
+        sym = QuantizedWeight("int4", pack_kernel_int4(q[:3]), s[:3], (3, k), torch.float32, g)
+        fused = QuantizedWeight.cat([qw, sym])
+        assert fused.zero_corr.shape == (groups, n + 3) and not fused.zero_corr[:, n:].any()
+        torch.testing.assert_close(fused.matmul(x), torch.cat([qw.matmul(x), sym.matmul(x)], 1), rtol=1e-5,
+                                   atol=1e-5)
+
+
 def _file_dequant(path, fmt, prefix, group):
     """What the checkpoint file says the weight is, decoded here independently of the loader."""
     t = load_file(str(path / "model.safetensors"))
@@ -66,9 +113,29 @@ def _file_dequant(path, fmt, prefix, group):
         p = t[f"{prefix}.weight_packed"].to(torch.int64) & 0xFFFFFFFF
         q = torch.stack([(p >> (4 * i)) & 0xF for i in range(8)], dim=2).reshape(n, -1)[:, :k] - 8
         return q.float() * t[f"{prefix}.weight_scale"].float().repeat_interleave(group, 1)[:, :k]
+    if fmt == "awq":
+        return _awq_decode(t[f"{prefix}.qweight"], t[f"{prefix}.qzeros"], t[f"{prefix}.scales"], group)
     p = t[f"{prefix}.qweight"].to(torch.int64) & 0xFFFFFFFF  # [K / 8, N]
-    q = torch.stack([(p >> (4 * i)) & 0xF for i in range(8)], dim=1).reshape(-1, p.shape[1]).t() - 8
-    return q.float() * t[f"{prefix}.scales"].float().t().repeat_interleave(group, 1)
+    q = torch.stack([(p >> (4 * i)) & 0xF for i in range(8)], dim=1).reshape(-1, p.shape[1]).t()
+    zp = t[f"{prefix}.qzeros"].to(torch.int64) & 0xFFFFFFFF  # [G, N / 8], zero - 1
+    z = torch.stack([(zp >> (4 * i)) & 0xF for i in range(8)], dim=2).reshape(zp.shape[0], -1).t() + 1
+    return (q - z.repeat_interleave(group, 1)).float() * t[f"{prefix}.scales"].float().t().repeat_interleave(group, 1)
+
+
+def _awq_unpack(words):
+    """AutoAWQ's int32 [R, C / 8] -> int64 [R, C], one column at a time as WQLinear_GEMM.from_linear packed it."""
+    p = words.to(torch.int64) & 0xFFFFFFFF
+    out = torch.empty(p.shape[0], p.shape[1] * 8, dtype=torch.int64)
+    for j in range(p.shape[1]):
+        for i in range(8):
+            out[:, 8 * j + AUTOAWQ_ORDER[i]] = (p[:, j] >> (4 * i)) & 0xF
+    return out
+
+
+def _awq_decode(qweight, qzeros, scales, group):
+    """W [N, K] = ((q - z) * s)^T, AWQ's [K, N] layout read as AutoAWQ's dequantize_gemm does."""
+    q, z = _awq_unpack(qweight), _awq_unpack(qzeros).repeat_interleave(group, 0)
+    return ((q - z).float() * scales.float().repeat_interleave(group, 0)).t()
 
 
 def _run(path, kernels, monkeypatch, **kw):
@@ -101,13 +168,46 @@ def test_published_format_loads_packed(tmp_path, monkeypatch, fmt):
     want = _file_dequant(dst, fmt, "model.layers.1.mlp.down_proj", 32)
     assert torch.equal(layer.mlp.down_proj._quant.dequantize(), want)
     # Resident weight bytes ~ the checkpoint's (int4: + fp32 scales instead of the file's; minus GPTQ's g_idx).
+    # The asymmetric formats also keep an fp32 zero correction per group instead of the file's half-byte zero: + 5.5
+    # bytes per group of 32 here (awq 1.17x the file, gptq-asym 1.14x; at group 128 1.04x and 1.02x).
     file_bytes = sum(t.numel() * t.element_size() for t in load_file(str(dst / "model.safetensors")).values())
-    assert 0.9 < weight_bytes(model) / file_bytes < 1.1, (weight_bytes(model), file_bytes)
+    quant = [m._quant for m in model.modules() if isinstance(m, Linear) and m._quant is not None]
+    corr = sum(q.zero_corr.numel() * 4 for q in quant if q.zero_corr is not None)
+    assert (corr > 0) == (fmt in ("gptq-asym", "awq"))
+    assert 0.9 < (weight_bytes(model) - corr) / file_bytes < 1.1, (weight_bytes(model), corr, file_bytes)
+    assert weight_bytes(model) / file_bytes < 1.2
     if cpu_ops.available():  # the same packed weights through the kernels: same greedy tokens, close logprobs
         fast, fast_lps, _ = _run(dst, True, monkeypatch)
         assert fast == toks
         for a, b in zip(fast_lps, lps):
             assert max(abs(x - y) for x, y in zip(a, b)) < 1e-3
+
+
+@pytest.mark.parametrize("fmt,arch", [("awq", "llama"), ("gptq-asym", "llama"), ("awq", "qwen2")])
+def test_asymmetric_formats_match_dequantised_checkpoint(tmp_path, monkeypatch, fmt, arch):
+    """The packed model (kernels, zero correction) gives the tokens and logprobs of the same weights dequantised
+    (decoded from the file here, independently of the loader) and loaded as a plain fp32 checkpoint. Qwen2: q/k/v
+    biases stay dense beside the quantised weights, as AutoAWQ writes them."""
+    from safetensors.torch import save_file
+    src = make_dense_checkpoint(tmp_path / "src", arch=arch, vocab_size=128, hidden_size=128,
+                                intermediate_size=256)
+    dst = mq.convert(src, tmp_path / fmt, fmt, group=32)
+    dense = load_file(str(src / "model.safetensors"))
+    for name in dense:
+        if mq._is_target(name):
+            dense[name] = _file_dequant(dst, fmt, name[:-len(".weight")], 32).contiguous()
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    for f in src.iterdir():
+        if f.is_file() and f.name != "model.safetensors":
+            (plain / f.name).write_bytes(f.read_bytes())
+    save_file(dense, str(plain / "model.safetensors"), metadata={"format": "pt"})
+    toks, lps, model = _run(dst, cpu_ops.available(), monkeypatch)
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert qkv._quant.zero_corr is not None and (qkv.bias is not None) == (arch == "qwen2")
+    want, want_lps, _ = _run(plain, cpu_ops.available(), monkeypatch)
+    assert toks == want
+    assert max(abs(x - y) for a, b in zip(lps, want_lps) for x, y in zip(a, b)) < 1e-3
 
 
 def test_w8a8_quantized_at_load_kernels_match_reference(tmp_path, monkeypatch):
@@ -145,11 +245,41 @@ def test_compressed_tensors_config_errors(tmp_path, mutate, match):
         EngineArgs(model=str(_write_config(tmp_path, "ct", qc))).create_engine_config()
 
 
-@pytest.mark.parametrize("field,value", [("bits", 3), ("desc_act", True), ("sym", False), ("group_size", -1)])
+@pytest.mark.parametrize("field,value", [("bits", 3), ("desc_act", True), ("sym", "no"), ("group_size", -1),
+                                         ("checkpoint_format", "gptq_v2")])
 def test_gptq_config_errors(tmp_path, field, value):
     qc = {**mq.quantization_config("gptq", 128), field: value}
     with pytest.raises(ValueError, match=rf"quantization_config.{field}={value!r}"):
         EngineArgs(model=str(_write_config(tmp_path, "gptq", qc))).create_engine_config()
+
+
+@pytest.mark.parametrize("field,value", [("bits", 8), ("version", "gemv"), ("version", "marlin"),
+                                         ("version", "exllama"), ("zero_point", False), ("group_size", -1),
+                                         ("modules_to_not_convert", "lm_head")])
+def test_awq_config_errors(tmp_path, field, value):
+    qc = {**mq.quantization_config("awq", 128), field: value}
+    with pytest.raises(ValueError, match=rf"quantization_config.{field}={value!r}"):
+        EngineArgs(model=str(_write_config(tmp_path, "awq", qc))).create_engine_config()
+
+
+def test_awq_bad_tensors(tmp_path):
+    """A group size that does not divide a linear's K (the config is read before the tensors), and qzeros of the
+    wrong shape: load errors naming the linear and what is wrong."""
+    src = make_dense_checkpoint(tmp_path / "src", vocab_size=64)  # hidden 64, intermediate 128
+    dst = mq.convert(src, tmp_path / "awq", "awq", group=32)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"]["group_size"] = 48
+    (dst / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"model.layers.0.*group_size=48 does not divide the input size K=(64|128)"):
+        LLM(model=str(dst), num_kv_blocks=16)
+    cfg["quantization_config"]["group_size"] = 32
+    (dst / "config.json").write_text(json.dumps(cfg))
+    from safetensors.torch import save_file
+    t = load_file(str(dst / "model.safetensors"))
+    t["model.layers.1.self_attn.o_proj.qzeros"] = t["model.layers.1.self_attn.o_proj.qzeros"][:1].contiguous()
+    save_file(t, str(dst / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"model.layers.1.self_attn.o_proj.*qzeros must be int32 \(2, 8\)"):
+        LLM(model=str(dst), num_kv_blocks=16)
 
 
 def test_flag_must_match_checkpoint_and_bad_tensors(tmp_path):
@@ -160,13 +290,10 @@ def test_flag_must_match_checkpoint_and_bad_tensors(tmp_path):
     assert EngineArgs(model=str(dst), quantization="int4").create_engine_config().model.quantization is None
     with pytest.raises(ValueError, match="tensor_parallel_size=2"):
         EngineArgs(model=str(dst), tensor_parallel_size=2).create_engine_config()
-    awq = _write_config(tmp_path, "awq", {"quant_method": "awq", "bits": 4})
-    with pytest.raises(ValueError, match="quant_method='awq'"):
-        EngineArgs(model=str(awq)).create_engine_config()
     # Asymmetric zeros in the tensors (the config claims sym): a load error naming the linear.
     from safetensors.torch import save_file
     t = load_file(str(dst / "model.safetensors"))
     t["model.layers.0.mlp.up_proj.qzeros"] = torch.zeros_like(t["model.layers.0.mlp.up_proj.qzeros"])
     save_file(t, str(dst / "model.safetensors"))
-    with pytest.raises(ValueError, match="model.layers.0.mlp.up_proj.*asymmetric"):
+    with pytest.raises(ValueError, match="model.layers.0.mlp.up_proj.*sym is true"):
         LLM(model=str(dst), num_kv_blocks=16)

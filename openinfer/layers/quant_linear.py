@@ -17,6 +17,14 @@ on the fly for that call and multiplied in fp32. Both compute x W^T in fp32 and 
 differ only in summation order.
 
 All-zero rows/groups get scale 1 (q = 0), never a 0 or NaN scale.
+
+Asymmetric int4 (AWQ, GPTQ ``sym=false`` checkpoints: ``w = (q - z) * s`` with a zero point z per row and group)
+runs on the same kernel, the nibbles as they are: sum_k x_k (q_k - z) s = sum_k x_k (q_k - 8) s + s (8 - z) xg,
+xg the sum of x over the group. So ``zero_corr`` = (s (8 - z))^T, fp32 [G, N], holds the difference, and the kernel
+path adds xg @ zero_corr to the kernel's result (a matmul G = K / group deep; [G, N] rather than [N, G] because that
+operand order is what keeps it cheap at M = 1: ~7 us against ~30 us per linear on the AVX2 dev host). The torch
+reference instead dequantises (q - 8) s + zero_corr^T, which is exactly (q - z) s in fp32 when s is an fp16 / bf16
+value (as checkpoints store it): every term is a small integer times s's mantissa (11 bits at most), so no sum rounds.
 """
 from __future__ import annotations
 
@@ -34,13 +42,19 @@ class QuantizedWeight:
     """One packed weight ``[N, K]`` and its scales; ``matmul(x, bias)`` = x W^T + bias."""
 
     def __init__(self, method: str, qweight: torch.Tensor, scales: torch.Tensor, shape: tuple[int, int],
-                 dtype: torch.dtype, group: int = 0) -> None:
+                 dtype: torch.dtype, group: int = 0, zero_corr: torch.Tensor | None = None) -> None:
         self.method = method
         self.qweight = qweight
         self.scales = scales
         self.shape = torch.Size(shape)  # the logical [N, K]
         self.dtype = dtype  # what the dense weight was (dequantised weights come back in it)
         self.group = group
+        # int4 with zero points: fp32 [G, N] = (s (8 - z))^T, ``scales`` transposed (None: symmetric, z = 8)
+        if zero_corr is not None and (method != "int4" or zero_corr.shape != scales.t().shape
+                                      or zero_corr.dtype != torch.float32 or not zero_corr.is_contiguous()):
+            raise ValueError(f"zero_corr must be contiguous fp32 {tuple(scales.t().shape)} on an int4 weight, got "
+                             f"{zero_corr.dtype} {tuple(zero_corr.shape)} on {method}")
+        self.zero_corr = zero_corr
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, method: str, group: int = INT4_GROUP) -> QuantizedWeight:
@@ -54,7 +68,8 @@ class QuantizedWeight:
 
     @property
     def nbytes(self) -> int:
-        return self.qweight.numel() * self.qweight.element_size() + self.scales.numel() * 4
+        corr = 0 if self.zero_corr is None else self.zero_corr.numel() * 4
+        return self.qweight.numel() * self.qweight.element_size() + self.scales.numel() * 4 + corr
 
     def numel(self) -> int:
         return self.shape[0] * self.shape[1]
@@ -63,7 +78,7 @@ class QuantizedWeight:
         """W as a plain fp32 ``[N, K]`` matrix."""
         if self.method in ("int8", "w8a8"):
             return self.qweight.float() * self.scales[:, None]
-        return dequantize_int4(self.qweight, self.scales, self.group, self.shape[1])
+        return dequantize_int4(self.qweight, self.scales, self.group, self.shape[1], self.zero_corr)
 
     def to_dense(self) -> torch.Tensor:
         return self.dequantize().to(self.dtype)
@@ -87,6 +102,11 @@ class QuantizedWeight:
             ops.int8_linear(y, xf, self.qweight, self.scales, b)
         else:
             ops.int4_linear(y, xf, self.qweight, self.scales, self.group, b)
+            if self.zero_corr is not None:
+                groups = self.zero_corr.shape[0]
+                if xf.shape[1] != groups * self.group:
+                    xf = F.pad(xf, (0, groups * self.group - xf.shape[1]))
+                y.addmm_(xf.view(xf.shape[0], groups, self.group).sum(dim=2), self.zero_corr)
         return y.to(x.dtype).reshape(*lead, n)
 
     def _matmul_w8a8(self, ops, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -112,8 +132,13 @@ class QuantizedWeight:
         if len(parts) == 1:
             return first
         n = sum(p.shape[0] for p in parts)
+        corr = None
+        if any(p.zero_corr is not None for p in parts):  # a symmetric part's correction is zero (z = 8)
+            corr = torch.cat([torch.zeros_like(p.scales.t()) if p.zero_corr is None else p.zero_corr for p in parts],
+                             dim=1)
         return cls(first.method, torch.cat([p.qweight for p in parts]).contiguous(),
-                   torch.cat([p.scales for p in parts]).contiguous(), (n, first.shape[1]), first.dtype, first.group)
+                   torch.cat([p.scales for p in parts]).contiguous(), (n, first.shape[1]), first.dtype, first.group,
+                   None if corr is None else corr.contiguous())
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,10 +193,14 @@ def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.
     return packed.contiguous(), s.contiguous()
 
 
-def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, group: int, k: int) -> torch.Tensor:
-    """The inverse of ``quantize_int4`` (up to rounding): fp32 [N, k]."""
+def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, group: int, k: int,
+                    zero_corr: torch.Tensor | None = None) -> torch.Tensor:
+    """The inverse of ``quantize_int4`` (up to rounding): fp32 [N, k]; with ``zero_corr`` [G, N] (asymmetric),
+    (q - 8) s + s (8 - z) = (q - z) s."""
     n, kp = packed.shape[0], packed.shape[1] * 2
     b = packed.view(n, kp // _INT4_RUN, _INT4_RUN // 2).to(torch.int16)
     q = torch.stack([b & 0xF, b >> 4], dim=2).view(n, kp).float() - 8.0
-    s = scales.repeat_interleave(group, dim=1)[:, :kp]
-    return (q * s)[:, :k]
+    w = q * scales.repeat_interleave(group, dim=1)[:, :kp]
+    if zero_corr is not None:
+        w += zero_corr.t().repeat_interleave(group, dim=1)[:, :kp]
+    return w[:, :k]
