@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from openinfer.layers import cpu_ops
-from openinfer.layers.fp8 import FP8_DTYPE, Fp8Weight, dequantize_fp8_block, quantize_fp8_block
+from openinfer.layers.fp8 import FP8_DEQUANT_ROWS, FP8_DTYPE, Fp8Weight, dequantize_fp8_block, quantize_fp8_block
 
 
 def _weight(n: int, k: int, block=(128, 128), fmt="float32", seed=0) -> tuple[Fp8Weight, torch.Tensor]:
@@ -24,7 +24,7 @@ def _weight(n: int, k: int, block=(128, 128), fmt="float32", seed=0) -> tuple[Fp
 
 @pytest.mark.parametrize("n,k,block,fmt", [(5, 24, (128, 128), "float32"), (130, 136, (128, 128), "ue8m0"),
                                            (67, 264, (32, 64), "float32"), (1, 8, (128, 128), "float32")])
-@pytest.mark.parametrize("m", [1, 2, 3, 17])
+@pytest.mark.parametrize("m", [1, 2, 3, 17, FP8_DEQUANT_ROWS + 3])
 def test_fp8_kernel_matches_reference(kernel_ops, n, k, block, fmt, m):
     w, ref = _weight(n, k, block, fmt)
     assert torch.equal(w.dequantize(), ref)  # the reference's weights are dequantize_fp8_block's, exactly
@@ -46,25 +46,33 @@ def test_fp8_kernel_decodes_every_code_exactly(kernel_ops):
     w = Fp8Weight.from_checkpoint(weight, scale, (128, 128))
     ref = dequantize_fp8_block(weight, scale, (128, 128), torch.float32)
     eye = torch.eye(k)
-    assert torch.equal(w.matmul(eye), ref.t())
+    assert torch.equal(w.matmul(eye), ref.t())  # >= FP8_DEQUANT_ROWS rows: the matrix decoded whole
+    for i in range(0, k, 32):  # fewer rows: the tile kernel (scratch-decoded)
+        assert torch.equal(w.matmul(eye[i:i + 32]), ref.t()[i:i + 32])
     for i in (0, 1, 5, k - 1):
         assert torch.equal(w.matmul(eye[i:i + 1]), ref.t()[i:i + 1])
         assert torch.equal(w.matmul(eye[i:i + 2]), ref.t()[i:i + 2])
 
 
 def test_fp8_kernel_is_batch_and_thread_invariant(kernel_ops):
-    """A row's result does not depend on how many rows share the call, nor on the thread count."""
+    """Below FP8_DEQUANT_ROWS a row's result does not depend on how many rows share the call, nor (at any row
+    count) on the thread count."""
     w, _ = _weight(260, 384)
     x = torch.randn(19, 384, generator=torch.Generator().manual_seed(3))
     full = w.matmul(x)
     for i in (0, 7, 18):
         assert torch.equal(w.matmul(x[i:i + 1]), full[i:i + 1])
     threads = torch.get_num_threads()
+    many = torch.randn(FP8_DEQUANT_ROWS, 384)
     try:
         torch.set_num_threads(1)
-        one = w.matmul(x)
+        one, one_many = w.matmul(x), w.matmul(many)
         torch.set_num_threads(2)
         assert torch.equal(w.matmul(x), one)
+        decoded = torch.empty(260, 384)
+        kernel_ops.fp8_dequantize(decoded, w.qweight, w.scales, w.group)
+        assert torch.equal(decoded, w.dequantize())  # the whole-matrix decode (2 threads) is exact
+        torch.testing.assert_close(w.matmul(many), one_many, rtol=1e-5, atol=1e-5)
     finally:
         torch.set_num_threads(threads)
 

@@ -214,9 +214,36 @@ void fp8_linear(at::Tensor y, const at::Tensor& x, const at::Tensor& qweight, co
   });
 }
 
+// The whole matrix decoded into fp32 out [N, Kp] (the same values the matmul uses): for many activation rows,
+// where a blocked fp32 GEMM over the decoded copy beats the 4 x 2 tile above (prefill).
+void fp8_dequantize(at::Tensor out, const at::Tensor& qweight, const at::Tensor& scales, int64_t bk) {
+  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous() && qweight.scalar_type() == at::kByte,
+              "qweight must be contiguous uint8 [N, Kp]");
+  const int64_t N = qweight.size(0), Kp = qweight.size(1);
+  TORCH_CHECK(Kp % 8 == 0 && bk > 0 && bk % 8 == 0, "Kp and the block width must be multiples of 8");
+  const int64_t nb = (Kp + bk - 1) / bk;
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 2 &&
+                  scales.size(0) == N && scales.size(1) == nb, "scales must be contiguous fp32 [N, ceil(Kp / bk)]");
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.scalar_type() == at::kFloat && out.size(0) == N &&
+                  out.size(1) == Kp, "out must be contiguous fp32 [N, Kp]");
+  const uint8_t* wp = qweight.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, N, std::max<int64_t>(1, 65536 / std::max<int64_t>(Kp, 1)), [&](int64_t n0, int64_t n1) {
+#ifdef FP8_SIMD
+    decode_rows(static_cast<int>(n1 - n0), wp + n0 * Kp, sp + n0 * nb, Kp, bk, op + n0 * Kp);
+#else
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t k = 0; k < Kp; ++k) op[n * Kp + k] = kE4m3.v[wp[n * Kp + k]] * sp[n * nb + k / bk];
+#endif
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(openinfer_cpu, m) {
   m.def("fp8_linear(Tensor(a!) y, Tensor x, Tensor qweight, Tensor scales, int bk) -> ()");
   m.impl("fp8_linear", c10::DispatchKey::CPU, &fp8_linear);
+  m.def("fp8_dequantize(Tensor(a!) out, Tensor qweight, Tensor scales, int bk) -> ()");
+  m.impl("fp8_dequantize", c10::DispatchKey::CPU, &fp8_dequantize);
 }
