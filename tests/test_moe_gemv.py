@@ -72,3 +72,56 @@ def test_moe_gemv_empty_and_bad_input(kernel_ops):
         kernel_ops.moe_experts_gemv(torch.empty(2, 8), rows, torch.tensor([1, 1]), w13, w2[:, :4].contiguous(), 1.0)
     # a dtype mix or a GPU-only layout the kernel does not take: None, the caller keeps its torch path
     assert cpu_ops.moe_experts_gemv(rows.bfloat16(), [1, 1], w13, w2, None) is None
+
+
+def _spy(monkeypatch):
+    calls = []
+    real = cpu_ops.moe_experts_gemv
+
+    def spy(rows, counts, w13, w2, limit):
+        y = real(rows, counts, w13, w2, limit)
+        calls.append((rows.shape[0], limit, y is not None))
+        return y
+
+    monkeypatch.setattr(cpu_ops, "moe_experts_gemv", spy)
+    return calls
+
+
+def _greedy_on_off(path, prompts, monkeypatch, calls, max_tokens=12):
+    """Kernels on, then off (the torch path): same greedy tokens, logprobs within summation-order noise. Returns
+    the kernel calls of the first run."""
+    from openinfer import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    runs = []
+    for kernels in ("1", "0"):
+        with monkeypatch.context() as m:
+            m.setenv("OPENINFER_CPU_KERNELS", kernels)
+            llm = LLM(model=str(path), dtype="float32", num_kv_blocks=64)
+            runs.append(llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False))
+            del llm
+        if kernels == "1":
+            on_calls = list(calls)
+    fast, ref = runs
+    for a, b in zip(fast, ref):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for j, t in enumerate(a.outputs[0].token_ids):
+            assert abs(a.outputs[0].logprobs[j][t] - b.outputs[0].logprobs[j][t]) < 1e-4
+    return on_calls
+
+
+def test_v3_greedy_same_with_kernels_on_and_off(tmp_path, monkeypatch, kernel_ops):
+    from test_deepseek_v3 import make_hf_v3, make_prompts
+
+    path = make_hf_v3(tmp_path / "v3")
+    calls = _greedy_on_off(path, make_prompts((5, 33, 9)), monkeypatch, _spy(monkeypatch))
+    assert calls and all(ok for _, _, ok in calls)  # the decode steps' experts ran in the kernel
+
+
+def test_v4_greedy_same_with_kernels_on_and_off(tmp_path, monkeypatch, kernel_ops):
+    from helpers import load_script, random_prompts
+
+    path = load_script("make_deepseek_v4_checkpoint").make_checkpoint(tmp_path / "v4", "tiny", seed=0)
+    calls = _greedy_on_off(path, random_prompts(1, [3, 17, 40]), monkeypatch, _spy(monkeypatch))
+    assert calls and all(ok for _, _, ok in calls)
+    assert any(limit is not None for _, limit, _ in calls)  # V4's swiglu clamp went through the kernel
