@@ -46,9 +46,10 @@ inline void dot_any(int R, int MB, const float* x, int64_t K, const WT* w, float
 // Where column c of a K-wide activation row sits in the order the dot blocks read: natural for fp32 weights; for
 // bf16 ones each full run of kPair columns holds its even columns then its odd ones (bf16_pairs).
 inline int64_t read_pos(int64_t c, int64_t K, bool pairs) {
-  if (!pairs || kPair == 0 || c >= K / (kPair > 0 ? kPair : 1) * kPair) return c;
-  const int64_t k = c / kPair * kPair, o = c - k;
-  return k + (o % 2 ? kPair / 2 + o / 2 : o / 2);
+  constexpr int64_t run = kPair > 0 ? kPair : 1;  // (no vector code: kPair 0, nothing de-interleaved)
+  if (!pairs || kPair == 0 || c >= K / run * run) return c;
+  const int64_t k = c / run * run, o = c - k;
+  return k + (o % 2 ? run / 2 + o / 2 : o / 2);
 }
 
 // The work items of a phase: nb blocks per expert with rows, flattened; item i is block block[i] of expert expert[i].
