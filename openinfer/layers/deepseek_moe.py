@@ -26,10 +26,9 @@ from openinfer.forward_context import peek_forward_context
 from openinfer.layers import cpu_ops
 from openinfer.layers.expert_map import ExpertMap
 from openinfer.layers.expert_parallel import expert_parallel_experts
-from openinfer.layers.linear import cpu_prepack_supported
 from openinfer.layers.fp8 import Fp8Weight, packed_fp8_enabled, stacked_fp8
 from openinfer.layers.mxfp4 import MXFP4_BLOCK, Mxfp4Tensor, stacked_mxfp4
-from openinfer.layers.moe import combine_experts, experts_on_sorted_rows, fused_experts, pack_experts, swiglu
+from openinfer.layers.moe import combine_experts, experts_on_sorted_rows, fused_experts, swiglu
 from openinfer.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear, divide
 from openinfer.layers.quant_linear import QuantizedWeight
 from openinfer.layers.weight_utils import WeightLoadError, materialize, narrow
@@ -306,19 +305,6 @@ class DeepseekExperts(nn.Module):
         return True
 
     @torch.no_grad()
-    def prepack_cpu(self, keep_weight: bool = False) -> bool:
-        """Per-expert oneDNN-prepacked weights (``moe.pack_experts``) replace the stacked ones, as
-        ``Linear.prepack_cpu`` does for a linear layer; called by ``prepack_linears`` after loading."""
-        w = self.w13_weight
-        if self._packed is not None or w.numel() == 0 or not cpu_prepack_supported(w.device, w.dtype):
-            return self._packed is not None
-        self._packed = pack_experts(self.w13_weight, self.w2_weight)
-        if not keep_weight:
-            self.w13_weight = nn.Parameter(w.new_empty(0), requires_grad=False)
-            self.w2_weight = nn.Parameter(w.new_empty(0), requires_grad=False)
-        return True
-
-    @torch.no_grad()
     def quantize_weights(self, method: str) -> int:
         """``--quantization``: each expert's two matrices as low-bit ``QuantizedWeight``\\s in ``_packed`` (the
         per-expert loop of ``moe._looped_packed`` runs them); called by ``linear.quantize_linears`` after loading.
@@ -340,13 +326,11 @@ class DeepseekExperts(nn.Module):
 
     @torch.no_grad()
     def set_weights(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
-        """Replace every local slot's weights (after a rebalance), packed again where they were."""
-        packed = self._packed is not None
+        """Replace every local slot's weights (after a rebalance), as the plain row-major stacks: no oneDNN
+        prepack (moe.KERNEL_MAX_ROWS_PER_EXPERT says why the experts keep that one layout)."""
         self._packed = None
         self.w13_weight = nn.Parameter(w13, requires_grad=False)
         self.w2_weight = nn.Parameter(w2, requires_grad=False)
-        if packed:
-            self.prepack_cpu()
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 out: torch.Tensor | None = None) -> torch.Tensor:

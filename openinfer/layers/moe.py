@@ -1,7 +1,8 @@
 """Grouped mixture-of-experts compute: tokens sorted by expert, one grouped matmul per projection.
 
-``fused_experts`` is the fast path (``torch._grouped_mm`` over expert-contiguous rows, no Python loop over
-tokens; on CPU, with ``pack_experts`` weights, one oneDNN matmul per expert that has rows); ``reference_experts``
+``fused_experts`` is the fast path (on CPU at decode-sized row counts one C++ call over all experts,
+``cpu_ops.moe_experts_gemv``; else ``torch._grouped_mm`` over expert-contiguous rows; no Python loop over tokens;
+with ``pack_experts`` / quantized weights, one matmul per expert that has rows); ``reference_experts``
 is the plain per-token loop it is tested against. Routing (which experts, which weights) is the model's business;
 this file only runs the chosen experts. The expert outputs go back to token order weighted, added onto ``out``
 when given (the shared expert's output), in one pass: on CPU the ``moe_combine`` kernel, a gather per token; the
@@ -16,6 +17,15 @@ from openinfer.layers import cpu_ops
 from openinfer.layers.quant_linear import QuantizedWeight
 
 _HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
+
+# Plain row-major experts (the one resident copy) go to the one-call kernel (cpu_ops.moe_experts_gemv) while each
+# expert with rows has few of them, else to torch._grouped_mm. Measured with scripts/bench_moe_experts.py (1
+# thread, the V3 bench model's 16 experts top-4, H 512, I 256, AVX2 host; benchmarks/results/moe-experts-gemv-*):
+# fp32, kernel / grouped_mm 0.61 / 0.74 / 0.92 at 4 / 32 / 128 rows (1-8 per expert), 1.06 / 1.21 at 256 / 512 rows
+# (16 / 32 per expert): the kernel shares each weight load between 2 rows only, a GEMM blocks more. bf16:
+# grouped_mm runs an emulated GEMM on AVX2 and the kernel was 1.4-2.9x faster at every size up to 512 rows, so
+# bf16 takes the kernel at any size.
+KERNEL_MAX_ROWS_PER_EXPERT = {torch.float32: 12, torch.bfloat16: 1 << 30}
 
 
 def swiglu(gate_up: torch.Tensor, swiglu_limit: float | None = None) -> torch.Tensor:
@@ -68,6 +78,15 @@ def experts_on_sorted_rows(rows: torch.Tensor, counts: list[int], w13: torch.Ten
     """rows [N, H] grouped by expert (``counts[e]`` rows for expert e, in expert order) -> expert outputs [N, H]."""
     if packed is not None:
         return _looped_packed(rows, packed, counts, swiglu_limit)
+    active = sum(1 for n in counts if n)
+    if rows.shape[0] <= KERNEL_MAX_ROWS_PER_EXPERT.get(rows.dtype, 0) * active:
+        y = cpu_ops.moe_experts_gemv(rows, counts, w13, w2, swiglu_limit)
+        if y is not None:
+            return y
+    return _grouped(rows, counts, w13, w2, swiglu_limit)
+
+
+def _grouped(rows, counts, w13, w2, swiglu_limit):
     if _HAS_GROUPED_MM and rows.dtype in (torch.bfloat16, torch.float32) and rows.shape[0]:
         offs = torch.tensor(counts, device=rows.device).cumsum(0).to(torch.int32)
         h = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offs)
@@ -112,9 +131,10 @@ def _looped(rows, w13, w2, counts, swiglu_limit):
 
 
 def pack_experts(w13: torch.Tensor, w2: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Each expert's two matrices reordered once into oneDNN's blocked layout (linear.py says why). On CPU,
-    ``torch._grouped_mm`` runs one plain matmul per expert anyway; the packed ones measured faster at the few
-    rows per expert that decoding gives."""
+    """Each expert's two matrices reordered once into oneDNN's blocked layout (linear.py says why). The model
+    no longer packs its experts: the plain row-major stack with ``moe_experts_gemv`` at small row counts and
+    ``torch._grouped_mm`` at large ones measured faster at every batch (KERNEL_MAX_ROWS_PER_EXPERT); kept for
+    callers that pass ``packed`` to ``fused_experts``."""
     from openinfer.layers.linear import _PACK_BATCH_HINT
 
     reorder = torch.ops.mkldnn._reorder_linear_weight
