@@ -43,6 +43,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--quantization", default=None, help="as the engine's --quantization (int8, int4, w8a8, ...)")
     ap.add_argument("--prefill", action="store_true",
                     help="profile the prefill of the --batch prompts (one engine step each) instead of decode steps")
     ap.add_argument("--python", type=int, default=0, metavar="N",
@@ -53,7 +54,8 @@ def main() -> None:
     from openinfer import LLM, SamplingParams
     from openinfer.sampling_params import RequestOutputKind
 
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.context + 512, max_num_seqs=max(256, args.batch))
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.context + 512, max_num_seqs=max(256, args.batch),
+              quantization=args.quantization)
     engine = llm.engine
     rng = random.Random(0)
     vocab = engine.config.model.hf_config["vocab_size"] if hasattr(engine.config.model, "hf_config") else 1000
