@@ -109,8 +109,10 @@ inline void scratch_block(const float* x, int64_t Kp, const float* wf, float acc
 #endif
 
 // acc[m][r] = x[m] . (code[r] * its block scales), R weight rows, MB activation rows, decoded in registers.
+// ``pf``: the next row block, prefetched one line per row at a time (or nullptr); see lowbit_gemm.cpp (here 4.6 ->
+// 6.5 GB/s at M = 1 on a 32000 x 1024 weight out of cache, 1 thread).
 template <int R, int MB>
-inline void fp8_block(const float* x, int64_t Kp, int64_t bk, const uint8_t* w, const float* s,
+inline void fp8_block(const float* x, int64_t Kp, int64_t bk, const uint8_t* w, const uint8_t* pf, const float* s,
                       float acc[kM][kRows]) {
   const int64_t nb = (Kp + bk - 1) / bk;
 #ifdef FP8_SIMD
@@ -130,6 +132,8 @@ inline void fp8_block(const float* x, int64_t Kp, int64_t bk, const uint8_t* w, 
     }
     // the R rows interleaved in the inner loop: R independent FMA chains in flight, not one
     for (int64_t k = b * bk; k < k1; k += 8) {
+      if (pf && (k & 63) == 0)
+        for (int r = 0; r < R; ++r) __builtin_prefetch(pf + r * Kp + k);
       __m256 xv[MB];
       for (int m = 0; m < MB; ++m) xv[m] = _mm256_loadu_ps(x + m * Kp + k);
       for (int r = 0; r < R; ++r) {
@@ -151,8 +155,8 @@ inline void fp8_block(const float* x, int64_t Kp, int64_t bk, const uint8_t* w, 
 }
 
 template <int R>
-inline void dispatch_m(int MB, const float* x, int64_t Kp, int64_t bk, const uint8_t* w, const float* wf,
-                       const float* s, float acc[kM][kRows]) {
+inline void dispatch_m(int MB, const float* x, int64_t Kp, int64_t bk, const uint8_t* w, const uint8_t* pf,
+                       const float* wf, const float* s, float acc[kM][kRows]) {
 #ifdef FP8_SIMD
   if (wf != nullptr) {
     if (MB == 2)
@@ -163,9 +167,9 @@ inline void dispatch_m(int MB, const float* x, int64_t Kp, int64_t bk, const uin
   }
 #endif
   if (MB == 2)
-    fp8_block<R, 2>(x, Kp, bk, w, s, acc);
+    fp8_block<R, 2>(x, Kp, bk, w, pf, s, acc);
   else
-    fp8_block<R, 1>(x, Kp, bk, w, s, acc);
+    fp8_block<R, 1>(x, Kp, bk, w, pf, s, acc);
 }
 
 void fp8_linear(at::Tensor y, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
@@ -211,11 +215,12 @@ void fp8_linear(at::Tensor y, const at::Tensor& x, const at::Tensor& qweight, co
         const int MB = static_cast<int>(std::min<int64_t>(kM, M - m));
         float acc[kM][kRows];
         const float* xm = xp + m * Kp;
+        const uint8_t* pf = m == 0 && n + kRows < N ? w + kRows * Kp : nullptr;
         switch (R) {
-          case 4: dispatch_m<4>(MB, xm, Kp, bk, w, wf, s, acc); break;
-          case 3: dispatch_m<3>(MB, xm, Kp, bk, w, wf, s, acc); break;
-          case 2: dispatch_m<2>(MB, xm, Kp, bk, w, wf, s, acc); break;
-          default: dispatch_m<1>(MB, xm, Kp, bk, w, wf, s, acc); break;
+          case 4: dispatch_m<4>(MB, xm, Kp, bk, w, pf, wf, s, acc); break;
+          case 3: dispatch_m<3>(MB, xm, Kp, bk, w, pf, wf, s, acc); break;
+          case 2: dispatch_m<2>(MB, xm, Kp, bk, w, pf, wf, s, acc); break;
+          default: dispatch_m<1>(MB, xm, Kp, bk, w, pf, wf, s, acc); break;
         }
         for (int i = 0; i < MB; ++i)
           for (int r = 0; r < R; ++r) yp[(m + i) * N + n + r] = acc[i][r];

@@ -14,6 +14,11 @@
 // tile over it measured slower here at M = 3 and 8, 1 thread: int8 17 vs 23 G multiply-adds/s.)
 // AVX2 intrinsics (cvtepi8_epi32 -> cvtepi32_ps -> fmadd); a plain loop elsewhere. The AVX2 code also runs on
 // AVX-512 hosts (no 512-bit variant yet).
+// Software prefetch of the next row block (``pf``, same offset, one 64-byte line per row at a time, during the first
+// activation row's pass): the widening makes each weight line cost several times an fp32 line's work, and the
+// hardware prefetcher alone then kept the stream at ~6-7 GB/s here; one block ahead measured 11+ GB/s at M = 1
+// (int8, 1 thread, weights out of cache; 8 rows ahead 9-11, 256 B ahead in the same rows no gain). The fp32 gemv
+// (gemv.cpp) measured no gain from the same and keeps none.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -48,7 +53,7 @@ inline __m256 widen_i8(const int8_t* p) {
 // accumulators per weight row (even / odd runs of 8): R chains alone are bound by the FMA latency, not its
 // throughput (measured 2x slower per weight than two activation rows).
 template <int R, int MB>
-inline void int8_block(const float* x, int64_t K, const int8_t* w, float acc[kM][kRows]) {
+inline void int8_block(const float* x, int64_t K, const int8_t* w, const int8_t* pf, float acc[kM][kRows]) {
   int64_t k = 0;
 #ifdef __AVX2__
   constexpr int S = MB == 1 ? 2 : 1;
@@ -56,7 +61,9 @@ inline void int8_block(const float* x, int64_t K, const int8_t* w, float acc[kM]
   for (int m = 0; m < MB; ++m)
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < S; ++j) a[m][r][j] = _mm256_setzero_ps();
-  for (; k + 8 * S <= K; k += 8 * S)
+  for (; k + 8 * S <= K; k += 8 * S) {
+    if (pf && (k & 63) == 0)
+      for (int r = 0; r < R; ++r) __builtin_prefetch(pf + r * K + k);
     for (int j = 0; j < S; ++j) {
       __m256 xv[MB];
       for (int m = 0; m < MB; ++m) xv[m] = _mm256_loadu_ps(x + m * K + k + 8 * j);
@@ -65,6 +72,7 @@ inline void int8_block(const float* x, int64_t K, const int8_t* w, float acc[kM]
         for (int m = 0; m < MB; ++m) a[m][r][j] = _mm256_fmadd_ps(wv, xv[m], a[m][r][j]);
       }
     }
+  }
   for (; k + 8 <= K; k += 8) {
     __m256 xv[MB];
     for (int m = 0; m < MB; ++m) xv[m] = _mm256_loadu_ps(x + m * K + k);
@@ -92,8 +100,8 @@ inline void int8_block(const float* x, int64_t K, const int8_t* w, float acc[kM]
 // reduced to a scalar and scaled (a few instructions per 128 weights) so the registers hold only the group
 // accumulators; one activation row keeps the low- and high-nibble halves in separate chains (latency, as above).
 template <int R, int MB>
-inline void int4_block(const float* x, int64_t Kp, const uint8_t* w, const float* s, int64_t G, int64_t group,
-                       float acc[kM][kRows]) {
+inline void int4_block(const float* x, int64_t Kp, const uint8_t* w, const uint8_t* pf, const float* s, int64_t G,
+                       int64_t group, float acc[kM][kRows]) {
   const int64_t row_bytes = Kp / 2;
   for (int m = 0; m < MB; ++m)
     for (int r = 0; r < R; ++r) acc[m][r] = 0.f;
@@ -107,6 +115,8 @@ inline void int4_block(const float* x, int64_t Kp, const uint8_t* w, const float
       for (int r = 0; r < R; ++r)
         for (int j = 0; j < S; ++j) ga[m][r][j] = _mm256_setzero_ps();
     for (int64_t k = k0; k < k1; k += 16) {
+      if (pf && (k & 127) == 0)  // 64 bytes = 128 columns
+        for (int r = 0; r < R; ++r) __builtin_prefetch(pf + r * row_bytes + k / 2);
       __m256 xl[MB], xh[MB];
       for (int m = 0; m < MB; ++m) {
         xl[m] = _mm256_loadu_ps(x + m * Kp + k);
@@ -145,8 +155,9 @@ inline void int4_block(const float* x, int64_t Kp, const uint8_t* w, const float
 #endif
 }
 
-// Runs ``block(R, MB, n, m, acc)`` over every (row block, activation pair), with the results scaled by
-// ``row_scale`` (1 for int4, whose scales are inside the sum) plus bias, into y [M, N] fp32.
+// Runs ``block(R, MB, n, m, prefetch, acc)`` over every (row block, activation pair), with the results scaled by
+// ``row_scale`` (1 for int4, whose scales are inside the sum) plus bias, into y [M, N] fp32. ``prefetch``: whether
+// the block should prefetch the next one (first activation pair, a next block exists).
 template <typename Block>
 void run_blocks(float* y, int64_t M, int64_t N, const float* row_scale, const float* bias, int64_t k_work,
                 Block block) {
@@ -160,7 +171,7 @@ void run_blocks(float* y, int64_t M, int64_t N, const float* row_scale, const fl
       for (int64_t m = 0; m < M; m += kM) {
         const int MB = static_cast<int>(std::min<int64_t>(kM, M - m));
         float acc[kM][kRows];
-        block(R, MB, n, m, acc);
+        block(R, MB, n, m, m == 0 && n + kRows < N, acc);
         for (int i = 0; i < MB; ++i)
           for (int r = 0; r < R; ++r) {
             float v = acc[i][r] * (row_scale ? row_scale[n + r] : 1.f);
@@ -211,8 +222,9 @@ void int8_linear(at::Tensor y, const at::Tensor& x, const at::Tensor& qweight, c
   const float* xp = x.data_ptr<float>();
   const int8_t* wp = qweight.data_ptr<int8_t>();
   run_blocks(y.data_ptr<float>(), M, N, scales.data_ptr<float>(), bias ? bias->data_ptr<float>() : nullptr, K,
-             [&](int R, int MB, int64_t n, int64_t m, float acc[kM][kRows]) {
-               OI_DISPATCH_RM(int8_block, xp + m * K, K, wp + n * K, acc);
+             [&](int R, int MB, int64_t n, int64_t m, bool prefetch, float acc[kM][kRows]) {
+               const int8_t* next = prefetch ? wp + (n + kRows) * K : nullptr;
+               OI_DISPATCH_RM(int8_block, xp + m * K, K, wp + n * K, next, acc);
              });
 }
 
@@ -232,8 +244,9 @@ void int4_linear(at::Tensor y, const at::Tensor& x, const at::Tensor& qweight, c
   const uint8_t* wp = qweight.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
   run_blocks(y.data_ptr<float>(), M, N, nullptr, bias ? bias->data_ptr<float>() : nullptr, Kp / 2,
-             [&](int R, int MB, int64_t n, int64_t m, float acc[kM][kRows]) {
-               OI_DISPATCH_RM(int4_block, xp + m * Kp, Kp, wp + n * (Kp / 2), sp + n * G, G, group, acc);
+             [&](int R, int MB, int64_t n, int64_t m, bool prefetch, float acc[kM][kRows]) {
+               const uint8_t* next = prefetch ? wp + (n + kRows) * (Kp / 2) : nullptr;
+               OI_DISPATCH_RM(int4_block, xp + m * Kp, Kp, wp + n * (Kp / 2), next, sp + n * G, G, group, acc);
              });
 }
 

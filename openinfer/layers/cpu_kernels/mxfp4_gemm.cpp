@@ -111,8 +111,10 @@ inline void scratch_block(const float* x, int64_t Kp, const float* wf, float acc
 #endif
 
 // acc[m][r] = x[m] . (q[r] * its block scales), for R weight rows, MB activation rows, decoded in registers.
+// ``pf``: the next row block, prefetched one line per row at a time (or nullptr); see lowbit_gemm.cpp.
 template <int R, int MB>
-inline void mxfp4_block(const float* x, int64_t Kp, const uint8_t* w, const uint8_t* s, float acc[kM][kRows]) {
+inline void mxfp4_block(const float* x, int64_t Kp, const uint8_t* w, const uint8_t* pf, const uint8_t* s,
+                        float acc[kM][kRows]) {
   const int64_t row_bytes = Kp / 2, nb = Kp / kBlock;
 #ifdef __AVX2__
   const __m128i lut = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kTwiceE2M1));
@@ -122,6 +124,8 @@ inline void mxfp4_block(const float* x, int64_t Kp, const uint8_t* w, const uint
     for (int r = 0; r < R; ++r) a[m][r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const float* xb = x + b * kBlock;
+    if (pf && (b & 3) == 0)  // 4 blocks of 16 bytes = one line per row
+      for (int r = 0; r < R; ++r) __builtin_prefetch(pf + r * row_bytes + b * 16);
     for (int r = 0; r < R; ++r) {
       __m256 wv[4];
       decode_block(w + r * row_bytes + b * 16, s[r * nb + b], lut, low, wv);
@@ -148,8 +152,8 @@ inline void mxfp4_block(const float* x, int64_t Kp, const uint8_t* w, const uint
 }
 
 template <int R>
-inline void dispatch_m(int MB, const float* x, int64_t Kp, const uint8_t* w, const float* wf, const uint8_t* s,
-                       float acc[kM][kRows]) {
+inline void dispatch_m(int MB, const float* x, int64_t Kp, const uint8_t* w, const uint8_t* pf, const float* wf,
+                       const uint8_t* s, float acc[kM][kRows]) {
 #ifdef __AVX2__
   if (wf != nullptr) {
     if (MB == 2)
@@ -160,9 +164,9 @@ inline void dispatch_m(int MB, const float* x, int64_t Kp, const uint8_t* w, con
   }
 #endif
   if (MB == 2)
-    mxfp4_block<R, 2>(x, Kp, w, s, acc);
+    mxfp4_block<R, 2>(x, Kp, w, pf, s, acc);
   else
-    mxfp4_block<R, 1>(x, Kp, w, s, acc);
+    mxfp4_block<R, 1>(x, Kp, w, pf, s, acc);
 }
 
 void mxfp4_linear(at::Tensor y, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales) {
@@ -207,11 +211,12 @@ void mxfp4_linear(at::Tensor y, const at::Tensor& x, const at::Tensor& qweight, 
         const int MB = static_cast<int>(std::min<int64_t>(kM, M - m));
         float acc[kM][kRows];
         const float* xm = xp + m * Kp;
+        const uint8_t* pf = m == 0 && n + kRows < N ? w + kRows * (Kp / 2) : nullptr;
         switch (R) {
-          case 4: dispatch_m<4>(MB, xm, Kp, w, wf, s, acc); break;
-          case 3: dispatch_m<3>(MB, xm, Kp, w, wf, s, acc); break;
-          case 2: dispatch_m<2>(MB, xm, Kp, w, wf, s, acc); break;
-          default: dispatch_m<1>(MB, xm, Kp, w, wf, s, acc); break;
+          case 4: dispatch_m<4>(MB, xm, Kp, w, pf, wf, s, acc); break;
+          case 3: dispatch_m<3>(MB, xm, Kp, w, pf, wf, s, acc); break;
+          case 2: dispatch_m<2>(MB, xm, Kp, w, pf, wf, s, acc); break;
+          default: dispatch_m<1>(MB, xm, Kp, w, pf, wf, s, acc); break;
         }
         for (int i = 0; i < MB; ++i)
           for (int r = 0; r < R; ++r) yp[(m + i) * N + n + r] = acc[i][r];

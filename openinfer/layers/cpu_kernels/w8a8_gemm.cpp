@@ -33,8 +33,10 @@ namespace {
 constexpr int kRows = 4;  // output rows per block
 
 // dots[r] = sum_k x[k] * w[r][k] for R rows, exactly in int32 (|sum| <= 128 * 127 * K: fine for K < 130000).
+// ``pf``: the next row block to prefetch (same offset, one line per row at a time), or nullptr; see lowbit_gemm.cpp
+// (one block ahead measured 8.6 -> 13 GB/s at M = 1, +20-45 % at M = 4-8 on a 1024 x 2816 weight out of cache).
 template <int R>
-inline void dot_rows(const int8_t* x, const int8_t* w, int64_t K, int32_t dots[kRows]) {
+inline void dot_rows(const int8_t* x, const int8_t* w, const int8_t* pf, int64_t K, int32_t dots[kRows]) {
   int64_t k = 0;
   for (int r = 0; r < R; ++r) dots[r] = 0;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -43,6 +45,8 @@ inline void dot_rows(const int8_t* x, const int8_t* w, int64_t K, int32_t dots[k
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
     const __m512i zero = _mm512_setzero_si512();
     for (; k + 64 <= K; k += 64) {
+      if (pf)
+        for (int r = 0; r < R; ++r) __builtin_prefetch(pf + r * K + k);
       const __m512i xv = _mm512_loadu_si512(x + k);
       for (int r = 0; r < R; ++r) {
         const __m512i wv = _mm512_loadu_si512(w + r * K + k);
@@ -61,6 +65,8 @@ inline void dot_rows(const int8_t* x, const int8_t* w, int64_t K, int32_t dots[k
     const __m256i ones = _mm256_set1_epi16(1);
     for (; k + 32 <= K; k += 32) {
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + k));
+      if (pf && (k & 63) == 0)
+        for (int r = 0; r < R; ++r) __builtin_prefetch(pf + r * K + k);
       for (int r = 0; r < R; ++r) {
         const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * K + k));
         const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(xv, wv));
@@ -129,11 +135,12 @@ void w8a8_linear(at::Tensor y, const at::Tensor& x, const at::Tensor& qweight, c
       const int R = int(std::min<int64_t>(kRows, N - n));
       for (int64_t m = 0; m < M; ++m) {
         const int8_t* xr = xq.data() + m * K;
+        const int8_t* next = m == 0 && n + kRows < N ? wp + (n + kRows) * K : nullptr;
         switch (R) {
-          case 4: dot_rows<4>(xr, wp + n * K, K, dots); break;
-          case 3: dot_rows<3>(xr, wp + n * K, K, dots); break;
-          case 2: dot_rows<2>(xr, wp + n * K, K, dots); break;
-          default: dot_rows<1>(xr, wp + n * K, K, dots); break;
+          case 4: dot_rows<4>(xr, wp + n * K, next, K, dots); break;
+          case 3: dot_rows<3>(xr, wp + n * K, next, K, dots); break;
+          case 2: dot_rows<2>(xr, wp + n * K, next, K, dots); break;
+          default: dot_rows<1>(xr, wp + n * K, next, K, dots); break;
         }
         for (int r = 0; r < R; ++r) {
           float v = float(dots[r]) * xs[m] * ws[n + r];
