@@ -72,7 +72,7 @@ def test_awq_nibble_order_round_trip():
     assert torch.equal(unpack_awq_columns(words).long(), v)
 
 
-@pytest.mark.parametrize("m", [1, 5, 33])
+@pytest.mark.parametrize("m", [1, 5, 33, 70])  # 70: from LOWBIT_DEQUANT_ROWS the decoded matrix + GEMM
 def test_int4_zero_correction_matches_exact(monkeypatch, m):
     """Asymmetric int4 (zero_corr = (s (8 - z))^T): the kernel + group-sum correction and the dequantising torch
     reference both match sum_k x_k (q_k - z) s computed exactly, including K not a multiple of 16 or the group."""

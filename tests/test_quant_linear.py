@@ -13,9 +13,11 @@ from openinfer import LLM, SamplingParams
 from openinfer.engine_args import EngineArgs
 from openinfer.layers import cpu_ops
 from openinfer.layers.linear import Linear, weight_bytes
-from openinfer.layers.quant_linear import QuantizedWeight, quantize_int4, quantize_int8
+from openinfer.layers import quant_linear
+from openinfer.layers.quant_linear import LOWBIT_DEQUANT_ROWS, QuantizedWeight, quantize_int4, quantize_int8
 
-SHAPES = [(1, 7, 37), (1, 64, 256), (3, 13, 100), (5, 9, 16), (2, 33, 130), (8, 40, 300)]  # (M, N, K)
+# (M, N, K); M >= LOWBIT_DEQUANT_ROWS[method] (70 for both) runs the decoded-matrix path
+SHAPES = [(1, 7, 37), (1, 64, 256), (3, 13, 100), (5, 9, 16), (2, 33, 130), (8, 40, 300), (70, 41, 130)]
 
 
 def _weight(n, k, seed=0):
@@ -64,6 +66,32 @@ def test_lowbit_kernel_matches_torch_reference(monkeypatch, method, group, dtype
         assert torch.isfinite(fast.float()).all() and (fast[:, n // 2].float() == bias[n // 2].float()).all()
     x3 = torch.randn(2, 3, k).to(dtype)  # leading dims pass through: [B, T, K] -> [B, T, N]
     assert torch.equal(qw.matmul(x3), qw.matmul(x3.reshape(6, k)).reshape(2, 3, n))
+
+
+@pytest.mark.parametrize("method,group", [("int8", 0), ("int4", 32), ("int4", 128)])
+def test_decoded_matrix_path(monkeypatch, method, group):
+    """Prefill rows (>= LOWBIT_DEQUANT_ROWS): the kernel's int8 / int4 decode is ``dequantize`` bit for bit, and
+    decoding in row chunks (smaller than the matrix here) gives what one whole decode gives."""
+    if not cpu_ops.available():
+        pytest.skip("CPU kernels unavailable")
+    ops = cpu_ops.get_ops()
+    n, k = 203, 300  # 203 rows: chunks of 64 leave a ragged last one
+    qw = QuantizedWeight.quantize(_weight(n, k, 7), method, group or 128)
+    kp = qw.qweight.shape[1] * (2 if method == "int4" else 1)
+    out = torch.full((n, kp), float("nan"))
+    qw._decoder(ops)(out, 0, n)
+    assert torch.equal(out[:, :k], qw.dequantize()) and not out[:, k:].any()  # int4's padded columns decode to 0
+    rows = LOWBIT_DEQUANT_ROWS[method]
+    x = torch.randn(rows + 6, k, generator=torch.Generator().manual_seed(3))
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(4))
+    whole = qw.matmul(x, bias)
+    monkeypatch.setattr(quant_linear, "DEQUANT_CHUNK_BYTES", 64 * kp * 4)  # 64-row chunks
+    chunked = qw.matmul(x, bias)
+    exact = x @ qw.dequantize().t() + bias
+    torch.testing.assert_close(whole, exact, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-4)
+    few = qw.matmul(x[:rows - 1], bias)  # one row fewer: the register tile, same values
+    torch.testing.assert_close(few, whole[:rows - 1], rtol=1e-5, atol=1e-4)
 
 
 def _greedy(path, quant, kernels, monkeypatch, **kw):

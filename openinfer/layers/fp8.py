@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from openinfer.layers import cpu_ops
-from openinfer.layers.quant_linear import QuantizedWeight
+from openinfer.layers.quant_linear import QuantizedWeight, decoded_matmul
 
 FP8_DTYPE = torch.float8_e4m3fn
 E8M0_DTYPE = torch.float8_e8m0fnu
@@ -98,9 +98,9 @@ def quantize_fp8_block(weight: torch.Tensor, block: tuple[int, int] = DEFAULT_BL
     return q, scale_inv.to(E8M0_DTYPE) if scale_fmt == "ue8m0" else scale_inv
 
 
-# From this many activation rows on (prefill) the matrix is decoded whole for the call and multiplied by torch's
-# blocked fp32 GEMM. scripts/fp8_rows.py (2048 x 2048, 1 thread, AVX2 EPYC, loaded host, time / oneDNN's on the
-# dequantised copy): kernel 0.87 / 1.30 / 1.78 / 1.70 at 8 / 32 / 64 / 128 rows, decoded + GEMM 6.1 / 1.84 / 1.45
+# From this many activation rows on (prefill) the matrix is decoded for the call (in row chunks:
+# quant_linear.decoded_matmul) and multiplied by torch's blocked fp32 GEMM. scripts/packed_rows.py --format fp8
+# (2048 x 2048, 1 thread, AVX2 EPYC, loaded host, time / oneDNN's on the dequantised copy): kernel 0.87 / 1.30 / 1.78 / 1.70 at 8 / 32 / 64 / 128 rows, decoded + GEMM 6.1 / 1.84 / 1.45
 # / 1.25: the register tile wins up to 32 rows, the decoded copy from 64.
 FP8_DEQUANT_ROWS = 64
 
@@ -119,7 +119,7 @@ class Fp8Weight(QuantizedWeight):
     multipliers as fp32 ``[N, ceil(K / bk)]``. Usable wherever a ``QuantizedWeight`` is (``Linear._quant``,
     ``weight_bytes``). ``matmul`` runs the C++ kernel on the CPU, else the torch reference (this matrix
     dequantised for the call, fp32 matmul); the kernel's weights are the reference's bit for bit. From
-    ``FP8_DEQUANT_ROWS`` rows on the kernel decodes the whole matrix for the call instead (prefill)."""
+    ``FP8_DEQUANT_ROWS`` rows on the kernel decodes the matrix for the call instead (prefill)."""
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype,
                  bk: int) -> None:
@@ -170,9 +170,8 @@ class Fp8Weight(QuantizedWeight):
         if kp != k:
             xf = F.pad(xf, (0, kp - k))
         if xf.shape[0] >= FP8_DEQUANT_ROWS:
-            w = torch.empty(n, kp, dtype=torch.float32)
-            ops.fp8_dequantize(w, self.qweight, self.scales, self.group)
-            y = F.linear(xf, w)
+            y = decoded_matmul(xf, n, lambda out, n0, n1: ops.fp8_dequantize(out, self.qweight[n0:n1],
+                                                                               self.scales[n0:n1], self.group))
         else:
             y = torch.empty(xf.shape[0], n, dtype=torch.float32)
             ops.fp8_linear(y, xf, self.qweight, self.scales, self.group)

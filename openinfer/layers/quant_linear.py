@@ -36,6 +36,35 @@ from openinfer.quantization_config import QUANTIZATION_METHODS
 
 INT4_GROUP = 128  # input columns per int4 scale (llama.cpp's Q4_0 uses 32, GPTQ/AWQ 128)
 _INT4_RUN = 16  # columns per packed run (the kernel's vector layout)
+# From this many activation rows on (prefill) int8 / int4 decode the matrix to fp32 for the call (``int8_dequantize``
+# / ``int4_dequantize``) and run torch's blocked GEMM on it: the register tile re-widens every weight for each pair
+# of rows, so from a few dozen rows it trails a GEMM. scripts/packed_rows.py, 1 thread, quiet AVX2 EPYC, ms kernel /
+# decoded + GEMM: int8 5632 x 1024 at 32 / 64 / 128 / 512 rows 6.6 / 7.3, 13.2 / 12.2, 27.0 / 21.3, 114.5 / 75.6,
+# 1024 x 2816 at 32 / 48 / 64 3.5 / 3.9, 5.2 / 5.1, 7.2 / 6.9; int4 5632 x 1024 at 16 / 32 / 128 / 512 4.8 / 5.5,
+# 9.5 / 8.0, 50.1 / 26.1, 160.6 / 76.8, 1024 x 2816 at 16 / 24 / 32 2.3 / 2.4, 3.5 / 3.0, 5.0 / 3.6.
+LOWBIT_DEQUANT_ROWS = {"int8": 48, "int4": 24}
+# The decoded copy is made in row chunks of about this many bytes: bounded extra memory on big matrices (a 32000 x
+# 4096 head would need 512 MiB at once), and each chunk is still in the last-level cache when the GEMM reads it.
+DEQUANT_CHUNK_BYTES = 8 << 20
+
+
+def decoded_matmul(x: torch.Tensor, n: int, decode) -> torch.Tensor:
+    """fp32 ``x [M, K] @ W^T`` with W (``[n, K]``) decoded to fp32 in row chunks by ``decode(out, n0, n1)``, which
+    fills ``out [n1 - n0, K]`` with rows n0:n1 (a kernel's ``*_dequantize`` on those rows)."""
+    k = x.shape[1]
+    rows = max(64, DEQUANT_CHUNK_BYTES // (4 * max(k, 1)))
+    if rows >= n:
+        w = torch.empty(n, k, dtype=torch.float32)
+        decode(w, 0, n)
+        return F.linear(x, w)
+    y = torch.empty(x.shape[0], n, dtype=torch.float32)
+    buf = torch.empty(rows, k, dtype=torch.float32)
+    for n0 in range(0, n, rows):
+        n1 = min(n, n0 + rows)
+        w = buf[:n1 - n0]
+        decode(w, n0, n1)
+        y[:, n0:n1] = F.linear(x, w)
+    return y
 
 
 class QuantizedWeight:
@@ -96,18 +125,30 @@ class QuantizedWeight:
         xf = x2.float().contiguous()
         if self.method == "int4" and xf.shape[1] != self.qweight.shape[1] * 2:
             xf = F.pad(xf, (0, self.qweight.shape[1] * 2 - k))
-        y = torch.empty(xf.shape[0], n, dtype=torch.float32)
         b = None if bias is None else bias.float().contiguous()
-        if self.method == "int8":
-            ops.int8_linear(y, xf, self.qweight, self.scales, b)
+        if xf.shape[0] >= LOWBIT_DEQUANT_ROWS[self.method]:
+            y = decoded_matmul(xf, n, self._decoder(ops))
+            if b is not None:
+                y += b
         else:
-            ops.int4_linear(y, xf, self.qweight, self.scales, self.group, b)
-            if self.zero_corr is not None:
-                groups = self.zero_corr.shape[0]
-                if xf.shape[1] != groups * self.group:
-                    xf = F.pad(xf, (0, groups * self.group - xf.shape[1]))
-                y.addmm_(xf.view(xf.shape[0], groups, self.group).sum(dim=2), self.zero_corr)
+            y = torch.empty(xf.shape[0], n, dtype=torch.float32)
+            if self.method == "int8":
+                ops.int8_linear(y, xf, self.qweight, self.scales, b)
+            else:
+                ops.int4_linear(y, xf, self.qweight, self.scales, self.group, b)
+        if self.zero_corr is not None:
+            groups = self.zero_corr.shape[0]
+            if xf.shape[1] != groups * self.group:
+                xf = F.pad(xf, (0, groups * self.group - xf.shape[1]))
+            y.addmm_(xf.view(xf.shape[0], groups, self.group).sum(dim=2), self.zero_corr)
         return y.to(x.dtype).reshape(*lead, n)
+
+    def _decoder(self, ops):
+        """``decode(out, n0, n1)`` for ``decoded_matmul``: rows n0:n1 of this matrix, fp32, by the kernel (the
+        values of ``dequantize``, int4 without the zero-point correction, which matmul adds itself)."""
+        if self.method == "int8":
+            return lambda out, n0, n1: ops.int8_dequantize(out, self.qweight[n0:n1], self.scales[n0:n1])
+        return lambda out, n0, n1: ops.int4_dequantize(out, self.qweight[n0:n1], self.scales[n0:n1], self.group)
 
     def _matmul_w8a8(self, ops, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """fp32 [M, N]: the kernel quantises x per token and runs int8 dot products; the reference does the same

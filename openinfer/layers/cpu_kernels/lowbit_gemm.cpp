@@ -250,6 +250,72 @@ void int4_linear(at::Tensor y, const at::Tensor& x, const at::Tensor& qweight, c
              });
 }
 
+// Prefill (quant_linear.LOWBIT_DEQUANT_ROWS rows and more): the weight decoded into an fp32 [N, Kp] matrix for one
+// call, which torch's blocked GEMM then multiplies (the register tile above re-widens every weight for each pair of
+// activation rows, so from a few dozen rows it trails a GEMM). The values are QuantizedWeight.dequantize's to the
+// bit: int8 float(q) * s_n, int4 float(q - 8) * s_{n, g} (one fp32 product each). Parallel over rows.
+void int8_dequantize(at::Tensor out, const at::Tensor& qweight, const at::Tensor& scales) {
+  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous() && qweight.scalar_type() == at::kChar,
+              "qweight must be contiguous int8 [N, K]");
+  const int64_t N = qweight.size(0), K = qweight.size(1);
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N,
+              "scales must be contiguous fp32 [N]");
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.scalar_type() == at::kFloat && out.size(0) == N &&
+                  out.size(1) == K, "out must be contiguous fp32 [N, K]");
+  const int8_t* wp = qweight.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, N, std::max<int64_t>(1, 65536 / std::max<int64_t>(K, 1)), [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const int8_t* q = wp + n * K;
+      float* o = op + n * K;
+      int64_t k = 0;
+#ifdef __AVX2__
+      const __m256 sv = _mm256_set1_ps(sp[n]);
+      for (; k + 8 <= K; k += 8) _mm256_storeu_ps(o + k, _mm256_mul_ps(widen_i8(q + k), sv));
+#endif
+      for (; k < K; ++k) o[k] = static_cast<float>(q[k]) * sp[n];
+    }
+  });
+}
+
+void int4_dequantize(at::Tensor out, const at::Tensor& qweight, const at::Tensor& scales, int64_t group) {
+  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous() && qweight.scalar_type() == at::kByte,
+              "qweight must be contiguous uint8 [N, Kp / 2]");
+  TORCH_CHECK(group > 0 && group % 16 == 0, "group must be a positive multiple of 16");
+  const int64_t N = qweight.size(0), Kp = qweight.size(1) * 2, G = (Kp + group - 1) / group;
+  TORCH_CHECK(Kp % 16 == 0, "the packed row must cover a multiple of 16 columns");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 2 &&
+                  scales.size(0) == N && scales.size(1) == G, "scales must be contiguous fp32 [N, ceil(Kp / group)]");
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.scalar_type() == at::kFloat && out.size(0) == N &&
+                  out.size(1) == Kp, "out must be contiguous fp32 [N, Kp]");
+  const uint8_t* wp = qweight.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, N, std::max<int64_t>(1, 65536 / std::max<int64_t>(Kp, 1)), [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* q = wp + n * (Kp / 2);
+      float* o = op + n * Kp;
+      for (int64_t k = 0; k < Kp; k += 16) {  // a run of 16 never straddles a group (group % 16 == 0)
+        const float s = sp[n * G + k / group];
+#ifdef __AVX2__
+        const __m256 sv = _mm256_set1_ps(s);
+        const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k / 2)));
+        const __m256i low = _mm256_set1_epi32(0xF), eight = _mm256_set1_epi32(8);
+        _mm256_storeu_ps(o + k, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(b, low), eight)), sv));
+        _mm256_storeu_ps(o + k + 8,
+                         _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(b, 4), eight)), sv));
+#else
+        for (int i = 0; i < 8; ++i) {
+          o[k + i] = static_cast<float>((q[k / 2 + i] & 0xF) - 8) * s;
+          o[k + 8 + i] = static_cast<float>((q[k / 2 + i] >> 4) - 8) * s;
+        }
+#endif
+      }
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(openinfer_cpu, m) {
@@ -257,4 +323,8 @@ TORCH_LIBRARY_FRAGMENT(openinfer_cpu, m) {
   m.impl("int8_linear", c10::DispatchKey::CPU, &int8_linear);
   m.def("int4_linear(Tensor(a!) y, Tensor x, Tensor qweight, Tensor scales, int group, Tensor? bias) -> ()");
   m.impl("int4_linear", c10::DispatchKey::CPU, &int4_linear);
+  m.def("int8_dequantize(Tensor(a!) out, Tensor qweight, Tensor scales) -> ()");
+  m.impl("int8_dequantize", c10::DispatchKey::CPU, &int8_dequantize);
+  m.def("int4_dequantize(Tensor(a!) out, Tensor qweight, Tensor scales, int group) -> ()");
+  m.impl("int4_dequantize", c10::DispatchKey::CPU, &int4_dequantize);
 }
