@@ -1,5 +1,5 @@
-"""DeepSeek-V4 with MXFP4 routed experts kept packed (layers/mxfp4.py, cpu_kernels/mxfp4_gemm.cpp): the engine's
-greedy tokens and logprobs against the same checkpoint with the experts dequantised at load
+"""DeepSeek-V4 (and V4.1) with MXFP4 routed experts kept packed (layers/mxfp4.py, cpu_kernels/mxfp4_gemm.cpp): the
+engine's greedy tokens and logprobs against the same checkpoint with the experts dequantised at load
 (``OPENINFER_MXFP4_EXPERTS=dequantize``), with the C++ kernel and with its torch reference
 (``OPENINFER_CPU_KERNELS=0``); the experts' resident bytes; a mis-sized expert tensor named at load."""
 from __future__ import annotations
@@ -53,6 +53,18 @@ def test_packed_experts_match_dequantised_at_load(fp4_checkpoint, monkeypatch):
     # tiny: 8 experts x (w13 [128, 128] + w2 [128, 64]) per layer; fp32 dense 4 B per weight, packed 0.5 + 1/32
     assert ref_bytes == 4 * 8 * (128 * 128 + 128 * 64) * 4
     assert nbytes == 4 * 8 * (128 * 128 + 128 * 64) * (0.5 + 1 / 32)
+
+
+def test_v41_packed_experts_match_dequantised_at_load(tmp_path, monkeypatch):
+    """V4.1's checkpoints ship MXFP4 experts too (DSpark draft blocks included): kept packed by the same rule."""
+    path = load_script("make_deepseek_v41_checkpoint").make_checkpoint(tmp_path / "v41", "tiny", seed=2)
+    toks, lps, nbytes, packed = _run(path, monkeypatch, "packed", True)
+    ref_toks, ref_lps, ref_bytes, ref_packed = _run(path, monkeypatch, "dequantize", True)
+    assert packed and all(packed) and not any(ref_packed)
+    assert toks == ref_toks
+    for a, b in zip(lps, ref_lps):
+        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
+    assert nbytes == ref_bytes / 4 * (0.5 + 1 / 32)  # fp32 dense 4 B per weight, packed 0.5 + a scale per 32
 
 
 def test_misshapen_packed_expert_is_named(fp4_checkpoint):

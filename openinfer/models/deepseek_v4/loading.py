@@ -125,17 +125,17 @@ def _packs(experts) -> bool:
     return bool(experts.mxfp4 or experts.fp8_block is not None)
 
 
-def _keeps_packed(model, name: str) -> bool:
+def _keeps_packed(model, name: str, linears: bool = True) -> bool:
     """A routed expert's weight whose experts module keeps MXFP4 / FP8 packed (an MTP block's too: built with the
     same setting when its first tensor arrives, so the model's setting is asked when its module does not exist
-    yet), or an FP8 linear ``packs_fp8`` accepts."""
+    yet), or (``linears``) an FP8 linear ``packs_fp8`` accepts."""
     pname, shard = canonical_name(name)
     try:
         module = model.get_submodule(pname.rsplit(".", 1)[0])
     except AttributeError:
         module = None
     if shard is None or shard[0] is None:
-        return packs_fp8(module, model.config.fp8_block)
+        return linears and packs_fp8(module, model.config.fp8_block)
     if module is None:
         return any(_packs(m) for m in model.modules() if hasattr(m, "mxfp4"))
     return _packs(module)

@@ -4,7 +4,9 @@ The leaf names are V4's release names (``layers.N.attn.wq_a``, ``.attn.compresso
 ``.ffn.experts.E.w1`` ...), so V4's ``canonical_name`` maps them; V4.1 adds ``attn.indexer.wk`` / ``k_norm``
 (index-K sources only), ``ffn.gate.bias_vl`` and ``engram.{embed.weight, wkv.weight, q_weight, k_weight}``.
 Quantisation (config's ``quantization_config``): FP8 e4m3 linears with UE8M0 ``.scale`` per 32x32 block, MXFP4
-routed experts, and the Engram tables in FP8 with one UE8M0 scale per 32 values of a row ([rows, dim/32]).
+routed experts, and the Engram tables in FP8 with one UE8M0 scale per 32 values of a row ([rows, dim/32]). The
+MXFP4 experts stay packed where their experts module keeps them (V4's rule); the FP8 linears and tables are
+dequantised at load.
 ``mtp.*`` (the DSpark draft blocks) builds ``model.mtp`` on first sight; a checkpoint without them loads, and
 drafting is unavailable (said once).
 """
@@ -16,7 +18,7 @@ from collections.abc import Iterable
 import torch
 
 from openinfer.layers.fp8 import FP8_DTYPE, dequantize_fp8_block
-from openinfer.models.deepseek_v4.loading import _copy_shard, _expected, _targets, canonical_name
+from openinfer.models.deepseek_v4.loading import _copy_shard, _expected, _keeps_packed, _targets, canonical_name
 from openinfer.models.quantized_weights import Dequantizer
 from openinfer.models.weights import WeightLoadError, copy_into
 
@@ -37,8 +39,10 @@ class _V41Dequantizer(Dequantizer):
 def load_v41_weights(model, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
     targets = _targets(model)
     loaded: set[str] = set()
+    # targets is rebound when the DSpark blocks are built; the lambda reads the current binding.
     dequantizer = _V41Dequantizer(model.config.fp8_block, model.config.expert_dtype,
-                                  lambda n: canonical_name(n)[0] in targets)
+                                  lambda n: canonical_name(n)[0] in targets,
+                                  keep_packed=lambda n: _keeps_packed(model, n, linears=False))
     for raw_name, raw_tensor in weights:
         for name, tensor in dequantizer.feed(raw_name, raw_tensor):
             pname, shard = canonical_name(name)
