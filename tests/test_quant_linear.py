@@ -81,6 +81,8 @@ def test_decoded_matrix_path(monkeypatch, method, group):
     out = torch.full((n, kp), float("nan"))
     qw._decoder(ops)(out, 0, n)
     assert torch.equal(out[:, :k], qw.dequantize()) and not out[:, k:].any()  # int4's padded columns decode to 0
+    with pytest.raises(RuntimeError, match="out must be contiguous fp32"):
+        qw._decoder(ops)(torch.empty(n, kp + 1), 0, n)
     rows = LOWBIT_DEQUANT_ROWS[method]
     x = torch.randn(rows + 6, k, generator=torch.Generator().manual_seed(3))
     bias = torch.randn(n, generator=torch.Generator().manual_seed(4))

@@ -210,14 +210,37 @@ void check_common(const at::Tensor& y, const at::Tensor& x, int64_t N, const c10
                 "bias must be contiguous fp32 [N]");
 }
 
-void int8_linear(at::Tensor y, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
-                 const c10::optional<at::Tensor>& bias) {
+// The packed weight and its scales, for the linear and the dequantize op alike.
+void check_int8(const at::Tensor& qweight, const at::Tensor& scales) {
   TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous() && qweight.scalar_type() == at::kChar,
               "qweight must be contiguous int8 [N, K]");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == qweight.size(0),
+              "scales must be contiguous fp32 [N]");
+}
+
+// Returns the number of groups, ceil(Kp / group).
+int64_t check_int4(const at::Tensor& qweight, const at::Tensor& scales, int64_t group) {
+  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous() && qweight.scalar_type() == at::kByte,
+              "qweight must be contiguous uint8 [N, Kp / 2]");
+  TORCH_CHECK(group > 0 && group % 16 == 0, "group must be a positive multiple of 16");
+  const int64_t Kp = qweight.size(1) * 2, G = (Kp + group - 1) / group;
+  TORCH_CHECK(Kp % 16 == 0, "the packed row must cover a multiple of 16 columns");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 2 &&
+                  scales.size(0) == qweight.size(0) && scales.size(1) == G,
+              "scales must be contiguous fp32 [N, ceil(Kp / group)]");
+  return G;
+}
+
+void check_out(const at::Tensor& out, int64_t N, int64_t K) {
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.scalar_type() == at::kFloat && out.size(0) == N &&
+                  out.size(1) == K, "out must be contiguous fp32 [N, K] (K: qweight's unpacked columns)");
+}
+
+void int8_linear(at::Tensor y, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                 const c10::optional<at::Tensor>& bias) {
+  check_int8(qweight, scales);
   const int64_t N = qweight.size(0), K = qweight.size(1), M = x.size(0);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be [M, K] with K = qweight.size(1)");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N,
-              "scales must be contiguous fp32 [N]");
   check_common(y, x, N, bias);
   const float* xp = x.data_ptr<float>();
   const int8_t* wp = qweight.data_ptr<int8_t>();
@@ -230,15 +253,9 @@ void int8_linear(at::Tensor y, const at::Tensor& x, const at::Tensor& qweight, c
 
 void int4_linear(at::Tensor y, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                  int64_t group, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous() && qweight.scalar_type() == at::kByte,
-              "qweight must be contiguous uint8 [N, Kp / 2]");
-  TORCH_CHECK(group > 0 && group % 16 == 0, "group must be a positive multiple of 16");
+  const int64_t G = check_int4(qweight, scales, group);
   const int64_t N = qweight.size(0), Kp = qweight.size(1) * 2, M = x.size(0);
-  TORCH_CHECK(Kp % 16 == 0, "the packed row must cover a multiple of 16 columns");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == Kp, "x must be [M, Kp] (padded with zeros to qweight's columns)");
-  const int64_t G = (Kp + group - 1) / group;
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 2 &&
-                  scales.size(0) == N && scales.size(1) == G, "scales must be contiguous fp32 [N, ceil(Kp / group)]");
   check_common(y, x, N, bias);
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = qweight.data_ptr<uint8_t>();
@@ -255,13 +272,9 @@ void int4_linear(at::Tensor y, const at::Tensor& x, const at::Tensor& qweight, c
 // activation rows, so from a few dozen rows it trails a GEMM). The values are QuantizedWeight.dequantize's to the
 // bit: int8 float(q) * s_n, int4 float(q - 8) * s_{n, g} (one fp32 product each). Parallel over rows.
 void int8_dequantize(at::Tensor out, const at::Tensor& qweight, const at::Tensor& scales) {
-  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous() && qweight.scalar_type() == at::kChar,
-              "qweight must be contiguous int8 [N, K]");
+  check_int8(qweight, scales);
   const int64_t N = qweight.size(0), K = qweight.size(1);
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N,
-              "scales must be contiguous fp32 [N]");
-  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.scalar_type() == at::kFloat && out.size(0) == N &&
-                  out.size(1) == K, "out must be contiguous fp32 [N, K]");
+  check_out(out, N, K);
   const int8_t* wp = qweight.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -280,15 +293,9 @@ void int8_dequantize(at::Tensor out, const at::Tensor& qweight, const at::Tensor
 }
 
 void int4_dequantize(at::Tensor out, const at::Tensor& qweight, const at::Tensor& scales, int64_t group) {
-  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous() && qweight.scalar_type() == at::kByte,
-              "qweight must be contiguous uint8 [N, Kp / 2]");
-  TORCH_CHECK(group > 0 && group % 16 == 0, "group must be a positive multiple of 16");
-  const int64_t N = qweight.size(0), Kp = qweight.size(1) * 2, G = (Kp + group - 1) / group;
-  TORCH_CHECK(Kp % 16 == 0, "the packed row must cover a multiple of 16 columns");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 2 &&
-                  scales.size(0) == N && scales.size(1) == G, "scales must be contiguous fp32 [N, ceil(Kp / group)]");
-  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.scalar_type() == at::kFloat && out.size(0) == N &&
-                  out.size(1) == Kp, "out must be contiguous fp32 [N, Kp]");
+  const int64_t G = check_int4(qweight, scales, group);
+  const int64_t N = qweight.size(0), Kp = qweight.size(1) * 2;
+  check_out(out, N, Kp);
   const uint8_t* wp = qweight.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
   float* op = out.data_ptr<float>();
