@@ -18,7 +18,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from openinfer.layers import cpu_ops
 from openinfer.layers.quant_linear import QuantizedWeight, decoded_matmul
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -158,26 +157,16 @@ class Fp8Weight(QuantizedWeight):
         return codes.float() * self.scales.repeat_interleave(self.group, 1)[:, :k]
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        n, k = self.shape
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, k)
-        ops = cpu_ops.ops_for(x2, self.qweight)
-        if ops is None:
-            y = F.linear(x2.float(), self.dequantize(), None if bias is None else bias.float())
-            return y.to(x.dtype).reshape(*lead, n)
-        xf = x2.float().contiguous()
-        kp = self.qweight.shape[1]
-        if kp != k:
-            xf = F.pad(xf, (0, kp - k))
+        return self._padded_kernel_matmul(x, bias, self.qweight.shape[1], self._run)
+
+    def _run(self, ops, xf: torch.Tensor) -> torch.Tensor:
+        n = self.shape[0]
         if xf.shape[0] >= FP8_DEQUANT_ROWS:
-            y = decoded_matmul(xf, n, lambda out, n0, n1: ops.fp8_dequantize(out, self.qweight[n0:n1],
-                                                                               self.scales[n0:n1], self.group))
-        else:
-            y = torch.empty(xf.shape[0], n, dtype=torch.float32)
-            ops.fp8_linear(y, xf, self.qweight, self.scales, self.group)
-        if bias is not None:
-            y += bias.float()
-        return y.to(x.dtype).reshape(*lead, n)
+            return decoded_matmul(xf, n, lambda out, n0, n1: ops.fp8_dequantize(out, self.qweight[n0:n1],
+                                                                                self.scales[n0:n1], self.group))
+        y = torch.empty(xf.shape[0], n, dtype=torch.float32)
+        ops.fp8_linear(y, xf, self.qweight, self.scales, self.group)
+        return y
 
     def load_rows(self, row: int, src: Fp8Weight) -> None:
         """Rows ``row:row + src rows`` from a checkpoint matrix (an expert's gate or up into its fused w13)."""

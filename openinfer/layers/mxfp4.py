@@ -11,9 +11,7 @@ import os
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
-from openinfer.layers import cpu_ops
 from openinfer.layers.fp8 import E8M0_DTYPE, scale_to_float
 from openinfer.layers.quant_linear import QuantizedWeight
 
@@ -154,22 +152,12 @@ class Mxfp4Weight(QuantizedWeight):
         self.scales[row:row + rows].copy_(s)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        n, k = self.shape
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, k)
-        ops = cpu_ops.ops_for(x2, self.qweight)
-        if ops is None:
-            y = F.linear(x2.float(), self.dequantize(), None if bias is None else bias.float())
-            return y.to(x.dtype).reshape(*lead, n)
-        xf = x2.float().contiguous()
-        kp = self.qweight.shape[1] * 2
-        if kp != k:
-            xf = F.pad(xf, (0, kp - k))
-        y = torch.empty(xf.shape[0], n, dtype=torch.float32)
+        return self._padded_kernel_matmul(x, bias, self.qweight.shape[1] * 2, self._run)
+
+    def _run(self, ops, xf: torch.Tensor) -> torch.Tensor:
+        y = torch.empty(xf.shape[0], self.shape[0], dtype=torch.float32)
         ops.mxfp4_linear(y, xf, self.qweight, self.scales)
-        if bias is not None:
-            y += bias.float()
-        return y.to(x.dtype).reshape(*lead, n)
+        return y
 
 
 def stacked_mxfp4(count: int, n: int, k: int, dtype: torch.dtype) -> list[Mxfp4Weight]:

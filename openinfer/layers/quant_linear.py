@@ -143,6 +143,25 @@ class QuantizedWeight:
             y.addmm_(xf.view(xf.shape[0], groups, self.group).sum(dim=2), self.zero_corr)
         return y.to(x.dtype).reshape(*lead, n)
 
+    def _padded_kernel_matmul(self, x: torch.Tensor, bias: torch.Tensor | None, kp: int, run) -> torch.Tensor:
+        """x W^T + bias for the formats whose kernel takes x zero-padded to the packed width ``kp`` and adds no bias
+        (FP8, MXFP4): ``run(ops, xf)`` -> fp32 [M, N] on x widened to fp32 and padded; the torch reference
+        (dequantise, fp32 matmul) where the kernels are off."""
+        n, k = self.shape
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, k)
+        ops = cpu_ops.ops_for(x2, self.qweight)
+        if ops is None:
+            y = F.linear(x2.float(), self.dequantize(), None if bias is None else bias.float())
+            return y.to(x.dtype).reshape(*lead, n)
+        xf = x2.float().contiguous()
+        if kp != k:
+            xf = F.pad(xf, (0, kp - k))
+        y = run(ops, xf)
+        if bias is not None:
+            y += bias.float()
+        return y.to(x.dtype).reshape(*lead, n)
+
     def _decoder(self, ops):
         """``decode(out, n0, n1)`` for ``decoded_matmul``: rows n0:n1 of this matrix, fp32, by the kernel (the
         values of ``dequantize``, int4 without the zero-point correction, which matmul adds itself)."""
