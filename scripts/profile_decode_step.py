@@ -22,7 +22,7 @@ GROUPS = [
     ("attention", ("mla_decode_attention", "paged_decode_attention", "scaled_dot_product", "_flash_attention",
                    "bmm", "baddbmm", "softmax")),
     ("linear", ("mkldnn::_linear_pointwise", "aten::addmm", "aten::mm", "aten::linear", "dense_gemv",
-                "int8_linear", "int4_linear", "w8a8_linear", "fp8_linear", "mxfp4_linear", "fp8_dequantize")),
+                "panel_gemm", "int8_linear", "int4_linear", "w8a8_linear", "fp8_linear", "mxfp4_linear", "fp8_dequantize")),
     ("moe", ("argsort", "bincount", "index_add", "_grouped_mm", "sort", "topk", "moe_")),
 ]
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import math
 import os
 import shutil
 import sys
@@ -371,6 +372,55 @@ def indexer_topk(q: torch.Tensor, head_w: torch.Tensor, keys: torch.Tensor, seq_
     ops.indexer_topk(ids, q, head_w.float().contiguous(), keys.contiguous(), seq_slots.contiguous(),
                      token_seq.contiguous(), visible.contiguous(), float(scale))
     return ids
+
+
+# ---- fp32 GEMM on 16-column weight panels (cpu_kernels/panel_gemm.cpp) ------------------------------------------
+
+PANEL = 16  # output columns per panel
+
+
+def panels_enabled(device: torch.device, dtype: torch.dtype) -> bool:
+    """fp32 on the CPU with the kernels built: weights that are only multiplied go into the panel layout
+    (``Linear``'s prepacking, MLA's absorbed W_UK / W_UV). ``OPENINFER_CPU_PANELS=0`` turns it off (``Linear``
+    then prepacks for oneDNN as before, MLA runs torch.bmm on views of kv_b)."""
+    if os.environ.get("OPENINFER_CPU_PANELS", "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    return device.type == "cpu" and dtype == torch.float32 and get_ops() is not None
+
+
+def pack_panels(w: torch.Tensor) -> torch.Tensor:
+    """[..., N, K] -> the panel layout [..., ceil(N / 16), K, 16] (rows past N zero), fp32, contiguous: panel p row
+    k holds w[..., 16p:16p + 16, k]. Exact: ``unpack_panels`` gives ``w`` back."""
+    n, k = w.shape[-2:]
+    np_ = -(-n // PANEL)
+    padded = w.new_zeros(*w.shape[:-2], np_ * PANEL, k, dtype=torch.float32)
+    padded[..., :n, :] = w
+    return padded.view(*w.shape[:-2], np_, PANEL, k).transpose(-1, -2).contiguous()
+
+
+def unpack_panels(wp: torch.Tensor, n: int) -> torch.Tensor:
+    """The [..., N, K] matrix a ``pack_panels`` layout holds."""
+    np_, k = wp.shape[-3:-1]
+    return wp.transpose(-1, -2).reshape(*wp.shape[:-3], np_ * PANEL, k)[..., :n, :].contiguous()
+
+
+def panel_gemm(x: torch.Tensor, wp: torch.Tensor, n: int, bias: torch.Tensor | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x [..., K] W^T (+ bias) -> [..., n] for W in panels ``wp`` [NP, K, 16]; or, batched, x [H, M, K] and wp
+    [H, NP, K, 16] -> [H, M, n] (x and ``out`` may be strided views with unit stride in the last dim). fp32 only;
+    None when the kernel cannot take the call (the caller unpacks or runs its torch path)."""
+    ops = ops_for(x, wp)
+    if ops is None or x.dtype != torch.float32 or wp.dtype != torch.float32 or (bias is not None and wp.dim() != 3):
+        return None
+    batched = wp.dim() == 4
+    rows = math.prod(x.shape[:-1])
+    x3 = x if batched else x.reshape(1, rows, x.shape[-1])
+    if x3.stride(-1) != 1:
+        x3 = x3.contiguous()
+    y = out if out is not None else x.new_empty(*x3.shape[:2], n)
+    ops.panel_gemm(y if batched else y.view(1, rows, n), x3, wp if batched else wp.unsqueeze(0),
+                   None if bias is None else bias.float().contiguous())
+    return y if batched else y.view(*x.shape[:-1], n)
 
 
 # ---- small-M dense linear (cpu_kernels/gemv.cpp) -----------------------------------------------------------------

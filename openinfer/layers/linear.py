@@ -1,20 +1,28 @@
-"""``nn.Linear`` with CPU fast paths: oneDNN-prepacked weights, else wide outputs computed in row blocks.
+"""``nn.Linear`` with CPU fast paths: weights prepacked once into a blocked layout, else wide outputs computed in row
+blocks.
 
 Why prepacking: torch's CPU ``F.linear`` calls MKL sgemm on a plain row-major weight, which on this project's
-AVX2 host (AMD EPYC, torch 2.13, fp32) is poor for the small-M shapes decoding produces. oneDNN's
-``_linear_pointwise`` on a weight reordered once into its blocked layout (``_reorder_linear_weight``; the
-layout does not depend on M, so one copy serves every batch) measured, 1 thread, min-of-15 medians, for the
-Llama bench model's shapes summed over 16 layers + lm_head (``F.linear`` / 512-row split / prepacked, ms):
+AVX2 host (AMD EPYC, torch 2.13, fp32) is poor for the small-M shapes decoding produces. Two blocked layouts:
+- fp32 (with the C++ kernels built): our 16-column panels (``cpu_ops.pack_panels``, ``cpu_kernels/panel_gemm.cpp``
+  says why and how), one contiguous stream per call whatever M. Against oneDNN's ``_linear_pointwise`` on its own
+  prepacked layout (1 thread, Zen 3, weights streamed from memory, GFLOP/s): M = 1 10-11 vs 6-9, M = 8 45 vs
+  34-38, M = 16 60-68 vs 42-53, M = 32 73-79 vs 60-65, M = 512-2048 84-96 vs 69-85; the DeepSeek-V3 bench model's
+  fp32 decode step (MLA's absorbed W_UK / W_UV on panels too) 1.08 / 1.14 / 1.12x faster at batch 1 / 8 / 32
+  (``scripts/profile_decode_step.py``, ``OPENINFER_CPU_PANELS=1`` vs ``0``, 3 interleaved rounds).
+- native bf16 (AVX-512 BF16 / AMX), or fp32 with ``OPENINFER_CPU_PANELS=0`` or no kernels: oneDNN's blocked
+  layout (``_reorder_linear_weight``; one copy serves every M). Before the panels it was the fp32 path too, measured
+  (1 thread, min-of-15 medians, the Llama bench model's shapes summed over 16 layers + lm_head, ``F.linear`` /
+  512-row split / prepacked, ms):
 
 | M (tokens in the step) | 1    | 8     | 32    | 64    |
 | total                  | 33.6 / 34.0 / 36.9 | 101.8 / 79.3 / 48.3 | 142.1 / 143.0 / 103.7 | 219.2 / 224.4 / 175.1 |
 
-and within +-5% of ``F.linear`` for prefill-sized M (256-1024). Results differ from ``F.linear`` only by
+and within +-5% of ``F.linear`` for prefill-sized M (256-1024). Either layout differs from ``F.linear`` only by
 summation order (fp32 max abs diff ~1e-4 on outputs of magnitude ~30).
 
 Packing replaces the plain weight (memory stays one copy) unless the weight is shared (tied embeddings),
 so a packed module's ``weight`` is an empty placeholder: code that needs the matrix itself must not pack it.
-Without prepacking (GPUs, dtypes oneDNN can't pack here, or ``OPENINFER_CPU_PREPACK=0``), wide outputs are
+Without prepacking (GPUs, dtypes that are not packed here, or ``OPENINFER_CPU_PREPACK=0``), wide outputs are
 split into 512-row weight blocks for 2 <= M <= 512, which measured faster than one MKL call there (2 threads:
 5632 x 1024 at M=32 7.2 vs 11.1 ms); neither path changes any dot product's inputs.
 
@@ -28,10 +36,10 @@ copy bandwidth 14.7 in the same run), fp32:
 | oneDNN on the packed W     | 11.7 | 8.1 | 7.1 | 4.7 | 3.2 | 1.8 |
 | oneDNN on the row-major W  | 14.0 | 6.3 | 5.3 | 4.0 | 2.6 | 1.5 |
 
-Layout choice (one copy either way): fp32 keeps the oneDNN-packed layout by default, because batched decode
+Layout choice (one copy either way): fp32 was oneDNN-packed rather than row-major because batched decode
 (M = 16-64, where the engine's throughput is made) runs 15-25 % slower on any row-major path, against +24 % at
-M = 1. ``OPENINFER_CPU_PREPACK=0`` is the low-latency mode: fp32 weights stay row-major, M <= ``GEMV_MAX_M`` runs
-the gemv kernel, larger M the split ``F.linear`` above. bf16 weights on a CPU without native bf16 (never packed,
+M = 1; the panels now beat both at every M. ``OPENINFER_CPU_PREPACK=0`` keeps weights row-major: M <=
+``GEMV_MAX_M`` runs the gemv kernel, larger M the split ``F.linear`` above. bf16 weights on a CPU without native bf16 (never packed,
 see ``cpu_prepack_supported``) run the gemv kernel at every M: torch's emulated bf16 GEMM is slower than it
 everywhere measured (M = 8: 2.4x, M = 32: 3x, M = 128: > 4x), and at M = 1 bf16 reads half fp32's bytes.
 ``OPENINFER_CPU_GEMV=0`` turns the kernel off (the paths above without it). Known limit: at M = 1 the bf16
@@ -92,20 +100,27 @@ def cpu_prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class Linear(nn.Linear):
-    _packed: torch.Tensor | None = None
+    _packed: torch.Tensor | None = None  # oneDNN's blocked layout
+    _panels: torch.Tensor | None = None  # or ours: [ceil(out / 16), in, 16] fp32 (cpu_ops.pack_panels)
     _quant: QuantizedWeight | None = None  # set by ``quantize`` (--quantization): the weight, packed low-bit
     # False for a module whose weight other code reads as a matrix (packing empties ``weight``).
     prepack: bool = True
 
     @torch.no_grad()
     def prepack_cpu(self, keep_weight: bool = False) -> bool:
-        """Reorder the weight into oneDNN's blocked layout; returns whether it did."""
+        """Reorder the weight into a blocked layout (ours for fp32, oneDNN's for native bf16); returns whether it
+        did."""
         w = self.weight
         if self._quant is not None:
             return False
-        if self._packed is not None or not cpu_prepack_supported(w.device, w.dtype):
-            return self._packed is not None
-        self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), _PACK_BATCH_HINT)
+        if self._packed is not None or self._panels is not None:
+            return True
+        if not cpu_prepack_supported(w.device, w.dtype):
+            return False
+        if cpu_ops.panels_enabled(w.device, w.dtype):
+            self._panels = cpu_ops.pack_panels(w.detach())
+        else:
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), _PACK_BATCH_HINT)
         if not keep_weight:
             self.weight = nn.Parameter(w.new_empty(0), requires_grad=False)
         return True
@@ -115,7 +130,7 @@ class Linear(nn.Linear):
         """Replace the weight by its low-bit form (``quant_linear.py``); ``weight`` becomes an empty placeholder."""
         w = self.dense_weight()
         self._quant = QuantizedWeight.quantize(w.detach(), method)
-        self._packed = None
+        self._packed = self._panels = None
         self.weight = nn.Parameter(w.new_empty(0), requires_grad=False)
 
     @torch.no_grad()
@@ -137,7 +152,7 @@ class Linear(nn.Linear):
                 return
             self._quant = type(parts[0]).cat([parts[i] for i in range(len(sizes))])
             del self.__dict__["_quant_parts"]
-        self._packed = None
+        self._packed = self._panels = None
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def dense_weight(self) -> torch.Tensor:
@@ -145,6 +160,8 @@ class Linear(nn.Linear):
         weight comes back dequantised)."""
         if self._quant is not None:
             return self._quant.to_dense()
+        if self._panels is not None:
+            return cpu_ops.unpack_panels(self._panels, self.out_features)
         return self._packed.to_dense() if self._packed is not None else self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -154,6 +171,9 @@ class Linear(nn.Linear):
         """x W^T (+ bias), on whichever weight form this layer holds."""
         if self._quant is not None:
             return self._quant.matmul(x, bias)
+        if self._panels is not None:
+            y = cpu_ops.panel_gemm(x, self._panels, self.out_features, bias)
+            return y if y is not None else F.linear(x, self.dense_weight(), bias)
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
         n = self.weight.shape[0]
@@ -192,7 +212,7 @@ def prepack_linears(model: nn.Module) -> int:
         elif not isinstance(module, Linear) and hasattr(module, "prepack_cpu"):  # e.g. stacked MoE experts
             packed += module.prepack_cpu()
     if packed:
-        logger.info("prepacked %d linear weights for oneDNN (CPU)", packed)
+        logger.info("prepacked %d linear weights (CPU)", packed)
     return packed
 
 
@@ -218,7 +238,7 @@ def quantize_linears(model: nn.Module, method: str) -> int:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes the model's weights occupy resident: parameters, oneDNN-packed weights and low-bit packed ones."""
+    """Bytes the model's weights occupy resident: parameters, prepacked weights and low-bit packed ones."""
     seen: set[int] = set()
     total = 0
     for p in model.parameters():
@@ -228,6 +248,8 @@ def weight_bytes(model: nn.Module) -> int:
     for m in model.modules():
         if isinstance(m, Linear) and m._packed is not None:
             total += m.in_features * m.out_features * m._packed.element_size()
+        if isinstance(m, Linear) and m._panels is not None:  # zero rows up to a multiple of 16 included
+            total += m._panels.numel() * m._panels.element_size()
         if isinstance(m, Linear) and m._quant is not None:
             total += m._quant.nbytes
         elif not isinstance(m, Linear) and isinstance(getattr(m, "_packed", None), tuple):  # stacked experts
@@ -241,7 +263,8 @@ def num_parameters(model: nn.Module) -> int:
     placeholder once packed)."""
     n = sum(p.numel() for p in model.parameters())
     for m in model.modules():
-        if isinstance(m, Linear) and (m._packed is not None or m._quant is not None) and m.weight.numel() == 0:
+        if (isinstance(m, Linear) and (m._packed is not None or m._panels is not None or m._quant is not None)
+                and m.weight.numel() == 0):
             n += m.in_features * m.out_features
         elif not isinstance(m, Linear) and isinstance(getattr(m, "_packed", None), tuple):  # packed experts
             n += sum(w.numel() for ws in m._packed for w in ws)

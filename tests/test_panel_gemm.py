@@ -1,0 +1,112 @@
+"""The fp32 panel GEMM (cpu_kernels/panel_gemm.cpp) against F.linear / bmm, and Linear on its panel layout."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from openinfer.layers import cpu_ops
+
+pytestmark = pytest.mark.usefixtures("kernel_ops")
+
+
+@pytest.mark.parametrize("n, k", [(1, 1), (15, 7), (16, 64), (17, 33), (50, 512)])
+def test_pack_unpack_exact(n, k):
+    w = torch.randn(3, n, k)
+    wp = cpu_ops.pack_panels(w)
+    assert wp.shape == (3, -(-n // 16), k, 16)
+    assert torch.equal(cpu_ops.unpack_panels(wp, n), w)
+    assert torch.equal(wp[:, -1, :, n % 16 or 16:], torch.zeros_like(wp[:, -1, :, n % 16 or 16:]))  # padding rows
+
+
+# M: the single-row path, every row-tile size, balanced and greedy tilings, several tiles; N: ragged last panels
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 7, 8, 13, 16, 64, 131])
+@pytest.mark.parametrize("n, k", [(40, 96), (16, 1), (7, 3), (300, 257)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_panel_gemm_matches_linear(m, n, k, bias):
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=gen)
+    w = torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    y = cpu_ops.panel_gemm(x, cpu_ops.pack_panels(w), n, b)
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double()).float()
+    assert y.shape == (m, n)
+    torch.testing.assert_close(y, ref, atol=1e-4 * k ** 0.5, rtol=1e-5)
+
+
+def test_panel_gemm_leading_dims_and_empty():
+    w = torch.randn(33, 20)
+    wp = cpu_ops.pack_panels(w)
+    x = torch.randn(2, 3, 20)
+    torch.testing.assert_close(cpu_ops.panel_gemm(x, wp, 33), F.linear(x, w), atol=1e-5, rtol=1e-5)
+    assert cpu_ops.panel_gemm(torch.randn(0, 20), wp, 33).shape == (0, 33)
+    b = torch.randn(5)  # K = 0: an empty sum, the bias alone
+    assert torch.equal(cpu_ops.panel_gemm(torch.randn(4, 0), cpu_ops.pack_panels(torch.randn(5, 0)), 5, b),
+                       b.expand(4, 5))
+
+
+def test_panel_gemm_batched_strided():
+    """Per-head matrices, x and out as strided views (MLA's head-major bmm)."""
+    h, b, k, n = 4, 9, 24, 40
+    w = torch.randn(h, n, k)
+    x = torch.randn(b, h, k).transpose(0, 1)  # [H, B, K], not contiguous
+    out = torch.empty(b, h, n).transpose(0, 1)
+    y = cpu_ops.panel_gemm(x, cpu_ops.pack_panels(w), n, out=out)
+    assert y is out
+    torch.testing.assert_close(out, torch.bmm(x, w.transpose(1, 2)), atol=1e-5, rtol=1e-5)
+
+
+def test_panel_gemm_bad_shapes_named():
+    wp = cpu_ops.pack_panels(torch.randn(20, 8))
+    with pytest.raises(RuntimeError, match="x must be"):
+        torch.ops.openinfer_cpu.panel_gemm(torch.empty(1, 2, 20), torch.randn(1, 2, 9), wp.unsqueeze(0), None)
+    with pytest.raises(RuntimeError, match="N in the panels"):
+        torch.ops.openinfer_cpu.panel_gemm(torch.empty(1, 2, 40), torch.randn(1, 2, 8), wp.unsqueeze(0), None)
+    assert cpu_ops.panel_gemm(torch.randn(2, 8).double(), wp, 20) is None  # fp32 only: the caller's torch path
+
+
+@pytest.mark.parametrize("panels", ["1", "0"])
+def test_linear_prepack_layout_and_results(monkeypatch, panels):
+    from openinfer.layers.linear import Linear
+
+    monkeypatch.setenv("OPENINFER_CPU_PANELS", panels)
+    torch.manual_seed(0)
+    layer = Linear(96, 70, bias=True)
+    w = layer.weight.detach().clone()
+    assert layer.prepack_cpu()
+    assert (layer._panels is not None) == (panels == "1") and (layer._packed is not None) == (panels == "0")
+    assert layer.weight.numel() == 0 and torch.equal(layer.dense_weight(), w)
+    for m in (1, 8, 40):
+        x = torch.randn(m, 96)
+        torch.testing.assert_close(layer(x), F.linear(x, w, layer.bias), atol=1e-4, rtol=1e-5)
+
+
+def test_mla_absorbed_panels_follow_kv_b_and_match_bmm(monkeypatch):
+    """MLA's decode GEMMs on W_UK^T / W_UV panels: equal to the torch.bmm path, and rebuilt when kv_b's weight is
+    written in place (a stale copy would keep the old weights)."""
+    from openinfer.forward_context import AttentionMetadata, set_forward_context
+    from openinfer.layers.mla import MLAAttention
+
+    torch.manual_seed(0)
+    h, lr, dn, r, dv, bs = 4, 40, 16, 8, 24, 4  # lr, dv not multiples of 16: ragged last panels
+    attn = MLAAttention(h, lr, dn, r, dv, scale=0.2)
+    cache = torch.randn(24, bs, lr + r)
+    kv_b = 0.2 * torch.randn(h * (dn + dv), lr)
+    seqs = [([3, 7], 6, 1), ([10, 2, 20, 5], 13, 1), ([11, 12], 7, 7)]  # two decodes and a prompt
+    md = AttentionMetadata.build([n for _, _, n in seqs], [ctx for _, ctx, _ in seqs],
+                                 {"full": [t for t, _, _ in seqs]}, {"full": bs}, bs, torch.device("cpu"))
+    q_nope, q_pe = torch.randn(md.num_tokens, h, dn), torch.randn(md.num_tokens, h, r)
+    c_kv, k_pe = torch.randn(md.num_tokens, lr), torch.randn(md.num_tokens, r)
+
+    def run(panels: str):
+        monkeypatch.setenv("OPENINFER_CPU_PANELS", panels)
+        attn.kv_cache = cache.clone()
+        with set_forward_context(md):
+            return attn(q_nope, q_pe, c_kv, k_pe, kv_b)
+
+    fast = run("1")
+    built = attn._absorbed
+    assert built is not None and built[0] is kv_b
+    torch.testing.assert_close(fast, run("0"), atol=1e-5, rtol=1e-5)
+    kv_b.mul_(-1.5)
+    fast = run("1")
+    assert attn._absorbed is not built
+    torch.testing.assert_close(fast, run("0"), atol=1e-5, rtol=1e-5)
