@@ -110,3 +110,58 @@ def test_mla_absorbed_panels_follow_kv_b_and_match_bmm(monkeypatch):
     fast = run("1")
     assert attn._absorbed is not built
     torch.testing.assert_close(fast, run("0"), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("limit", [None, 0.5])
+def test_moe_experts_panels_match_reference(limit):
+    """The routed experts on panels at every row count per expert: none, 1 (decode), a few, many (prefill)."""
+    from openinfer.layers.moe import experts_on_sorted_rows, reference_experts, fused_experts
+
+    gen = torch.Generator().manual_seed(2)
+    h, i, e = 40, 32, 6  # H not a multiple of 16: a ragged last W2 panel
+    w13 = torch.randn(e, 2 * i, h, generator=gen) * 0.2
+    w2 = torch.randn(e, h, i, generator=gen) * 0.2
+    panels = (cpu_ops.pack_panels(w13), cpu_ops.pack_panels(w2))
+    counts = [0, 1, 3, 0, 70, 7]
+    rows = torch.randn(sum(counts), h, generator=gen)
+    got = experts_on_sorted_rows(rows, counts, torch.empty(0), torch.empty(0), limit, None, panels)
+    ref = experts_on_sorted_rows(rows, counts, w13, w2, limit, None)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    t, k = 30, 2
+    x = torch.randn(t, h, generator=gen)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+    wts = torch.rand(t, k, generator=gen)
+    torch.testing.assert_close(fused_experts(x, None, None, wts, ids, limit, panels=panels),
+                               reference_experts(x, w13, w2, wts, ids, limit), atol=1e-5, rtol=1e-5)
+
+
+def test_moe_experts_panels_nan_in_idle_expert_stays_out():
+    h, i, e = 16, 16, 3
+    w13, w2 = torch.randn(e, 2 * i, h), torch.randn(e, h, i)
+    w13[1] = float("nan")  # expert 1 gets no rows
+    y = cpu_ops.moe_experts_panels(torch.randn(4, h), [2, 0, 2], cpu_ops.pack_panels(w13), cpu_ops.pack_panels(w2),
+                                   None)
+    assert torch.isfinite(y).all()
+    with pytest.raises(RuntimeError, match="counts must sum"):
+        cpu_ops.moe_experts_panels(torch.randn(4, h), [2, 0, 1], cpu_ops.pack_panels(w13), cpu_ops.pack_panels(w2),
+                                   None)
+
+
+def test_deepseek_experts_prepack_roundtrip(monkeypatch):
+    """DeepseekExperts in panels: dense_weights gives the stacks back exactly, forward equals the plain stacks', and a
+    rebalance's set_weights lands in panels again."""
+    from openinfer.layers.deepseek_moe import DeepseekExperts
+
+    torch.manual_seed(3)
+    mod = DeepseekExperts(5, 24, 32)
+    w13, w2 = torch.randn(5, 64, 24) * 0.2, torch.randn(5, 24, 32) * 0.2
+    mod.w13_weight.data.copy_(w13)
+    mod.w2_weight.data.copy_(w2)
+    x, ids = torch.randn(9, 24), torch.randint(0, 5, (9, 2))
+    wts = torch.rand(9, 2)
+    plain = mod(x, wts, ids)
+    assert mod.prepack_cpu() and mod.w13_weight.numel() == 0
+    assert all(torch.equal(a, b) for a, b in zip(mod.dense_weights(), (w13, w2)))
+    torch.testing.assert_close(mod(x, wts, ids), plain, atol=1e-5, rtol=1e-5)
+    mod.set_weights(w13.flip(0), w2.flip(0))
+    assert mod._panels is not None and torch.equal(mod.dense_weights()[0], w13.flip(0))

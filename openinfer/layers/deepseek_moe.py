@@ -236,6 +236,8 @@ class DeepseekExperts(nn.Module):
         self.register_buffer("slot_load", torch.zeros(self.num_slots, dtype=torch.long), persistent=False)
 
     _packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+    # fp32 on the CPU, after prepack_cpu: (w13, w2) in the panel layout, the plain stacks emptied
+    _panels: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def expert_ids(self) -> list[int]:
@@ -314,30 +316,53 @@ class DeepseekExperts(nn.Module):
             return 0
         self._packed = ([QuantizedWeight.quantize(w13[e], method) for e in range(w13.shape[0])],
                         [QuantizedWeight.quantize(w2[e], method) for e in range(w2.shape[0])])
+        self._panels = None
         self.w13_weight = nn.Parameter(w13.new_empty(0), requires_grad=False)
         self.w2_weight = nn.Parameter(w2.new_empty(0), requires_grad=False)
         return 2 * w13.shape[0]
 
+    @torch.no_grad()
+    def prepack_cpu(self) -> bool:
+        """fp32 plain stacks on the CPU (the kernels built, ``OPENINFER_CPU_PANELS`` not 0, I a multiple of 16): into
+        the panel layout (``cpu_kernels/moe_panels.cpp`` says why), replacing them; called by
+        ``linear.prepack_linears`` after loading. Returns whether it did."""
+        if self._panels is not None:
+            return True
+        w13, w2 = self.w13_weight, self.w2_weight
+        if (self._packed is not None or w13.dim() != 3 or w13.numel() == 0 or self.intermediate_size % cpu_ops.PANEL
+                or not cpu_ops.panels_enabled(w13.device, w13.dtype)):
+            return False
+        self._panels = (cpu_ops.pack_panels(w13), cpu_ops.pack_panels(w2))
+        self.w13_weight = nn.Parameter(w13.new_empty(0), requires_grad=False)
+        self.w2_weight = nn.Parameter(w2.new_empty(0), requires_grad=False)
+        return True
+
     def dense_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13 [E, 2I, H], w2 [E, H, I]) as plain tensors, packed or not (the reorder is exact both ways)."""
+        if self._panels is not None:
+            p13, p2 = self._panels
+            return cpu_ops.unpack_panels(p13, 2 * self.intermediate_size), cpu_ops.unpack_panels(p2, p13.shape[-2])
         if self._packed is None:
             return self.w13_weight, self.w2_weight
         return tuple(torch.stack([w.to_dense() for w in ws]) for ws in self._packed)
 
     @torch.no_grad()
     def set_weights(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
-        """Replace every local slot's weights (after a rebalance), as the plain row-major stacks: no oneDNN
-        prepack (moe.KERNEL_MAX_ROWS_PER_EXPERT says why the experts keep that one layout)."""
-        self._packed = None
+        """Replace every local slot's weights (after a rebalance), as the plain row-major stacks, then in panels again
+        if they were (``prepack_cpu``); never oneDNN's layout (moe.KERNEL_MAX_ROWS_PER_EXPERT says why)."""
+        repack = self._panels is not None
+        self._packed = self._panels = None
         self.w13_weight = nn.Parameter(w13, requires_grad=False)
         self.w2_weight = nn.Parameter(w2, requires_grad=False)
+        if repack:
+            self.prepack_cpu()
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 out: torch.Tensor | None = None) -> torch.Tensor:
         """``out``: added onto in place (the shared experts' output), see ``fused_experts``."""
         if self.ep.world_size == 1:
             return fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.swiglu_limit,
-                                 packed=self._packed, out=out)
+                                 packed=self._packed, out=out, panels=self._panels)
         slots = topk_ids if self.map is None else self.map.to_slots(topk_ids)
         if self.count_load:
             md = peek_forward_context()
@@ -347,7 +372,7 @@ class DeepseekExperts(nn.Module):
         y, order = expert_parallel_experts(
             x, slots, self.num_local_slots, self.ep,
             lambda rows, counts: experts_on_sorted_rows(rows, counts, self.w13_weight, self.w2_weight,
-                                                        self.swiglu_limit, self._packed))
+                                                        self.swiglu_limit, self._packed, self._panels))
         if self.map is not None:
             # Combine in the logical experts' order, as one process does (replicas only change where a pair ran).
             pairs = torch.empty_like(y)

@@ -255,6 +255,8 @@ def weight_bytes(model: nn.Module) -> int:
         elif not isinstance(m, Linear) and isinstance(getattr(m, "_packed", None), tuple):  # stacked experts
             total += sum(w.nbytes if isinstance(w, QuantizedWeight) else w.numel() * w.element_size()
                          for ws in m._packed for w in ws)
+        elif not isinstance(m, Linear) and isinstance(getattr(m, "_panels", None), tuple):  # experts in panels
+            total += sum(w.numel() * w.element_size() for w in m._panels)
     return total
 
 
@@ -268,4 +270,7 @@ def num_parameters(model: nn.Module) -> int:
             n += m.in_features * m.out_features
         elif not isinstance(m, Linear) and isinstance(getattr(m, "_packed", None), tuple):  # packed experts
             n += sum(w.numel() for ws in m._packed for w in ws)
+        elif not isinstance(m, Linear) and isinstance(getattr(m, "_panels", None), tuple):  # experts in panels
+            p13, p2 = m._panels  # [E, 2I / 16, H, 16] (2I a multiple of 16: no padding), [E, ., I, 16]
+            n += p13.numel() + p2.shape[0] * p13.shape[-2] * p2.shape[-2]
     return n

@@ -55,27 +55,39 @@ def fused_experts(
     swiglu_limit: float | None = None,
     packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
     out: torch.Tensor | None = None,
+    panels: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I]; topk_* [T, K] -> [T, H].
 
     Each (token, expert) pair becomes one row; rows are sorted by expert so each expert's rows are
     contiguous, both projections run as grouped matmuls, and results are gathered back weighted.
-    ``packed``: per-expert oneDNN-prepacked w13 / w2 (``pack_experts``, CPU), used instead of w13 / w2.
+    ``packed``: per-expert oneDNN-prepacked w13 / w2 (``pack_experts``, CPU), used instead of w13 / w2; ``panels``:
+    the two stacks in the panel layout (``experts_on_sorted_rows``).
     ``out`` [T, H] in x's dtype: the result is added onto it, in place, and it is returned."""
     t, k = topk_ids.shape
-    num_experts = len(packed[0]) if packed is not None else w13.shape[0]
+    num_experts = (len(packed[0]) if packed is not None else panels[0].shape[0] if panels is not None
+                   else w13.shape[0])
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     rows = x.index_select(0, order // k)
     counts = torch.bincount(flat, minlength=num_experts)
-    y = experts_on_sorted_rows(rows, counts.tolist(), w13, w2, swiglu_limit, packed)
+    y = experts_on_sorted_rows(rows, counts.tolist(), w13, w2, swiglu_limit, packed, panels)
     return combine_experts(y.to(x.dtype), order, topk_weights, out)
 
 
 def experts_on_sorted_rows(rows: torch.Tensor, counts: list[int], w13: torch.Tensor, w2: torch.Tensor,
                            swiglu_limit: float | None,
-                           packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None) -> torch.Tensor:
-    """rows [N, H] grouped by expert (``counts[e]`` rows for expert e, in expert order) -> expert outputs [N, H]."""
+                           packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None,
+                           panels: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """rows [N, H] grouped by expert (``counts[e]`` rows for expert e, in expert order) -> expert outputs [N, H].
+    ``panels``: fp32 w13 / w2 in the panel layout (``cpu_ops.pack_panels``) instead of w13 / w2: one C++ call at any
+    row count (``cpu_kernels/moe_panels.cpp``)."""
+    if panels is not None:
+        y = cpu_ops.moe_experts_panels(rows, counts, panels[0], panels[1], swiglu_limit)
+        if y is not None:
+            return y
+        w13 = cpu_ops.unpack_panels(panels[0], 2 * panels[1].shape[-2])
+        w2 = cpu_ops.unpack_panels(panels[1], w13.shape[-1])
     if packed is not None:
         return _looped_packed(rows, packed, counts, swiglu_limit)
     active = sum(1 for n in counts if n)
