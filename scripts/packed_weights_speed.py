@@ -52,7 +52,8 @@ def _bytes(llm) -> dict[str, int]:
     experts = 0
     for m in model.modules():
         if isinstance(m, DeepseekExperts):
-            ws = [w for group in m._packed for w in group] if m._packed is not None else [m.w13_weight, m.w2_weight]
+            ws = ([w for group in m._packed for w in group] if m._packed is not None
+                  else list(m._panels or (m.w13_weight, m.w2_weight)))
             experts += sum(w.nbytes if isinstance(w, QuantizedWeight) else w.numel() * w.element_size() for w in ws)
     return {"weight_bytes": weight_bytes(model), "expert_bytes": experts}
 

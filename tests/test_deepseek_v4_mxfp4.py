@@ -33,7 +33,7 @@ def _run(path, monkeypatch, experts: str, kernels: bool):
         model = engine_model(llm)
         experts_mods = [m for m in model.modules() if isinstance(m, DeepseekExperts)]
         expert_bytes = sum(w.nbytes if isinstance(w, Mxfp4Weight) else w.numel() * w.element_size()
-                           for m in experts_mods for ws in (m._packed or (m.w13_weight, m.w2_weight)) for w in ws)
+                           for m in experts_mods for ws in (m._packed or m._panels or (m.w13_weight, m.w2_weight)) for w in ws)
         packed = [m.mxfp4 for m in experts_mods]
     toks = [o.outputs[0].token_ids for o in outs]
     lps = [[o.outputs[0].logprobs[j][t] for j, t in enumerate(o.outputs[0].token_ids)] for o in outs]

@@ -74,16 +74,20 @@ def test_moe_gemv_empty_and_bad_input(kernel_ops):
     assert cpu_ops.moe_experts_gemv(rows.bfloat16(), [1, 1], w13, w2, None) is None
 
 
-def _spy(monkeypatch):
+def _spy(monkeypatch, panels: str = "0"):
+    """Records the experts kernel's calls: the row-major one (``moe_experts_gemv``), or with ``panels`` "1" the
+    panel-layout one (fp32 experts are packed into panels by default: ``DeepseekExperts.prepack_cpu``)."""
+    monkeypatch.setenv("OPENINFER_CPU_PANELS", panels)
+    name = "moe_experts_panels" if panels == "1" else "moe_experts_gemv"
     calls = []
-    real = cpu_ops.moe_experts_gemv
+    real = getattr(cpu_ops, name)
 
     def spy(rows, counts, w13, w2, limit):
         y = real(rows, counts, w13, w2, limit)
         calls.append((rows.shape[0], limit, y is not None))
         return y
 
-    monkeypatch.setattr(cpu_ops, "moe_experts_gemv", spy)
+    monkeypatch.setattr(cpu_ops, name, spy)
     return calls
 
 
@@ -110,19 +114,21 @@ def _greedy_on_off(path, prompts, monkeypatch, calls, max_tokens=12):
     return on_calls
 
 
-def test_v3_greedy_same_with_kernels_on_and_off(tmp_path, monkeypatch, kernel_ops):
+@pytest.mark.parametrize("panels", ["0", "1"])
+def test_v3_greedy_same_with_kernels_on_and_off(tmp_path, monkeypatch, kernel_ops, panels):
     from test_deepseek_v3 import make_hf_v3, make_prompts
 
     path = make_hf_v3(tmp_path / "v3")
-    calls = _greedy_on_off(path, make_prompts((5, 33, 9)), monkeypatch, _spy(monkeypatch))
+    calls = _greedy_on_off(path, make_prompts((5, 33, 9)), monkeypatch, _spy(monkeypatch, panels))
     assert calls and all(ok for _, _, ok in calls)  # the decode steps' experts ran in the kernel
 
 
-def test_v4_greedy_same_with_kernels_on_and_off(tmp_path, monkeypatch, kernel_ops):
+@pytest.mark.parametrize("panels", ["0", "1"])
+def test_v4_greedy_same_with_kernels_on_and_off(tmp_path, monkeypatch, kernel_ops, panels):
     from helpers import load_script, random_prompts
 
     path = load_script("make_deepseek_v4_checkpoint").make_checkpoint(tmp_path / "v4", "tiny", seed=0)
-    calls = _greedy_on_off(path, random_prompts(1, [3, 17, 40]), monkeypatch, _spy(monkeypatch))
+    calls = _greedy_on_off(path, random_prompts(1, [3, 17, 40]), monkeypatch, _spy(monkeypatch, panels))
     assert calls and all(ok for _, _, ok in calls)
     assert any(limit is not None for _, limit, _ in calls)  # V4's swiglu clamp went through the kernel
 
