@@ -129,8 +129,10 @@ def _greedy(path, monkeypatch, gemv, **kw):
 
 @pytest.mark.parametrize("dtype,prepack", [("float32", "0"), ("bfloat16", "1")])
 def test_llama_greedy_same_with_gemv_on_and_off(tmp_path, monkeypatch, kernel_ops, dtype, prepack):
-    """fp32 in the low-latency mode (row-major weights) and bf16: the kernel changes only summation order."""
+    """fp32 in the low-latency mode (row-major weights) and bf16 off the panel layout (which a CPU without native bf16
+    takes by default, test_panel_gemm.py): the kernel changes only summation order."""
     monkeypatch.setenv("OPENINFER_CPU_PREPACK", prepack)
+    monkeypatch.setenv("OPENINFER_CPU_PANELS", "0")
     path = make_dense_checkpoint(tmp_path / "m", vocab_size=128, hidden_size=128, intermediate_size=256)
     calls = _spy(monkeypatch)
     fast = _greedy(path, monkeypatch, True, dtype=dtype)

@@ -2,8 +2,12 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import engine_model, make_dense_checkpoint, random_prompts
 
+from openinfer import LLM, SamplingParams
 from openinfer.layers import cpu_ops
+from openinfer.layers.linear import Linear
+from openinfer.platform import cpu_has_fast_bf16
 
 pytestmark = pytest.mark.usefixtures("kernel_ops")
 
@@ -30,6 +34,28 @@ def test_panel_gemm_matches_linear(m, n, k, bias):
     ref = F.linear(x.double(), w.double(), None if b is None else b.double()).float()
     assert y.shape == (m, n)
     torch.testing.assert_close(y, ref, atol=1e-4 * k ** 0.5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("m", [1, 2, 6, 8, 13, 40])
+@pytest.mark.parametrize("bias", [False, True])
+def test_panel_gemm_bf16_matches_fp32_sums_rounded_once(m, bias):
+    """bf16 weights widened in registers, x and bias widened once, fp32 sums rounded once: torch's CPU bf16 GEMM's
+    roundings, so at most an ulp of summation-order difference."""
+    gen = torch.Generator().manual_seed(m)
+    n, k = 45, 200
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if bias else None
+    y = cpu_ops.panel_gemm(x, cpu_ops.pack_panels(w), n, b)
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+    torch.testing.assert_close(y.double(), ref, atol=1e-3 * k ** 0.5, rtol=2 ** -8)
+    out = torch.empty(m, 3, n, dtype=torch.bfloat16).transpose(0, 1)  # batched [3, m, n], strided, bf16
+    xs = torch.randn(m, 3, k, generator=gen).bfloat16().transpose(0, 1)
+    ws = torch.randn(3, n, k, generator=gen).bfloat16()
+    cpu_ops.panel_gemm(xs, cpu_ops.pack_panels(ws), n, out=out)
+    torch.testing.assert_close(out.double(), torch.bmm(xs.double(), ws.double().transpose(1, 2)),
+                               atol=1e-3 * k ** 0.5, rtol=2 ** -8)
 
 
 def test_panel_gemm_leading_dims_and_empty():
@@ -60,13 +86,12 @@ def test_panel_gemm_bad_shapes_named():
         torch.ops.openinfer_cpu.panel_gemm(torch.empty(1, 2, 20), torch.randn(1, 2, 9), wp.unsqueeze(0), None)
     with pytest.raises(RuntimeError, match="N in the panels"):
         torch.ops.openinfer_cpu.panel_gemm(torch.empty(1, 2, 40), torch.randn(1, 2, 8), wp.unsqueeze(0), None)
-    assert cpu_ops.panel_gemm(torch.randn(2, 8).double(), wp, 20) is None  # fp32 only: the caller's torch path
+    assert cpu_ops.panel_gemm(torch.randn(2, 8).double(), wp, 20) is None  # not fp32 / bf16: the caller's torch path
+    assert cpu_ops.panel_gemm(torch.randn(2, 8).bfloat16(), wp, 20) is None  # x not in wp's dtype
 
 
 @pytest.mark.parametrize("panels", ["1", "0"])
 def test_linear_prepack_layout_and_results(monkeypatch, panels):
-    from openinfer.layers.linear import Linear
-
     monkeypatch.setenv("OPENINFER_CPU_PANELS", panels)
     torch.manual_seed(0)
     layer = Linear(96, 70, bias=True)
@@ -77,6 +102,23 @@ def test_linear_prepack_layout_and_results(monkeypatch, panels):
     for m in (1, 8, 40):
         x = torch.randn(m, 96)
         torch.testing.assert_close(layer(x), F.linear(x, w, layer.bias), atol=1e-4, rtol=1e-5)
+
+
+def test_linear_bf16_layout_follows_the_cpu(monkeypatch):
+    """bf16: panels where the CPU has no native bf16 (else oneDNN's layout on AMX / AVX-512 BF16); row-major with
+    OPENINFER_CPU_PREPACK=0."""
+    torch.manual_seed(1)
+    layer = Linear(64, 50, bias=True).bfloat16()
+    w = layer.weight.detach().clone()
+    assert layer.prepack_cpu()
+    assert (layer._panels is not None) == (not cpu_has_fast_bf16())
+    assert torch.equal(layer.dense_weight(), w)
+    x = torch.randn(5, 64).bfloat16()
+    ref = F.linear(x.double(), w.double(), layer.bias.double())
+    torch.testing.assert_close(layer(x).double(), ref, atol=2e-2, rtol=2 ** -7)
+    monkeypatch.setenv("OPENINFER_CPU_PREPACK", "0")
+    plain = Linear(64, 50).bfloat16()
+    assert not plain.prepack_cpu() and plain._panels is None and plain._packed is None
 
 
 def test_mla_absorbed_panels_follow_kv_b_and_match_bmm(monkeypatch):
@@ -165,3 +207,26 @@ def test_deepseek_experts_prepack_roundtrip(monkeypatch):
     torch.testing.assert_close(mod(x, wts, ids), plain, atol=1e-5, rtol=1e-5)
     mod.set_weights(w13.flip(0), w2.flip(0))
     assert mod._panels is not None and torch.equal(mod.dense_weights()[0], w13.flip(0))
+
+
+@pytest.mark.parametrize("dtype, lp_tol", [("float32", 1e-4), ("bfloat16", 5e-2)])
+def test_llama_greedy_same_on_panels_and_off(tmp_path, monkeypatch, dtype, lp_tol):
+    """A whole model on panels (prepacked linears) against the layouts it replaces (oneDNN fp32, row-major gemv
+    bf16): same greedy tokens, logprobs within summation-order noise."""
+    path = make_dense_checkpoint(tmp_path / "m", vocab_size=128, hidden_size=128, intermediate_size=256)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(3, [5, 20, 9], vocab_size=100)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    runs = []
+    for panels in ("1", "0"):
+        with monkeypatch.context() as mp:
+            mp.setenv("OPENINFER_CPU_PANELS", panels)
+            llm = LLM(model=str(path), dtype=dtype, num_kv_blocks=64)
+            on = [m._panels is not None for m in engine_model(llm).modules() if isinstance(m, Linear) and m.prepack]
+            runs.append((llm.generate(prompts, params, use_tqdm=False), on))
+            del llm
+    (fast, on), (ref, off) = runs
+    assert on and all(on) == (dtype == "float32" or not cpu_has_fast_bf16()) and not any(off)
+    for a, b in zip(fast, ref):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for j, t in enumerate(a.outputs[0].token_ids):
+            assert abs(a.outputs[0].logprobs[j][t] - b.outputs[0].logprobs[j][t]) < lp_tol

@@ -380,37 +380,52 @@ PANEL = 16  # output columns per panel
 
 
 def panels_enabled(device: torch.device, dtype: torch.dtype) -> bool:
-    """fp32 on the CPU with the kernels built: weights that are only multiplied go into the panel layout
-    (``Linear``'s prepacking, MLA's absorbed W_UK / W_UV). ``OPENINFER_CPU_PANELS=0`` turns it off (``Linear``
-    then prepacks for oneDNN as before, MLA runs torch.bmm on views of kv_b)."""
+    """fp32, or bf16 on a CPU without native bf16 (with it oneDNN's AMX / AVX-512 BF16 GEMM stays), on the CPU with
+    the kernels built: weights that are only multiplied go into the panel layout (``Linear``'s prepacking, MLA's
+    absorbed W_UK / W_UV, fp32 routed experts). ``OPENINFER_CPU_PANELS=0`` turns it off (``Linear`` then prepacks
+    fp32 for oneDNN and runs bf16 row-major on the gemv kernel, MLA runs torch.bmm on views of kv_b)."""
     if os.environ.get("OPENINFER_CPU_PANELS", "1").strip().lower() in ("0", "false", "no", "off"):
         return False
-    return device.type == "cpu" and dtype == torch.float32 and get_ops() is not None
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if dtype == torch.bfloat16:
+        from openinfer.platform import cpu_has_fast_bf16
+
+        if cpu_has_fast_bf16():
+            return False
+    return get_ops() is not None
 
 
 def pack_panels(w: torch.Tensor) -> torch.Tensor:
-    """[..., N, K] -> the panel layout [..., ceil(N / 16), K, 16] (rows past N zero), fp32, contiguous: panel p row
-    k holds w[..., 16p:16p + 16, k]. Exact: ``unpack_panels`` gives ``w`` back."""
+    """[..., N, K] -> the panel layout [..., ceil(N / 16), K, 16] (rows past N zero), in w's dtype, contiguous: panel
+    p row k holds w[..., 16p:16p + 16, k], for bf16 in the order c0 c8 c1 c9 ... c7 c15 (the kernel widens one
+    32-byte load with a shift and a mask: ``cpu_kernels/panel_tile.h``). Exact: ``unpack_panels`` gives ``w`` back."""
     n, k = w.shape[-2:]
     np_ = -(-n // PANEL)
-    padded = w.new_zeros(*w.shape[:-2], np_ * PANEL, k, dtype=torch.float32)
+    padded = w.new_zeros(*w.shape[:-2], np_ * PANEL, k)
     padded[..., :n, :] = w
-    return padded.view(*w.shape[:-2], np_, PANEL, k).transpose(-1, -2).contiguous()
+    wp = padded.view(*w.shape[:-2], np_, PANEL, k).transpose(-1, -2)
+    if w.dtype == torch.bfloat16:
+        wp = wp.unflatten(-1, (2, PANEL // 2)).transpose(-1, -2).flatten(-2)
+    return wp.contiguous()
 
 
 def unpack_panels(wp: torch.Tensor, n: int) -> torch.Tensor:
     """The [..., N, K] matrix a ``pack_panels`` layout holds."""
     np_, k = wp.shape[-3:-1]
+    if wp.dtype == torch.bfloat16:
+        wp = wp.unflatten(-1, (PANEL // 2, 2)).transpose(-1, -2).flatten(-2)
     return wp.transpose(-1, -2).reshape(*wp.shape[:-3], np_ * PANEL, k)[..., :n, :].contiguous()
 
 
 def panel_gemm(x: torch.Tensor, wp: torch.Tensor, n: int, bias: torch.Tensor | None = None,
                out: torch.Tensor | None = None) -> torch.Tensor | None:
     """x [..., K] W^T (+ bias) -> [..., n] for W in panels ``wp`` [NP, K, 16]; or, batched, x [H, M, K] and wp
-    [H, NP, K, 16] -> [H, M, n] (x and ``out`` may be strided views with unit stride in the last dim). fp32 only;
-    None when the kernel cannot take the call (the caller unpacks or runs its torch path)."""
+    [H, NP, K, 16] -> [H, M, n] (x and ``out`` may be strided views with unit stride in the last dim). fp32 or bf16, x
+    in wp's dtype; None when the kernel cannot take the call (the caller unpacks or runs its torch path)."""
     ops = ops_for(x, wp)
-    if ops is None or x.dtype != torch.float32 or wp.dtype != torch.float32 or (bias is not None and wp.dim() != 3):
+    if (ops is None or wp.dtype not in (torch.float32, torch.bfloat16) or x.dtype != wp.dtype
+            or (bias is not None and wp.dim() != 3)):
         return None
     batched = wp.dim() == 4
     rows = math.prod(x.shape[:-1])
@@ -419,7 +434,7 @@ def panel_gemm(x: torch.Tensor, wp: torch.Tensor, n: int, bias: torch.Tensor | N
         x3 = x3.contiguous()
     y = out if out is not None else x.new_empty(*x3.shape[:2], n)
     ops.panel_gemm(y if batched else y.view(1, rows, n), x3, wp if batched else wp.unsqueeze(0),
-                   None if bias is None else bias.float().contiguous())
+                   None if bias is None else bias.to(wp.dtype))
     return y if batched else y.view(*x.shape[:-1], n)
 
 

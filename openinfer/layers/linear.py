@@ -39,13 +39,19 @@ copy bandwidth 14.7 in the same run), fp32:
 Layout choice (one copy either way): fp32 was oneDNN-packed rather than row-major because batched decode
 (M = 16-64, where the engine's throughput is made) runs 15-25 % slower on any row-major path, against +24 % at
 M = 1; the panels now beat both at every M. ``OPENINFER_CPU_PREPACK=0`` keeps weights row-major: M <=
-``GEMV_MAX_M`` runs the gemv kernel, larger M the split ``F.linear`` above. bf16 weights on a CPU without native bf16 (never packed,
-see ``cpu_prepack_supported``) run the gemv kernel at every M: torch's emulated bf16 GEMM is slower than it
-everywhere measured (M = 8: 2.4x, M = 32: 3x, M = 128: > 4x), and at M = 1 bf16 reads half fp32's bytes.
-``OPENINFER_CPU_GEMV=0`` turns the kernel off (the paths above without it). Known limit: at M = 1 the bf16
-weights stream at only ~55-65 % of the copy bandwidth (fp32 at ~95-100 %, same loop structure; 1 thread, same
-runs), so batch-1 bf16 is ~1.1-1.3x fp32 instead of ~2x; 1-, 2- and 4-row blocks and software prefetch measured
-alike, so the limit is not the row-stream count. ``scripts/decode_bandwidth.py`` measures it end to end.
+``GEMV_MAX_M`` runs the gemv kernel, larger M the split ``F.linear`` above.
+
+bf16 on a CPU without native bf16 (AVX2 hosts): torch's bf16 GEMM is emulated there, 2.4-4x slower than the gemv
+kernel on the row-major weight at every M measured. The weights now go into bf16 panels too (widened in registers by
+a shift and a mask, ``cpu_kernels/panel_tile.h``): ``scripts/panel_gemm_speed.py --dtype bfloat16 --shapes
+5632x1024 1024x2816 32000x1024 --m 1 8 32 128`` (1 thread, Zen 3) panels / gemv 1.0-1.5x at M = 1 (13-17 GB/s of
+weight), 1.7-2.1x at M = 8-128 (57-92 GFLOP/s); the Llama bench model's bf16 decode step 1.16-1.44x / 1.61-1.79x /
+1.82-1.99x faster at batch 1 / 8 / 32 (``scripts/profile_decode_step.py --dtype bfloat16``, ``OPENINFER_CPU_PANELS``
+1 vs 0, 2 interleaved rounds). With ``OPENINFER_CPU_PANELS=0`` (or ``OPENINFER_CPU_PREPACK=0``) bf16 runs the gemv
+kernel at every M as before; ``OPENINFER_CPU_GEMV=0`` turns that kernel off (the paths above without it). Known limit
+of the gemv kernel: at M = 1 bf16 streams at only ~55-65 % of the copy bandwidth (fp32 at ~95-100 %, same loop
+structure), so batch-1 bf16 there is ~1.1-1.3x fp32 instead of ~2x. ``scripts/decode_bandwidth.py`` measures it end
+to end.
 """
 from __future__ import annotations
 
@@ -83,10 +89,14 @@ def _gemv_every_m(dtype: torch.dtype) -> bool:
     return not cpu_has_fast_bf16()
 
 
+def _prepack_on() -> bool:
+    return os.environ.get("OPENINFER_CPU_PREPACK", "1") != "0"
+
+
 def cpu_prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
     """oneDNN prepacking: CPU fp32 always; bf16 only where the CPU has native bf16 (AVX-512 BF16 / AMX),
     since elsewhere torch's bf16 GEMMs are emulated and slow whatever the layout."""
-    if os.environ.get("OPENINFER_CPU_PREPACK", "1") == "0":
+    if not _prepack_on():
         return False
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
@@ -108,19 +118,19 @@ class Linear(nn.Linear):
 
     @torch.no_grad()
     def prepack_cpu(self, keep_weight: bool = False) -> bool:
-        """Reorder the weight into a blocked layout (ours for fp32, oneDNN's for native bf16); returns whether it
-        did."""
+        """Reorder the weight into a blocked layout (our panels for fp32 and for bf16 without native bf16, oneDNN's
+        for native bf16); returns whether it did."""
         w = self.weight
         if self._quant is not None:
             return False
         if self._packed is not None or self._panels is not None:
             return True
-        if not cpu_prepack_supported(w.device, w.dtype):
-            return False
-        if cpu_ops.panels_enabled(w.device, w.dtype):
+        if _prepack_on() and cpu_ops.panels_enabled(w.device, w.dtype):
             self._panels = cpu_ops.pack_panels(w.detach())
-        else:
+        elif cpu_prepack_supported(w.device, w.dtype):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), _PACK_BATCH_HINT)
+        else:
+            return False
         if not keep_weight:
             self.weight = nn.Parameter(w.new_empty(0), requires_grad=False)
         return True

@@ -1,6 +1,8 @@
-// fp32 GEMM on a weight packed in 16-column panels (layers/linear.py, layers/mla.py; packed by cpu_ops.pack_panels): y[h] = x[h] W[h]^T (+ bias) with
-// W[h] [N, K] stored as Wp[h] [NP = ceil(N / 16), K, 16] (panel p, row k holds W[16p .. 16p + 15, k]; the rows past
-// N are zeros). One op for a plain linear (H = 1) and for a batch of per-head matrices (MLA's absorbed W_UK / W_UV).
+// GEMM on an fp32 or bf16 weight packed in 16-column panels (layers/linear.py, layers/mla.py; packed by
+// cpu_ops.pack_panels): y[h] = x[h] W[h]^T (+ bias) with W[h] [N, K] stored as Wp[h] [NP = ceil(N / 16), K, 16]
+// (panel p, row k holds W[16p .. 16p + 15, k]; the rows past N are zeros). One op for a plain linear (H = 1) and for
+// a batch of per-head matrices (MLA's absorbed W_UK / W_UV). bf16 weights are widened in registers (panel_tile.h):
+// on a CPU without native bf16 this replaces torch's emulated bf16 GEMM and the row-major gemv kernel.
 //
 // Why our own layout and loop instead of oneDNN's prepacked weight: on this project's AVX2 host (Zen 3, 1 thread,
 // weights cycled through 160 MB so they stream from memory) this loop measured 1.15-1.45x oneDNN's
@@ -31,38 +33,15 @@
 
 namespace {
 
-// y [H, M, N] = x [H, M, K] Wp^T (+ bias [N]); x and y may be strided views (unit stride in the last dim),
-// Wp [H, NP, K, 16] contiguous fp32.
-void panel_gemm(at::Tensor y, const at::Tensor& x, const at::Tensor& wp, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(wp.dim() == 4 && wp.size(3) == kPanel && wp.is_contiguous() && wp.scalar_type() == at::kFloat,
-              "panel_gemm: wp must be contiguous fp32 [H, NP, K, 16]");
-  const int64_t H = wp.size(0), NP = wp.size(1), K = wp.size(2);
-  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.size(0) == H && x.size(2) == K &&
-                  (K <= 1 || x.stride(2) == 1),
-              "panel_gemm: x must be fp32 [H, M, K] with unit stride in K");
-  const int64_t M = x.size(1);
-  TORCH_CHECK(y.dim() == 3 && y.scalar_type() == at::kFloat && y.size(0) == H && y.size(1) == M &&
-                  y.size(2) > (NP - 1) * kPanel && y.size(2) <= NP * kPanel && y.stride(2) == 1,
-              "panel_gemm: y must be fp32 [H, M, N] with unit stride in N and N in the panels' last 16 columns");
-  const int64_t N = y.size(2);
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(H == 1 && bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
-                "panel_gemm: bias must be contiguous fp32 [N], with H = 1");
-    b = bias->data_ptr<float>();
-  }
-  if (M == 0 || N == 0) return;
-  if (K == 0) {  // an empty sum: the bias alone
-    y.zero_();
-    if (b) y.add_(*bias);
-    return;
-  }
+template <typename WT>
+void run(at::Tensor& y, const at::Tensor& x, const at::Tensor& wp, const float* b) {
+  const int64_t H = wp.size(0), NP = wp.size(1), K = wp.size(2), M = x.size(1), N = y.size(2);
   const float* xp = x.data_ptr<float>();
-  const float* w = wp.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+  const WT* w = wp.data_ptr<WT>();
+  WT* yp = y.data_ptr<WT>();
   const int64_t xs0 = x.stride(0), xs1 = x.stride(1), ys0 = y.stride(0), ys1 = y.stride(1);
   // >= ~64 KB of weight per task, so a small matrix does not wake every thread for nothing
-  const int64_t grain = std::max<int64_t>(1, 65536 / (kPanel * K * 4));
+  const int64_t grain = std::max<int64_t>(1, 65536 / static_cast<int64_t>(kPanel * K * sizeof(WT)));
   at::parallel_for(0, H * NP, grain, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t h = t / NP, p = t % NP, n = p * kPanel;
@@ -70,6 +49,40 @@ void panel_gemm(at::Tensor y, const at::Tensor& x, const at::Tensor& wp, const c
       panel_rows(xp + h * xs0, xs1, w + t * K * kPanel, K, yp + h * ys0 + n, ys1, M, cols, b ? b + n : nullptr);
     }
   });
+}
+
+// y [H, M, N] = x [H, M, K] Wp^T (+ bias [N]); Wp [H, NP, K, 16] contiguous fp32 or bf16, x, y and bias in its
+// dtype; x and y may be strided views (unit stride in the last dim). bf16: x and the bias are widened to fp32 once
+// per call (M x K is small next to the weight), sums are fp32, rounded once into y (as torch's CPU bf16 GEMM).
+void panel_gemm(at::Tensor y, const at::Tensor& x, const at::Tensor& wp, const c10::optional<at::Tensor>& bias) {
+  const auto dt = wp.scalar_type();
+  TORCH_CHECK(wp.dim() == 4 && wp.size(3) == kPanel && wp.is_contiguous() && (dt == at::kFloat || dt == at::kBFloat16),
+              "panel_gemm: wp must be contiguous fp32 or bf16 [H, NP, K, 16]");
+  const int64_t H = wp.size(0), NP = wp.size(1), K = wp.size(2);
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == dt && x.size(0) == H && x.size(2) == K &&
+                  (K <= 1 || x.stride(2) == 1),
+              "panel_gemm: x must be [H, M, K] in wp's dtype with unit stride in K");
+  const int64_t M = x.size(1);
+  TORCH_CHECK(y.dim() == 3 && y.scalar_type() == dt && y.size(0) == H && y.size(1) == M &&
+                  y.size(2) > (NP - 1) * kPanel && y.size(2) <= NP * kPanel && y.stride(2) == 1,
+              "panel_gemm: y must be [H, M, N] in wp's dtype with unit stride in N and N in the panels' last 16 "
+              "columns");
+  const int64_t N = y.size(2);
+  at::Tensor bf;
+  if (bias.has_value()) {
+    TORCH_CHECK(H == 1 && bias->scalar_type() == dt && bias->numel() == N,
+                "panel_gemm: bias must be [N] in wp's dtype, with H = 1");
+    bf = bias->to(at::kFloat).contiguous();
+  }
+  if (M == 0 || N == 0) return;
+  if (K == 0) {  // an empty sum: the bias alone
+    y.zero_();
+    if (bias.has_value()) y.add_(*bias);
+    return;
+  }
+  const float* b = bias.has_value() ? bf.data_ptr<float>() : nullptr;
+  if (dt == at::kFloat) return run<float>(y, x, wp, b);
+  run<c10::BFloat16>(y, x.to(at::kFloat), wp, b);  // x widened once (a contiguous fp32 copy)
 }
 
 }  // namespace
