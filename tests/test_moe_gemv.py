@@ -51,6 +51,34 @@ def test_moe_gemv_matches_torch(kernel_ops, monkeypatch, dtype, limit):
             torch.set_num_threads(prev)
 
 
+# The panel-layout experts kernel (cpu_kernels/moe_panels.cpp): I a multiple of 16, H any; row counts per expert from
+# 1 to prefill-sized (several 6-row tiles).
+PANEL_CASES = [([0, 1, 0, 0], 37, 16), ([1], 16, 16), ([2, 0, 3, 1, 0], 70, 48), ([0, 0, 1, 2, 0, 1, 3, 0], 512, 256),
+               ([40, 0, 70], 33, 64)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("limit", [None, 0.7])
+def test_moe_panels_matches_torch(kernel_ops, monkeypatch, dtype, limit):
+    for seed, (counts, h, i) in enumerate(PANEL_CASES):
+        rows, w13, w2 = _data(counts, h, i, dtype, seed)
+        p13, p2 = cpu_ops.pack_panels(w13), cpu_ops.pack_panels(w2)
+        y = cpu_ops.moe_experts_panels(rows, counts, p13, p2, limit)
+        assert y is not None and y.dtype == dtype and y.shape == rows.shape
+        ref = _torch_ref(rows, counts, w13, w2, limit, monkeypatch)
+        scale = max(1.0, float(ref.abs().max()))
+        tol = 1e-5 * scale if dtype == torch.float32 else 3e-2 * scale  # as for moe_gemv above
+        assert (y.float() - ref.float()).abs().max() <= tol, (counts, h, i)
+        if limit is not None:
+            assert not torch.allclose(y.float(), cpu_ops.moe_experts_panels(rows, counts, p13, p2, None).float())
+        prev = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:  # every output is one fixed-order sum whatever the split over threads
+            assert torch.equal(cpu_ops.moe_experts_panels(rows, counts, p13, p2, limit), y)
+        finally:
+            torch.set_num_threads(prev)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_moe_gemv_unused_expert_nan_never_read(kernel_ops, dtype):
     counts = [2, 0, 1, 0]

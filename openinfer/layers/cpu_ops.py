@@ -440,13 +440,14 @@ def panel_gemm(x: torch.Tensor, wp: torch.Tensor, n: int, bias: torch.Tensor | N
 
 def moe_experts_panels(rows: torch.Tensor, counts: list[int], p13: torch.Tensor, p2: torch.Tensor,
                        limit: float | None) -> torch.Tensor | None:
-    """swiglu(rows W13[e]^T) W2[e]^T for fp32 rows [R, H] sorted by expert (``counts[e]`` rows for expert e), W13 and
-    W2 in panels (``pack_panels``: p13 [E, 2I / 16, H, 16], p2 [E, ceil(H / 16), I, 16], I a multiple of 16);
-    -> [R, H], or None when the kernel cannot take the call."""
+    """swiglu(rows W13[e]^T) W2[e]^T for rows [R, H] sorted by expert (``counts[e]`` rows for expert e), W13 and W2
+    in panels (``pack_panels``: p13 [E, 2I / 16, H, 16], p2 [E, ceil(H / 16), I, 16], I a multiple of 16), fp32 or
+    bf16, rows in their dtype; -> [R, H], or None when the kernel cannot take the call."""
     ops = ops_for(rows, p13, p2)
-    if ops is None or rows.dtype != torch.float32 or rows.dim() != 2 or p2.shape[-2] % PANEL:
+    if (ops is None or rows.dtype not in (torch.float32, torch.bfloat16) or rows.dtype != p13.dtype
+            or rows.dim() != 2 or p2.shape[-2] % PANEL):
         return None
-    out = torch.empty(rows.shape[0], rows.shape[1], dtype=torch.float32)
+    out = torch.empty(rows.shape[0], rows.shape[1], dtype=rows.dtype)
     ops.moe_experts_panels(out, rows.contiguous(), torch.tensor(counts, dtype=torch.long), p13, p2,
                            float("inf") if limit is None else float(limit))
     return out

@@ -323,15 +323,14 @@ class DeepseekExperts(nn.Module):
 
     @torch.no_grad()
     def prepack_cpu(self) -> bool:
-        """fp32 plain stacks on the CPU (the kernels built, ``OPENINFER_CPU_PANELS`` not 0, I a multiple of 16; bf16
-        stays row-major on ``moe_gemv.cpp``, which keeps the torch path's bf16 roundings): into
-        the panel layout (``cpu_kernels/moe_panels.cpp`` says why), replacing them; called by
+        """Plain stacks on the CPU in fp32, or bf16 without native bf16 (``cpu_ops.panels_enabled``; I a multiple of
+        16): into the panel layout (``cpu_kernels/moe_panels.cpp`` says why), replacing them; called by
         ``linear.prepack_linears`` after loading. Returns whether it did."""
         if self._panels is not None:
             return True
         w13, w2 = self.w13_weight, self.w2_weight
         if (self._packed is not None or w13.dim() != 3 or w13.numel() == 0 or self.intermediate_size % cpu_ops.PANEL
-                or w13.dtype != torch.float32 or not cpu_ops.panels_enabled(w13.device, w13.dtype)):
+                or not cpu_ops.panels_enabled(w13.device, w13.dtype)):
             return False
         self._panels = (cpu_ops.pack_panels(w13), cpu_ops.pack_panels(w2))
         self.w13_weight = nn.Parameter(w13.new_empty(0), requires_grad=False)

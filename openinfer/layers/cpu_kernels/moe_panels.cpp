@@ -1,4 +1,4 @@
-// Routed experts on panel-packed fp32 weights (layers/deepseek_moe.py, DeepseekExperts.prepack_cpu): for rows
+// Routed experts on panel-packed fp32 / bf16 weights (layers/deepseek_moe.py, DeepseekExperts.prepack_cpu): for rows
 // [R, H] sorted by expert (counts[e] rows for expert e, in expert order), y = swiglu(rows W13[e]^T) W2[e]^T per
 // expert, in one call, with W13 [E, 2I, H] (gate rows then up rows) as panels [E, 2I / 16, H, 16] and W2 [E, H, I]
 // as panels [E, ceil(H / 16), I, 16] (the model's only copy of them; I a multiple of 16, so gate panel p and up
@@ -10,12 +10,14 @@
 // prefill), so one kernel serves every batch and replaces torch._grouped_mm as well.
 // - phase 1, work items (expert, gate panel p): gate and up for the expert's rows, 16 columns each, then
 //   silu(min(gate, limit)) * clamp(up, -limit, limit) (DeepSeek-V4's clamp; +inf: none) into an fp32 buffer h [R, I];
-// - phase 2, work items (expert, panel q of W2): out = h W2[e]^T, 16 output columns at a time.
+//   bf16 weights: gate, up, silu and the product rounded to bf16 as the torch path rounds them (moe_gemv.cpp too);
+// - phase 2, work items (expert, panel q of W2): out = h W2[e]^T, 16 output columns at a time, rounded once.
 // Both phases are one at::parallel_for over the work items of the experts that have rows; an expert without rows is
 // never read (NaN there cannot reach the output). Every output element is one fixed k-order sum whatever the thread
 // split: 1 and N threads give the same bits.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -27,21 +29,71 @@
 
 namespace {
 
+inline float round_to(float v, const float*) { return v; }
+inline float round_to(float v, const c10::BFloat16*) { return static_cast<float>(c10::BFloat16(v)); }
+
+template <typename WT>
+void run(at::Tensor& out, const at::Tensor& x32, const std::vector<int64_t>& start, const at::Tensor& p13,
+         const at::Tensor& p2, float lim) {
+  const int64_t E = p13.size(0), H = p13.size(2), I = p2.size(2), IP = I / kPanel, HP = p2.size(1);
+  const int64_t R = x32.size(0);
+  std::vector<int64_t> active;
+  for (int64_t e = 0; e < E; ++e)
+    if (start[e + 1] > start[e]) active.push_back(e);
+  const int64_t A = static_cast<int64_t>(active.size());
+  const float* x = x32.data_ptr<float>();
+  const WT* w13 = p13.data_ptr<WT>();
+  const WT* w2 = p2.data_ptr<WT>();
+  WT* y = out.data_ptr<WT>();
+  const WT* tag = nullptr;  // selects round_to's overload
+  std::vector<float> h(static_cast<size_t>(R * I));
+
+  at::parallel_for(0, A * IP, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> gate, up;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t e = active[t / IP], p = t % IP, r0 = start[e], n = start[e + 1] - r0;
+      gate.resize(n * kPanel);
+      up.resize(n * kPanel);
+      const WT* we = w13 + e * 2 * IP * H * kPanel;
+      panel_rows(x + r0 * H, H, we + p * H * kPanel, H, gate.data(), kPanel, n, kPanel, nullptr);
+      panel_rows(x + r0 * H, H, we + (IP + p) * H * kPanel, H, up.data(), kPanel, n, kPanel, nullptr);
+      for (int64_t r = 0; r < n; ++r) {
+        float* hr = h.data() + (r0 + r) * I + p * kPanel;
+        for (int c = 0; c < kPanel; ++c) {
+          // the torch path's roundings for bf16 (matmul output, silu, product in the weights' dtype)
+          const float g = std::min(round_to(gate[r * kPanel + c], tag), lim);
+          const float u = std::min(std::max(round_to(up[r * kPanel + c], tag), -lim), lim);
+          hr[c] = round_to(round_to(g / (1.0f + std::exp(-g)), tag) * u, tag);
+        }
+      }
+    }
+  });
+  at::parallel_for(0, A * HP, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t e = active[t / HP], q = t % HP, r0 = start[e], n = start[e + 1] - r0;
+      const int cols = static_cast<int>(std::min<int64_t>(kPanel, H - q * kPanel));
+      panel_rows(h.data() + r0 * I, I, w2 + (e * HP + q) * I * kPanel, I, y + r0 * H + q * kPanel, H, n, cols,
+                 nullptr);
+    }
+  });
+}
+
 void moe_experts_panels(at::Tensor out, const at::Tensor& rows, const at::Tensor& counts, const at::Tensor& p13,
                         const at::Tensor& p2, double limit) {
+  const auto dt = p13.scalar_type();
   TORCH_CHECK(p13.dim() == 4 && p2.dim() == 4 && p13.size(3) == kPanel && p2.size(3) == kPanel &&
-                  p13.scalar_type() == at::kFloat && p2.scalar_type() == at::kFloat && p13.is_contiguous() &&
+                  (dt == at::kFloat || dt == at::kBFloat16) && p2.scalar_type() == dt && p13.is_contiguous() &&
                   p2.is_contiguous(),
-              "moe_experts_panels: p13 / p2 must be contiguous fp32 [E, NP, K, 16]");
+              "moe_experts_panels: p13 / p2 must be contiguous fp32 or bf16 [E, NP, K, 16], one dtype");
   const int64_t E = p13.size(0), H = p13.size(2), I = p2.size(2), IP = I / kPanel, HP = p2.size(1);
   TORCH_CHECK(I % kPanel == 0 && p13.size(1) == 2 * IP && p2.size(0) == E && HP == (H + kPanel - 1) / kPanel,
               "moe_experts_panels: p13 must be [E, 2I / 16, H, 16] and p2 [E, ceil(H / 16), I, 16], I a multiple of 16");
-  TORCH_CHECK(rows.dim() == 2 && rows.is_contiguous() && rows.scalar_type() == at::kFloat && rows.size(1) == H,
-              "moe_experts_panels: rows must be contiguous fp32 [R, H]");
+  TORCH_CHECK(rows.dim() == 2 && rows.is_contiguous() && rows.scalar_type() == dt && rows.size(1) == H,
+              "moe_experts_panels: rows must be contiguous [R, H] in the weights' dtype");
   const int64_t R = rows.size(0);
-  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.scalar_type() == at::kFloat && out.size(0) == R &&
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.scalar_type() == dt && out.size(0) == R &&
                   out.size(1) == H,
-              "moe_experts_panels: out must be contiguous fp32 [R, H]");
+              "moe_experts_panels: out must be contiguous [R, H] in the weights' dtype");
   TORCH_CHECK(counts.dim() == 1 && counts.size(0) == E && counts.scalar_type() == at::kLong,
               "moe_experts_panels: counts must be int64 [E]");
   std::vector<int64_t> start(E + 1, 0);
@@ -52,44 +104,9 @@ void moe_experts_panels(at::Tensor out, const at::Tensor& rows, const at::Tensor
   }
   TORCH_CHECK(start[E] == R, "moe_experts_panels: counts must sum to the number of rows");
   if (R == 0) return;
-  std::vector<int64_t> active;
-  for (int64_t e = 0; e < E; ++e)
-    if (cnt[e]) active.push_back(e);
-  const int64_t A = static_cast<int64_t>(active.size());
-  const float* x = rows.data_ptr<float>();
-  const float* w13 = p13.data_ptr<float>();
-  const float* w2 = p2.data_ptr<float>();
-  float* y = out.data_ptr<float>();
   const float lim = static_cast<float>(limit);
-  std::vector<float> h(static_cast<size_t>(R * I));
-
-  at::parallel_for(0, A * IP, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> gate, up;
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t e = active[t / IP], p = t % IP, r0 = start[e], n = cnt[e];
-      gate.resize(n * kPanel);
-      up.resize(n * kPanel);
-      const float* we = w13 + e * 2 * IP * H * kPanel;
-      panel_rows(x + r0 * H, H, we + p * H * kPanel, H, gate.data(), kPanel, n, kPanel, nullptr);
-      panel_rows(x + r0 * H, H, we + (IP + p) * H * kPanel, H, up.data(), kPanel, n, kPanel, nullptr);
-      for (int64_t r = 0; r < n; ++r) {
-        float* hr = h.data() + (r0 + r) * I + p * kPanel;
-        for (int c = 0; c < kPanel; ++c) {
-          const float g = std::min(gate[r * kPanel + c], lim);
-          const float u = std::min(std::max(up[r * kPanel + c], -lim), lim);
-          hr[c] = g / (1.0f + std::exp(-g)) * u;
-        }
-      }
-    }
-  });
-  at::parallel_for(0, A * HP, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t e = active[t / HP], q = t % HP, r0 = start[e], n = cnt[e];
-      const int cols = static_cast<int>(std::min<int64_t>(kPanel, H - q * kPanel));
-      panel_rows(h.data() + r0 * I, I, w2 + (e * HP + q) * I * kPanel, I, y + r0 * H + q * kPanel, H, n, cols,
-                 nullptr);
-    }
-  });
+  if (dt == at::kFloat) return run<float>(out, rows, start, p13, p2, lim);
+  run<c10::BFloat16>(out, rows.to(at::kFloat), start, p13, p2, lim);  // rows widened once
 }
 
 }  // namespace
