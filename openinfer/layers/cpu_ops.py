@@ -374,7 +374,7 @@ def indexer_topk(q: torch.Tensor, head_w: torch.Tensor, keys: torch.Tensor, seq_
     return ids
 
 
-# ---- fp32 GEMM on 16-column weight panels (cpu_kernels/panel_gemm.cpp) ------------------------------------------
+# ---- fp32 / bf16 GEMM on 16-column weight panels (cpu_kernels/panel_gemm.cpp, moe_panels.cpp) ------------------
 
 PANEL = 16  # output columns per panel
 
