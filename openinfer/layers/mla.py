@@ -71,9 +71,9 @@ class MLAAttention(nn.Module):
         return w[:, :self.qk_nope_head_dim], w[:, self.qk_nope_head_dim:]  # W_UK [H,Dn,L], W_UV [H,Dv,L]
 
     def _absorbed_panels(self, kv_b_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """fp32 on the CPU: W_UK^T and W_UV per head in the panel layout (``cpu_ops.pack_panels``) for the two
-        absorbed decode GEMMs, built on first use and again whenever kv_b's weight changes (another tensor, or
-        written in place). One more copy of kv_b's bytes; torch.bmm on strided views of kv_b read them at ~half the
+        """Where ``cpu_ops.panels_enabled`` (CPU fp32, bf16 without native bf16): W_UK^T and W_UV per head in the panel
+        layout (``cpu_ops.pack_panels``) for the two absorbed decode GEMMs, built on first use and again whenever
+        kv_b's weight changes (another tensor, or written in place). One more copy of kv_b's bytes; torch.bmm on strided views of kv_b read them at ~half the
         copy bandwidth at batch 1 (1.6 ms of a 14 ms V3 bench decode step)."""
         if not cpu_ops.panels_enabled(kv_b_weight.device, kv_b_weight.dtype):
             return None
@@ -98,7 +98,8 @@ class MLAAttention(nn.Module):
         nd = md.num_decodes
         if nd:
             # Head-major throughout: W_UK and W_UV are applied as one batched GEMM over the heads each
-            # ([H, B, Dn] @ [H, Dn, L], [H, B, L] @ [H, L, Dv], the weights read as strided views of kv_b),
+            # ([H, B, Dn] @ [H, Dn, L], [H, B, L] @ [H, L, Dv]; on per-head panels, else torch.bmm on strided
+            # views of kv_b),
             # and the attention reads q and writes o through [B, H, .] views of head-major buffers, so no
             # permuted copy is made on the way in or out (einsum made one of q and o per call).
             panels = self._absorbed_panels(kv_b_weight)
