@@ -73,8 +73,9 @@ class MLAAttention(nn.Module):
     def _absorbed_panels(self, kv_b_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Where ``cpu_ops.panels_enabled`` (CPU fp32, bf16 without native bf16): W_UK^T and W_UV per head in the panel
         layout (``cpu_ops.pack_panels``) for the two absorbed decode GEMMs, built on first use and again whenever
-        kv_b's weight changes (another tensor, or written in place). One more copy of kv_b's bytes; torch.bmm on strided views of kv_b read them at ~half the
-        copy bandwidth at batch 1 (1.6 ms of a 14 ms V3 bench decode step)."""
+        kv_b's weight changes (another tensor, or written in place). One more copy of kv_b's bytes; torch.bmm on
+        strided views of kv_b read them at ~half the copy bandwidth at batch 1 (1.6 ms of a 14 ms V3 bench decode
+        step)."""
         if not cpu_ops.panels_enabled(kv_b_weight.device, kv_b_weight.dtype):
             return None
         cached = self._absorbed
