@@ -22,7 +22,7 @@ def test_pack_unpack_exact(n, k):
 
 
 # M: the single-row path, every row-tile size, balanced and greedy tilings, several tiles; N: ragged last panels
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 7, 8, 13, 16, 64, 131])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 10, 13, 16, 64, 131])
 @pytest.mark.parametrize("n, k", [(40, 96), (16, 1), (7, 3), (300, 257)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_panel_gemm_matches_linear(m, n, k, bias):

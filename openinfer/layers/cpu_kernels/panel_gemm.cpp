@@ -15,9 +15,8 @@
 //   K = 512, 256 KB at K = 4096), so the weight bytes cross the memory bus once per call.
 // - The row tile is the classic AVX2 6 x 16 register block: 12 accumulators, 2 weight vectors, 1 broadcast; each
 //   k step is 8 loads for 12 FMAs, so the FMA ports bound it, and 12 independent chains cover the FMA latency.
-//   M = 1 runs one row with two k chains instead (latency, not ports, would bind a single chain).
-// - Row tiles are balanced when each keeps >= 5 rows (M = 16: 6 + 5 + 5, measured 60 -> 65-68 GFLOP/s over
-//   6 + 6 + 4); otherwise full tiles first (M = 8: 6 + 2 measured 45 against 39 for 4 + 4).
+//   Tiles of 1-3 rows split k over 2-4 chains instead (latency, not ports, would bind them); the first tile of a
+//   panel prefetches ahead from 4 rows up (panel_tile.h has the split and the figures).
 // - Panels are split over at::parallel_for, so the threads split the weight bytes.
 // Accumulation is fp32 in k order; the result differs from F.linear only by summation order. The vectors are GCC
 // vector extensions of 8 floats: ymm on AVX2 and AVX-512 builds, pairs of xmm on a plain x86-64 build (same
