@@ -59,7 +59,7 @@ def main() -> None:
     engine = llm.engine
     rng = random.Random(0)
     vocab = engine.config.model.hf_config["vocab_size"] if hasattr(engine.config.model, "hf_config") else 1000
-    params = SamplingParams(temperature=0.0, max_tokens=args.steps * 3 + 8, ignore_eos=True,
+    params = SamplingParams(temperature=0.0, max_tokens=args.steps * 4 + 8, ignore_eos=True,
                             output_kind=RequestOutputKind.DELTA)
     for i in range(args.batch):
         engine.add_request(f"p{i}", {"prompt_token_ids": [rng.randrange(10, vocab) for _ in range(args.context)]},
@@ -117,6 +117,7 @@ def main() -> None:
         pr.disable()
         print(f"\nPython functions by own time over {args.steps} steps (cProfile; torch ops count in their caller):")
         pstats.Stats(pr).sort_stats("tottime").print_stats(args.python)
+        pstats.Stats(pr).sort_stats("cumulative").print_stats(args.python)
 
 
 if __name__ == "__main__":
