@@ -52,6 +52,17 @@ inline vfloat loadv(const float* p) {
 
 inline void storev(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
 
+// loadv into a register that GCC may not fold back into its uses: for a vector that several FMAs share (a
+// tile's key or value vector), GCC otherwise re-reads it as a memory operand in every FMA, and the loads, not
+// the FMAs, bound the loop (attn_tiles.h). No-op where a vector is no single register (plain x86-64 builds).
+inline vfloat loadv_reg(const float* p) {
+  vfloat v = loadv(p);
+#if defined(__AVX2__) || defined(__AVX512F__)
+  asm("" : "+v"(v));
+#endif
+  return v;
+}
+
 inline vfloat splat(float x) { return vfloat{} + x; }
 
 #if defined(__AVX2__) && OI_VEC_LANES == 8
