@@ -278,6 +278,22 @@ def rotary_cache_write_(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.T
     return True
 
 
+def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool,
+                     deinterleave: bool) -> torch.Tensor | None:
+    """``rotary.apply_interleaved`` as one op (same bits) into a new contiguous tensor shaped as x [T, ..., D];
+    fp32 cos / sin [T, half]. None when the kernel cannot take the call."""
+    ops = ops_for(x, cos)
+    if (ops is None or x.dim() < 2 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16)
+            or cos.dtype != torch.float32 or sin.dtype != torch.float32 or cos.dim() != 2
+            or cos.shape != sin.shape or cos.shape[0] != x.shape[0] or 2 * cos.shape[1] > x.shape[-1]):
+        return None
+    x3 = x.reshape(x.shape[0], math.prod(x.shape[1:-1]), x.shape[-1])
+    x3 = x3 if x3.shape[-1] <= 1 or x3.stride(-1) == 1 else x3.contiguous()
+    out = torch.empty(x3.shape, dtype=x.dtype)
+    ops.rope_interleaved(out, x3, cos.contiguous(), sin.contiguous(), inverse, deinterleave)
+    return out.view(x.shape)
+
+
 def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
     """Index of each row's first maximum (a NaN counts as the maximum, as in ``torch.max(dim)``), read in x's
     own dtype: greedy decoding needs no fp32 copy of the logits."""
