@@ -54,7 +54,7 @@ def test_moe_gemv_matches_torch(kernel_ops, monkeypatch, dtype, limit):
 # The panel-layout experts kernel (cpu_kernels/moe_panels.cpp): I a multiple of 16, H any; row counts per expert from
 # 1 to prefill-sized (several 6-row tiles).
 PANEL_CASES = [([0, 1, 0, 0], 37, 16), ([1], 16, 16), ([2, 0, 3, 1, 0], 70, 48), ([0, 0, 1, 2, 0, 1, 3, 0], 512, 256),
-               ([40, 0, 70], 33, 64)]
+               ([40, 0, 70], 33, 64), ([600, 3, 0, 1030], 40, 32)]  # the last: experts in row blocks
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -58,6 +58,32 @@ def test_panel_gemm_bf16_matches_fp32_sums_rounded_once(m, bias):
                                atol=1e-3 * k ** 0.5, rtol=2 ** -8)
 
 
+@pytest.mark.parametrize("m", [513, 1000])  # row blocks (panel_tile.h's kRowBlock): full blocks and a ragged last one
+def test_panel_gemm_row_blocks(m):
+    """Prefill-sized M runs in row blocks: every block's rows right (bias, ragged last panel, batched strided
+    views), and 1 and 2 threads give the same bits."""
+    gen = torch.Generator().manual_seed(m)
+    n, k = 37, 70
+    x = torch.randn(m, k, generator=gen)
+    w = torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen)
+    y = cpu_ops.panel_gemm(x, cpu_ops.pack_panels(w), n, b)
+    torch.testing.assert_close(y, F.linear(x.double(), w.double(), b.double()).float(), atol=1e-4 * k ** 0.5,
+                               rtol=1e-5)
+    prev = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert torch.equal(cpu_ops.panel_gemm(x, cpu_ops.pack_panels(w), n, b), y)
+    finally:
+        torch.set_num_threads(prev)
+    xs = torch.randn(m, 2, k, generator=gen).transpose(0, 1)  # batched [2, m, k], strided
+    ws = torch.randn(2, n, k, generator=gen)
+    out = torch.empty(m, 2, n).transpose(0, 1)
+    cpu_ops.panel_gemm(xs, cpu_ops.pack_panels(ws), n, out=out)
+    torch.testing.assert_close(out, torch.bmm(xs.double(), ws.double().transpose(1, 2)).float(),
+                               atol=1e-4 * k ** 0.5, rtol=1e-5)
+
+
 def test_panel_gemm_leading_dims_and_empty():
     w = torch.randn(33, 20)
     wp = cpu_ops.pack_panels(w)

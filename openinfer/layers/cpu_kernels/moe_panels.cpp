@@ -12,20 +12,21 @@
 //   silu(min(gate, limit)) * clamp(up, -limit, limit) (DeepSeek-V4's clamp; +inf: none) into an fp32 buffer h [R, I];
 //   bf16 weights: gate, up, silu and the product rounded to bf16 as the torch path rounds them (moe_gemv.cpp too);
 // - phase 2, work items (expert, panel q of W2): out = h W2[e]^T, 16 output columns at a time, rounded once.
-// Both phases are one at::parallel_for over the work items of the experts that have rows; an expert without rows is
-// never read (NaN there cannot reach the output). Every output element is one fixed k-order sum whatever the thread
-// split: 1 and N threads give the same bits.
+// Both phases are one at::parallel_for over the work items of the experts that have rows (an expert's rows in row
+// blocks when it has many, panel_tile.h); an expert without rows is never read (NaN there cannot reach the
+// output). Every output element is one fixed k-order sum whatever the thread split: 1 and N threads give the same
+// bits.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <vector>
 
 #include "panel_tile.h"
+#include "vec.h"
 
 namespace {
 
@@ -37,10 +38,15 @@ void run(at::Tensor& out, const at::Tensor& x32, const std::vector<int64_t>& sta
          const at::Tensor& p2, float lim) {
   const int64_t E = p13.size(0), H = p13.size(2), I = p2.size(2), IP = I / kPanel, HP = p2.size(1);
   const int64_t R = x32.size(0);
-  std::vector<int64_t> active;
-  for (int64_t e = 0; e < E; ++e)
-    if (start[e + 1] > start[e]) active.push_back(e);
-  const int64_t A = static_cast<int64_t>(active.size());
+  // Row blocks: each expert's rows, cut into panel_tile.h's row blocks when there are many (prefill), so a block
+  // stays in L2 while the expert's panels go by. Experts without rows get none (never read).
+  struct Block { int64_t e, r0, n; };
+  std::vector<Block> blocks;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t n = start[e + 1] - start[e], mb = std::max<int64_t>(1, row_block(n));
+    for (int64_t r = 0; r < n; r += mb) blocks.push_back({e, start[e] + r, std::min(mb, n - r)});
+  }
+  const int64_t A = static_cast<int64_t>(blocks.size());
   const float* x = x32.data_ptr<float>();
   const WT* w13 = p13.data_ptr<WT>();
   const WT* w2 = p2.data_ptr<WT>();
@@ -51,7 +57,8 @@ void run(at::Tensor& out, const at::Tensor& x32, const std::vector<int64_t>& sta
   at::parallel_for(0, A * IP, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> gate, up;
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t e = active[t / IP], p = t % IP, r0 = start[e], n = start[e + 1] - r0;
+      const Block& bk = blocks[t / IP];
+      const int64_t e = bk.e, p = t % IP, r0 = bk.r0, n = bk.n;
       gate.resize(n * kPanel);
       up.resize(n * kPanel);
       const WT* we = w13 + e * 2 * IP * H * kPanel;
@@ -59,18 +66,22 @@ void run(at::Tensor& out, const at::Tensor& x32, const std::vector<int64_t>& sta
       panel_rows(x + r0 * H, H, we + (IP + p) * H * kPanel, H, up.data(), kPanel, n, kPanel, nullptr);
       for (int64_t r = 0; r < n; ++r) {
         float* hr = h.data() + (r0 + r) * I + p * kPanel;
+        // the torch path's roundings for bf16 (matmul output, silu, product in the weights' dtype); silu in vectors
+        // (vec.h, relative error ~1e-7): a scalar expf per element was ~8 % of this phase
+        alignas(64) float g[kPanel], u[kPanel];
         for (int c = 0; c < kPanel; ++c) {
-          // the torch path's roundings for bf16 (matmul output, silu, product in the weights' dtype)
-          const float g = std::min(round_to(gate[r * kPanel + c], tag), lim);
-          const float u = std::min(std::max(round_to(up[r * kPanel + c], tag), -lim), lim);
-          hr[c] = round_to(round_to(g / (1.0f + std::exp(-g)), tag) * u, tag);
+          g[c] = std::min(round_to(gate[r * kPanel + c], tag), lim);
+          u[c] = std::min(std::max(round_to(up[r * kPanel + c], tag), -lim), lim);
         }
+        for (int c = 0; c < kPanel; c += kW) storev(g + c, vsilu(loadv(g + c)));
+        for (int c = 0; c < kPanel; ++c) hr[c] = round_to(round_to(g[c], tag) * u[c], tag);
       }
     }
   });
   at::parallel_for(0, A * HP, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t e = active[t / HP], q = t % HP, r0 = start[e], n = start[e + 1] - r0;
+      const Block& bk = blocks[t / HP];
+      const int64_t e = bk.e, q = t % HP, r0 = bk.r0, n = bk.n;
       const int cols = static_cast<int>(std::min<int64_t>(kPanel, H - q * kPanel));
       panel_rows(h.data() + r0 * I, I, w2 + (e * HP + q) * I * kPanel, I, y + r0 * H + q * kPanel, H, n, cols,
                  nullptr);

@@ -17,7 +17,8 @@
 //   k step is 8 loads for 12 FMAs, so the FMA ports bound it, and 12 independent chains cover the FMA latency.
 //   Tiles of 1-3 rows split k over 2-4 chains instead (latency, not ports, would bind them); the first tile of a
 //   panel prefetches ahead from 4 rows up (panel_tile.h has the split and the figures).
-// - Panels are split over at::parallel_for, so the threads split the weight bytes.
+// - Panels are split over at::parallel_for, so the threads split the weight bytes; prefill-sized M runs in row
+//   blocks that stay in L2 while a thread's panels go by (panel_tile.h's kRowBlock).
 // Accumulation is fp32 in k order; the result differs from F.linear only by summation order. The vectors are GCC
 // vector extensions of 8 floats: ymm on AVX2 and AVX-512 builds, pairs of xmm on a plain x86-64 build (same
 // code, same results up to FMA contraction).
@@ -41,11 +42,16 @@ void run(at::Tensor& y, const at::Tensor& x, const at::Tensor& wp, const float* 
   const int64_t xs0 = x.stride(0), xs1 = x.stride(1), ys0 = y.stride(0), ys1 = y.stride(1);
   // >= ~64 KB of weight per task, so a small matrix does not wake every thread for nothing
   const int64_t grain = std::max<int64_t>(1, 65536 / static_cast<int64_t>(kPanel * K * sizeof(WT)));
+  const int64_t MB = std::max<int64_t>(1, row_block(M));  // (panel_tile.h: row blocks for prefill-sized M)
   at::parallel_for(0, H * NP, grain, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t h = t / NP, p = t % NP, n = p * kPanel;
-      const int cols = static_cast<int>(std::min<int64_t>(kPanel, N - n));
-      panel_rows(xp + h * xs0, xs1, w + t * K * kPanel, K, yp + h * ys0 + n, ys1, M, cols, b ? b + n : nullptr);
+    for (int64_t m0 = 0; m0 < M; m0 += MB) {
+      const int64_t mb = std::min(MB, M - m0);
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t h = t / NP, p = t % NP, n = p * kPanel;
+        const int cols = static_cast<int>(std::min<int64_t>(kPanel, N - n));
+        panel_rows(xp + h * xs0 + m0 * xs1, xs1, w + t * K * kPanel, K, yp + h * ys0 + m0 * ys1 + n, ys1, mb, cols,
+                   b ? b + n : nullptr);
+      }
     }
   });
 }
