@@ -43,7 +43,7 @@ void run(at::Tensor& out, const at::Tensor& x32, const std::vector<int64_t>& sta
   struct Block { int64_t e, r0, n; };
   std::vector<Block> blocks;
   for (int64_t e = 0; e < E; ++e) {
-    const int64_t n = start[e + 1] - start[e], mb = std::max<int64_t>(1, row_block(n));
+    const int64_t n = start[e + 1] - start[e], mb = row_block(n);
     for (int64_t r = 0; r < n; r += mb) blocks.push_back({e, start[e] + r, std::min(mb, n - r)});
   }
   const int64_t A = static_cast<int64_t>(blocks.size());

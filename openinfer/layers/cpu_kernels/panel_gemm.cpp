@@ -42,7 +42,7 @@ void run(at::Tensor& y, const at::Tensor& x, const at::Tensor& wp, const float* 
   const int64_t xs0 = x.stride(0), xs1 = x.stride(1), ys0 = y.stride(0), ys1 = y.stride(1);
   // >= ~64 KB of weight per task, so a small matrix does not wake every thread for nothing
   const int64_t grain = std::max<int64_t>(1, 65536 / static_cast<int64_t>(kPanel * K * sizeof(WT)));
-  const int64_t MB = std::max<int64_t>(1, row_block(M));  // (panel_tile.h: row blocks for prefill-sized M)
+  const int64_t MB = row_block(M);  // (panel_tile.h: row blocks for prefill-sized M)
   at::parallel_for(0, H * NP, grain, [&](int64_t t0, int64_t t1) {
     for (int64_t m0 = 0; m0 < M; m0 += MB) {
       const int64_t mb = std::min(MB, M - m0);

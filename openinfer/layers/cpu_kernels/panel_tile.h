@@ -27,7 +27,7 @@ constexpr int kPrefetchMinRows = 4;  // (row_tile's dispatch)
 // 2048 x 512 83 -> 90-91, M = 256 / 512 no change (so not blocked); blocks of 256 or 512 rows gained less.
 constexpr int64_t kRowBlock = 96;
 constexpr int64_t kRowBlockFrom = 512;
-inline int64_t row_block(int64_t M) { return M > kRowBlockFrom ? kRowBlock : M; }
+inline int64_t row_block(int64_t M) { return M > kRowBlockFrom ? kRowBlock : std::max<int64_t>(M, 1); }
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
 typedef uint32_t u32x8 __attribute__((vector_size(32), aligned(2)));
 
