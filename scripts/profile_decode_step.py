@@ -7,7 +7,9 @@ grouped into attention / linears / MoE / the rest. ``--prefill`` profiles the pr
     python scripts/profile_decode_step.py --model .bench/dsv3-65m --dtype float32 --batch 32 --context 128
     python scripts/profile_decode_step.py --model .bench/v4-bench --batch 32 --context 128 --prefill --threads 1
 
-Grouping is by op name (see GROUPS); ops of no group are listed as they are.
+Grouping is by op name (see GROUPS); ops of no group are listed as they are. DeepSeek's decode steps run each
+layer's attention and MoE as one op (``layers/decode_blocks.py``: ``mla_decode_block``, ``moe_block``), whose
+projections then count in those groups: ``OPENINFER_DECODE_BLOCKS=0`` splits them into their kernels again.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import torch
 
 # op-name substrings -> group (first match wins)
 GROUPS = [
-    ("attention", ("mla_decode_attention", "paged_decode_attention", "scaled_dot_product", "_flash_attention",
+    ("attention", ("mla_decode_attention", "mla_decode_block", "paged_decode_attention", "scaled_dot_product", "_flash_attention",
                    "bmm", "baddbmm", "softmax")),
     ("linear", ("mkldnn::_linear_pointwise", "aten::addmm", "aten::mm", "aten::linear", "dense_gemv",
                 "panel_gemm", "int8_linear", "int4_linear", "w8a8_linear", "fp8_linear", "mxfp4_linear", "fp8_dequantize")),

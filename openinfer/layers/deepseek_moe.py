@@ -23,7 +23,7 @@ from torch import nn
 
 from openinfer.distributed.parallel_state import get_eplb_settings, get_ep_group, get_tp_group
 from openinfer.forward_context import peek_forward_context
-from openinfer.layers import cpu_ops
+from openinfer.layers import cpu_ops, decode_blocks
 from openinfer.layers.expert_map import ExpertMap
 from openinfer.layers.expert_parallel import expert_parallel_experts
 from openinfer.layers.fp8 import Fp8Weight, packed_fp8_enabled, stacked_fp8
@@ -417,8 +417,28 @@ class DeepseekMoE(nn.Module):
             if n_shared_experts else None)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        fused = self._block(x)
+        if fused is not None:
+            return fused
         topk_weights, topk_ids = self.gate(x, token_ids)
         # the routed outputs are combined straight onto the shared experts' output, in one pass
         shared = self.shared_experts(x) if self.shared_experts is not None else None
         out = self.experts(x, topk_weights, topk_ids, out=shared)
         return self.experts.tp.all_reduce(out) if self.tp_reduce else out
+
+    def _block(self, x: torch.Tensor) -> torch.Tensor | None:
+        """This forward as one op (layers/decode_blocks.py, the same bits) on one rank with every matrix in the panel
+        layout and a scored (not hash) router; None otherwise."""
+        experts = self.experts
+        if (self.gate.is_hash or experts._panels is None or experts.ep.world_size > 1 or self.tp_reduce
+                or x.device.type != "cpu" or not decode_blocks.enabled()):
+            return None
+        shared = None
+        if self.shared_experts is not None:
+            mlp = self.shared_experts
+            gate_up, down = decode_blocks.linear_panels(mlp.gate_up_proj), decode_blocks.linear_panels(mlp.down_proj)
+            if gate_up is None or down is None or mlp.swiglu_limit != experts.swiglu_limit:
+                return None
+            shared = (gate_up, down, mlp.down_proj.in_features)
+        return decode_blocks.moe_block(x, self.gate.weight, self.gate.e_score_correction_bias, self.gate.cfg, shared,
+                                       experts._panels, experts.swiglu_limit)

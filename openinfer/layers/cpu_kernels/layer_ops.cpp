@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "vec.h"
+#include "kernels.h"
 
 namespace {
 
@@ -363,6 +364,12 @@ void argmax_rows(at::Tensor out, const at::Tensor& x) {
 #undef OI_DISPATCH
 
 }  // namespace
+
+namespace oi {
+void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  ::rms_norm(std::move(out), x, weight, eps);
+}
+}  // namespace oi
 
 TORCH_LIBRARY_FRAGMENT(openinfer_cpu, m) {
   m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");

@@ -134,6 +134,7 @@ void dispatch(const MlaProblem& pb, char* out, const char* q, const at::Tensor& 
 }  // namespace
 
 #include "amx_mla_decode.h"
+#include "kernels.h"
 
 namespace {
 
@@ -202,6 +203,13 @@ void mla_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor&
 }
 
 }  // namespace
+
+namespace oi {
+void mla_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& cache, const at::Tensor& block_tables,
+                          const at::Tensor& seq_lens, double scale) {
+  ::mla_decode_attention(std::move(out), q, cache, block_tables, seq_lens, scale);
+}
+}  // namespace oi
 
 TORCH_LIBRARY_FRAGMENT(openinfer_cpu, m) {
   m.def(

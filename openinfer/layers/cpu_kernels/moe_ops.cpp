@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "vec.h"
+#include "kernels.h"
 
 namespace {
 
@@ -213,6 +214,18 @@ void moe_combine(at::Tensor out, const at::Tensor& y, const at::Tensor& inv, con
 }
 
 }  // namespace
+
+namespace oi {
+void moe_select(at::Tensor ids, const at::Tensor& scores, const c10::optional<at::Tensor>& bias, int64_t n_group,
+                int64_t topk_group) {
+  ::moe_select(std::move(ids), scores, bias, n_group, topk_group);
+}
+void swiglu(at::Tensor out, const at::Tensor& x, double limit) { ::swiglu(std::move(out), x, limit); }
+void moe_combine(at::Tensor out, const at::Tensor& y, const at::Tensor& inv, const at::Tensor& weights,
+                 bool accumulate) {
+  ::moe_combine(std::move(out), y, inv, weights, accumulate);
+}
+}  // namespace oi
 
 TORCH_LIBRARY_FRAGMENT(openinfer_cpu, m) {
   m.def("moe_select(Tensor(a!) ids, Tensor scores, Tensor? bias, int n_group, int topk_group) -> ()");

@@ -27,6 +27,7 @@
 
 #include "panel_tile.h"
 #include "vec.h"
+#include "kernels.h"
 
 namespace {
 
@@ -121,6 +122,13 @@ void moe_experts_panels(at::Tensor out, const at::Tensor& rows, const at::Tensor
 }
 
 }  // namespace
+
+namespace oi {
+void moe_experts_panels(at::Tensor out, const at::Tensor& rows, const at::Tensor& counts, const at::Tensor& p13,
+                        const at::Tensor& p2, double limit) {
+  ::moe_experts_panels(std::move(out), rows, counts, p13, p2, limit);
+}
+}  // namespace oi
 
 TORCH_LIBRARY_FRAGMENT(openinfer_cpu, m) {
   m.def("moe_experts_panels(Tensor(a!) out, Tensor rows, Tensor counts, Tensor p13, Tensor p2, float limit) -> ()");

@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include "kernels.h"
 
 #pragma GCC optimize("fp-contract=off")
 
@@ -79,6 +80,13 @@ void rope_interleaved(at::Tensor out, const at::Tensor& x, const at::Tensor& cos
 }
 
 }  // namespace
+
+namespace oi {
+void rope_interleaved(at::Tensor out, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool inverse,
+                      bool deinterleave) {
+  ::rope_interleaved(std::move(out), x, cos, sin, inverse, deinterleave);
+}
+}  // namespace oi
 
 TORCH_LIBRARY_FRAGMENT(openinfer_cpu, m) {
   m.def("rope_interleaved(Tensor(a!) out, Tensor x, Tensor cos, Tensor sin, bool inverse, bool deinterleave) -> ()");

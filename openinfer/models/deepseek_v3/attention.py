@@ -6,6 +6,8 @@ from torch import nn
 
 from openinfer.config import AttentionBackend
 from openinfer.distributed.parallel_state import get_tensor_model_parallel_world_size
+from openinfer.forward_context import get_forward_context
+from openinfer.layers import decode_blocks
 from openinfer.layers.linear import CheckpointLinear
 from openinfer.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear, divide
 from openinfer.layers.mla import MLAAttention
@@ -44,8 +46,14 @@ class DeepseekV3Attention(nn.Module):
         self.o_proj = RowParallelLinear(total_heads * a.v_head_dim, a.hidden_size, bias=a.attention_bias)
         self.mla = MLAAttention(self.num_heads, a.kv_lora_rank, a.qk_nope_head_dim, a.qk_rope_head_dim,
                                 a.v_head_dim, softmax_scale(qk_head_dim, a.rope), backend)
+        # decode steps may run as one op (_decode_block): one rank, the fast MLA path, DeepSeek's interleaved rope
+        self._block_ok = (self.num_heads == total_heads and backend != AttentionBackend.REFERENCE
+                          and a.rope_interleave)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        fused = self._decode_block(x, cos, sin)
+        if fused is not None:
+            return fused
         t = x.shape[0]
         if self.q_lora_rank is None:
             q = self.q_proj(x)
@@ -56,6 +64,28 @@ class DeepseekV3Attention(nn.Module):
         c_kv = self.kv_a_layernorm(c_kv)
         q_pe, k_pe = self._rope(q_pe, cos, sin), self._rope(k_pe, cos, sin)
         return self.o_proj(self.mla(q_nope, q_pe, c_kv, k_pe, self.kv_b_proj.weight))
+
+    def _decode_block(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+        """This forward as one op (layers/decode_blocks.py, the same bits) for a step of decodes only, when every
+        matrix is in the panel layout; None otherwise."""
+        if not self._block_ok or x.device.type != "cpu" or not decode_blocks.enabled():
+            return None
+        md = get_forward_context()
+        if md.prefills or not md.num_decodes or md.num_decodes != x.shape[0]:
+            return None
+        lin = decode_blocks.linear_panels
+        q_a = None if self.q_lora_rank is None else lin(self.q_a_proj)
+        q_b = lin(self.q_proj) if self.q_lora_rank is None else lin(self.q_b_proj)
+        kv_a, o_proj = lin(self.kv_a_proj_with_mqa), lin(self.o_proj)
+        if q_b is None or kv_a is None or o_proj is None or (q_a is None and self.q_lora_rank is not None):
+            return None
+        absorbed = self.mla._absorbed_panels(self.kv_b_proj.weight)
+        if absorbed is None:
+            return None
+        q_b_proj = self.q_proj if self.q_lora_rank is None else self.q_b_proj
+        return decode_blocks.mla_decode_block(
+            x, q_a, getattr(self, "q_a_layernorm", None), q_b, q_b_proj.out_features, kv_a, self.kv_a_layernorm,
+            absorbed, o_proj, self.o_proj.out_features, cos, sin, self.mla, md, _LORA_NORM_EPS)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # DeepSeek rotates adjacent pairs; HF's port writes them de-interleaved (q and k alike, so q.k holds) and

@@ -1,0 +1,128 @@
+// Two blocks of a DeepSeek decode step as one op each: the MLA attention (projections, norms, rope, the latent cache
+// write, the absorbed attention, o_proj) and the MoE (router, shared expert, routed experts, combine). Each is the
+// Python path's sequence of kernel and ATen calls, in the same order on the same tensors, so the results are the
+// same bits (tests/test_decode_blocks.py); what goes away is the Python between them. At batch 1 that glue was
+// ~0.4 ms per attention and ~0.3 ms per MoE layer of a ~12 ms DeepSeek-V3 bench step (about 50 tensor calls, each
+// ~1-2 us of Python and dispatch), the same order as the weights' streaming time in those layers. The callers
+// (models/deepseek_v3/attention.py, layers/deepseek_moe.py) take these only on the CPU, for decode-only steps,
+// on a single rank, with weights in the panel layout, and keep their Python path for everything else.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <limits>
+#include <vector>
+
+#include "kernels.h"
+
+namespace {
+
+// x [T, D] (normed hidden) -> o_proj(attention) [T, hidden]. q_a / q_a_norm undefined: no q LoRA (q_b is q_proj).
+// w_uk [H, L / 16, Dn, 16] and w_uv [H, Dv / 16, L, 16]: MLA's absorbed per-head panels (layers/mla.py).
+at::Tensor mla_decode_block(const at::Tensor& x, const c10::optional<at::Tensor>& q_a,
+                            const c10::optional<at::Tensor>& q_a_norm, const at::Tensor& q_b, int64_t q_b_n,
+                            const at::Tensor& kv_a, const at::Tensor& kv_a_norm, const at::Tensor& w_uk,
+                            const at::Tensor& w_uv, const at::Tensor& o_proj, int64_t hidden, const at::Tensor& cos,
+                            const at::Tensor& sin, const at::Tensor& kv_cache, const at::Tensor& slot_mapping,
+                            const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t heads, int64_t nope,
+                            int64_t rope, int64_t lora, int64_t v_dim, double lora_eps, double scale) {
+  TORCH_CHECK(x.dim() == 2 && kv_cache.dim() == 3 && kv_cache.size(2) == lora + rope && q_b_n == heads * (nope + rope),
+              "mla_decode_block: x must be [T, D], the cache [blocks, block_size, L + R], q_b's width H (Dn + R)");
+  TORCH_CHECK(kv_cache.scalar_type() == x.scalar_type(), "mla_decode_block: the cache must be in x's dtype");
+  const int64_t T = x.size(0);
+  at::Tensor q;
+  if (q_a.has_value()) {
+    TORCH_CHECK(q_a_norm.has_value(), "mla_decode_block: q_a needs its norm");
+    at::Tensor qa = oi::panel_linear(x, *q_a, q_a_norm->numel(), c10::nullopt);
+    at::Tensor qn = at::empty(qa.sizes(), qa.options());
+    oi::rms_norm(qn, qa, *q_a_norm, lora_eps);
+    q = oi::panel_linear(qn, q_b, q_b_n, c10::nullopt);
+  } else {
+    q = oi::panel_linear(x, q_b, q_b_n, c10::nullopt);
+  }
+  const auto qs = q.view({T, heads, nope + rope}).split_with_sizes({nope, rope}, -1);
+  const at::Tensor& q_nope = qs[0];
+  const at::Tensor& q_pe_raw = qs[1];
+  const at::Tensor kv = oi::panel_linear(x, kv_a, lora + rope, c10::nullopt);
+  const at::Tensor c_kv_raw = kv.narrow(1, 0, lora), k_pe_raw = kv.narrow(1, lora, rope);
+  at::Tensor c_kv = at::empty(c_kv_raw.sizes(), x.options());
+  oi::rms_norm(c_kv, c_kv_raw, kv_a_norm, lora_eps);
+  // DeepSeek's interleaved rope, written de-interleaved (models/deepseek_v3/attention.py's _rope)
+  at::Tensor q_pe = at::empty({T, heads, rope}, x.options());
+  const at::Tensor cos_c = cos.contiguous(), sin_c = sin.contiguous();
+  oi::rope_interleaved(q_pe, q_pe_raw, cos_c, sin_c, false, true);
+  at::Tensor k_pe = at::empty({T, 1, rope}, x.options());
+  oi::rope_interleaved(k_pe, k_pe_raw.view({T, 1, rope}), cos_c, sin_c, false, true);
+  // this step's latents into the cache (layers/mla.py's forward), then the absorbed decode (its _fast)
+  const at::Tensor latent = at::cat({c_kv, k_pe.view({T, rope})}, -1);
+  kv_cache.view({-1, lora + rope}).index_copy_(0, slot_mapping, latent);
+  at::Tensor q_lat = at::empty({heads, T, lora}, x.options());
+  oi::panel_gemm(q_lat, q_nope.transpose(0, 1), w_uk, c10::nullopt);
+  const at::Tensor qcat = at::cat({q_lat, q_pe.transpose(0, 1)}, -1).transpose(0, 1);  // [T, H, L + R] view
+  at::Tensor o_hm = at::empty({heads, T, lora}, x.options());
+  oi::mla_decode_attention(o_hm.transpose(0, 1), qcat, kv_cache, block_tables.contiguous(), seq_lens.contiguous(), scale);
+  at::Tensor out = at::empty({T, heads, v_dim}, x.options());
+  oi::panel_gemm(out.transpose(0, 1), o_hm, w_uv, c10::nullopt);
+  return oi::panel_linear(out.view({T, heads * v_dim}), o_proj, hidden, c10::nullopt);
+}
+
+// layers/deepseek_moe.py's DeepseekMoE.forward for a single rank: router (scoring 0 sigmoid, 1 softmax,
+// 2 sqrtsoftplus; noaux_tc selection), the shared expert when given, the routed experts on their panels, and the
+// combine onto the shared output. x [T, H] -> [T, H].
+at::Tensor moe_block(const at::Tensor& x, const at::Tensor& gate_w, const c10::optional<at::Tensor>& bias,
+                     int64_t scoring, int64_t top_k, int64_t n_group, int64_t topk_group, bool norm_topk_prob,
+                     double routed_scale, const c10::optional<at::Tensor>& shared_gate_up,
+                     const c10::optional<at::Tensor>& shared_down, int64_t shared_inter, const at::Tensor& p13,
+                     const at::Tensor& p2, double limit) {
+  TORCH_CHECK(x.dim() == 2 && scoring >= 0 && scoring <= 2, "moe_block: x must be [T, H], scoring 0-2");
+  const int64_t T = x.size(0), H = x.size(1), E = p13.size(0);
+  // router: fp32 logits and scores, the kernel's selection, weights gathered, normalised and scaled
+  const at::Tensor logits = at::matmul(x.to(at::kFloat), gate_w.to(at::kFloat).t());
+  at::Tensor scores;
+  if (scoring == 0) scores = at::sigmoid(logits);
+  else if (scoring == 1) scores = logits.softmax(-1);
+  else scores = at::softplus(logits, 1, 20).sqrt();
+  at::Tensor ids = at::empty({T, top_k}, x.options().dtype(at::kLong));
+  oi::moe_select(ids, scores.contiguous(),
+                 bias.has_value() ? c10::optional<at::Tensor>(bias->to(at::kFloat).contiguous()) : c10::nullopt,
+                 n_group, topk_group);
+  at::Tensor w = scores.gather(1, ids);
+  if (norm_topk_prob) w = w / (w.sum(-1, true) + 1e-20);
+  w = w * routed_scale;
+  // shared expert (DeepseekMLP): gate|up, swiglu, down
+  c10::optional<at::Tensor> shared;
+  if (shared_gate_up.has_value()) {
+    TORCH_CHECK(shared_down.has_value(), "moe_block: the shared expert needs both matrices");
+    const at::Tensor gu = oi::panel_linear(x, *shared_gate_up, 2 * shared_inter, c10::nullopt);
+    at::Tensor act = at::empty({T, shared_inter}, x.options());
+    oi::swiglu(act, gu, limit);
+    shared = oi::panel_linear(act, *shared_down, H, c10::nullopt);
+  }
+  // routed experts (layers/moe.py's fused_experts): pairs sorted by expert, the experts, the weighted combine
+  const at::Tensor flat = ids.reshape(-1);
+  const at::Tensor order = at::argsort(flat, true, 0, false);
+  const at::Tensor rows = x.index_select(0, at::floor_divide(order, top_k)).contiguous();
+  const at::Tensor counts = at::bincount(flat, c10::nullopt, E);
+  at::Tensor y = at::empty({rows.size(0), H}, x.options());
+  oi::moe_experts_panels(y, rows, counts, p13, p2, limit);
+  at::Tensor inv = at::empty_like(order);
+  inv.index_put_({order}, at::arange(order.numel(), order.options()));
+  at::Tensor dst = shared.has_value() ? *shared : at::empty({T, H}, x.options());
+  oi::moe_combine(dst, y, inv, w.to(at::kFloat).contiguous(), shared.has_value());
+  return dst;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(openinfer_cpu, m) {
+  m.def(
+      "mla_decode_block(Tensor x, Tensor? q_a, Tensor? q_a_norm, Tensor q_b, int q_b_n, Tensor kv_a, Tensor kv_a_norm, "
+      "Tensor w_uk, Tensor w_uv, Tensor o_proj, int hidden, Tensor cos, Tensor sin, Tensor(a!) kv_cache, "
+      "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, int heads, int nope, int rope, int lora, "
+      "int v_dim, float lora_eps, float scale) -> Tensor");
+  m.impl("mla_decode_block", c10::DispatchKey::CPU, &mla_decode_block);
+  m.def(
+      "moe_block(Tensor x, Tensor gate_w, Tensor? bias, int scoring, int top_k, int n_group, int topk_group, "
+      "bool norm_topk_prob, float routed_scale, Tensor? shared_gate_up, Tensor? shared_down, int shared_inter, "
+      "Tensor p13, Tensor p2, float limit) -> Tensor");
+  m.impl("moe_block", c10::DispatchKey::CPU, &moe_block);
+}

@@ -1,0 +1,32 @@
+// The entry points of the kernels that decode_blocks.cpp strings together into one op per decode-step block. Each is
+// the function its own file registers as an op (same checks, same results); these names forward to it, so a fused
+// block calls it directly, without the dispatcher and without a Python round trip per kernel.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
+
+namespace oi {
+
+// panel_gemm.cpp
+void panel_gemm(at::Tensor y, const at::Tensor& x, const at::Tensor& wp, const c10::optional<at::Tensor>& bias);
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& wp, int64_t n, const c10::optional<at::Tensor>& bias);
+// layer_ops.cpp
+void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps);
+// rope_interleaved.cpp
+void rope_interleaved(at::Tensor out, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool inverse,
+                      bool deinterleave);
+// mla_decode.cpp
+void mla_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& cache, const at::Tensor& block_tables,
+                          const at::Tensor& seq_lens, double scale);
+// moe_ops.cpp
+void moe_select(at::Tensor ids, const at::Tensor& scores, const c10::optional<at::Tensor>& bias, int64_t n_group,
+                int64_t topk_group);
+void swiglu(at::Tensor out, const at::Tensor& x, double limit);
+void moe_combine(at::Tensor out, const at::Tensor& y, const at::Tensor& inv, const at::Tensor& weights,
+                 bool accumulate);
+// moe_panels.cpp
+void moe_experts_panels(at::Tensor out, const at::Tensor& rows, const at::Tensor& counts, const at::Tensor& p13,
+                        const at::Tensor& p2, double limit);
+
+}  // namespace oi

@@ -1,0 +1,67 @@
+"""Whole decode-step blocks of a DeepSeek layer as one C++ op each (``cpu_kernels/decode_blocks.cpp``): the MLA
+attention and the MoE. They run the same kernels and ATen calls as the modules' Python path, in the same order, so
+the results are the same bits; what they remove is the Python between ~50 small calls per block (about 0.7 ms per
+layer at batch 1 on the bench host, where the layer's weights stream in ~1 ms).
+
+Each function returns None when the block cannot take the call, and the module runs its Python path: not on the
+CPU, kernels unavailable or ``OPENINFER_CPU_KERNELS=0``, ``OPENINFER_DECODE_BLOCKS=0``, a step with a prefill in
+it, more than one rank, weights not in the panel layout (quantised, native-bf16 oneDNN, MXFP4 / FP8 experts),
+biases, an fp8 cache.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from openinfer.layers import cpu_ops
+
+
+def enabled() -> bool:
+    return os.environ.get("OPENINFER_DECODE_BLOCKS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def linear_panels(linear) -> torch.Tensor | None:
+    """A ``Linear``'s weight in the panel layout when that is all its matmul needs (no bias, not quantised)."""
+    if linear._quant is not None or linear.bias is not None:
+        return None
+    return linear._panels
+
+
+def mla_decode_block(x: torch.Tensor, q_a: torch.Tensor | None, q_a_norm, q_b: torch.Tensor, q_b_n: int,
+                     kv_a: torch.Tensor, kv_a_norm, absorbed: tuple[torch.Tensor, torch.Tensor],
+                     o_proj: torch.Tensor, hidden: int, cos: torch.Tensor, sin: torch.Tensor, mla, md,
+                     lora_eps: float) -> torch.Tensor | None:
+    """o_proj(MLA attention(x)) for a decode-only step: ``q_a`` / ``kv_a`` / ``q_b`` / ``o_proj`` panels, the two
+    norms (``RMSNorm`` modules), MLA's absorbed W_UK / W_UV panels, ``mla`` the layer's ``MLAAttention``, ``md`` the
+    step's metadata."""
+    ops = cpu_ops.get_ops()
+    cache = mla.kv_cache
+    if (ops is None or cache is None or cache.dtype != x.dtype or x.dim() != 2 or cos.dtype != torch.float32
+            or (q_a is not None and q_a_norm.weight.dtype != x.dtype) or kv_a_norm.weight.dtype != x.dtype):
+        return None
+    tables = md.group(mla.kv_group)
+    return ops.mla_decode_block(
+        x, q_a, None if q_a is None else q_a_norm.weight, q_b, q_b_n, kv_a, kv_a_norm.weight, absorbed[0],
+        absorbed[1], o_proj, hidden, cos, sin, cache, tables.slot_mapping, tables.decode_block_tables,
+        md.decode_seq_lens, mla.num_heads, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.kv_lora_rank,
+        mla.v_head_dim, float(lora_eps), float(mla.scale))
+
+
+SCORING = {"sigmoid": 0, "softmax": 1, "sqrtsoftplus": 2}
+
+
+def moe_block(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None, cfg,
+              shared: tuple[torch.Tensor, torch.Tensor, int] | None, panels: tuple[torch.Tensor, torch.Tensor],
+              limit: float | None) -> torch.Tensor | None:
+    """DeepseekMoE's output for x [T, H] on one rank: router with ``cfg`` (a ``RouterConfig``), the shared expert's
+    (gate_up panels, down panels, intermediate size), the routed experts' (w13, w2) panels."""
+    ops = cpu_ops.get_ops()
+    if ops is None or x.dim() != 2 or panels[0].dtype != x.dtype or panels[1].shape[-2] % cpu_ops.PANEL:
+        return None
+    return ops.moe_block(
+        x, gate_w, bias, SCORING[cfg.scoring_func], cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
+        cfg.norm_topk_prob, float(cfg.routed_scaling_factor), None if shared is None else shared[0],
+        None if shared is None else shared[1], 0 if shared is None else shared[2], panels[0], panels[1],
+        math.inf if limit is None else float(limit))

@@ -1,0 +1,100 @@
+"""DeepSeek's decode blocks (layers/decode_blocks.py, cpu_kernels/decode_blocks.cpp): the MLA attention and the MoE
+of a layer as one op each. They must give the bits of the modules' Python path (``OPENINFER_DECODE_BLOCKS=0``) —
+the same greedy tokens and exactly the same log-probs — and they must actually run where they apply (counted), and
+step aside where they do not (an fp8 cache, hash-routed layers, steps with a prefill)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import load_script
+from test_deepseek_v3 import make_hf_v3, make_prompts
+
+from openinfer import LLM, SamplingParams
+from openinfer.layers import cpu_ops, decode_blocks
+
+PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+
+
+def _counted(monkeypatch) -> dict[str, int]:
+    """How many times each block ran (returned a result) rather than stepping aside."""
+    calls = {"mla": 0, "moe": 0}
+    real = {"mla": decode_blocks.mla_decode_block, "moe": decode_blocks.moe_block}
+
+    def wrap(name):
+        def run(*args, **kwargs):
+            out = real[name](*args, **kwargs)
+            calls[name] += out is not None
+            return out
+        return run
+
+    monkeypatch.setattr(decode_blocks, "mla_decode_block", wrap("mla"))
+    monkeypatch.setattr(decode_blocks, "moe_block", wrap("moe"))
+    return calls
+
+
+def _both_ways(monkeypatch, path, prompts, **llm_kw):
+    """(outputs, block calls) with the blocks on, then off; prefix caching off so both runs compute every token the
+    same way (a cached prefix would change the prefill path, not the blocks)."""
+    calls = _counted(monkeypatch)
+    runs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("OPENINFER_DECODE_BLOCKS", flag)
+        for k in calls:
+            calls[k] = 0
+        llm = LLM(str(path), enable_prefix_caching=False, num_kv_blocks=96, **llm_kw)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
+        runs[flag] = ([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], dict(calls))
+    return runs
+
+
+def _assert_same_bits(runs) -> None:
+    on, off = runs["1"][0], runs["0"][0]
+    assert len({t for toks, _ in off for t in toks}) > 8  # not a degenerate run
+    for i, ((t1, lp1), (t0, lp0)) in enumerate(zip(on, off)):
+        assert t1 == t0, f"prompt {i}: greedy tokens differ with the decode blocks"
+        assert lp1 == lp0, f"prompt {i}: log-probs differ with the decode blocks (must be the same bits)"
+    assert runs["0"][1] == {"mla": 0, "moe": 0}  # OPENINFER_DECODE_BLOCKS=0 turns them off
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_v3_blocks_same_bits_as_python_path(kernel_ops, monkeypatch, tmp_path, dtype):
+    """The V3 test model (q LoRA, YaRN, group-limited sigmoid routing, one shared expert): continuous batching mixes
+    decode-only steps (both blocks) with prefill steps (the MoE block only). bf16 takes the blocks where its weights
+    are in panels (CPUs without native bf16); elsewhere the blocks must step aside and change nothing."""
+    path = make_hf_v3(tmp_path)
+    runs = _both_ways(monkeypatch, path, make_prompts((5, 17, 33, 16, 3)), dtype=str(dtype).split(".")[1])
+    _assert_same_bits(runs)
+    calls = runs["1"][1]
+    if cpu_ops.panels_enabled(torch.device("cpu"), dtype):
+        # 3 layers (1 dense, 2 MoE), 11 decode steps for 5 sequences at least once each
+        assert calls["mla"] >= 3 * 11 and calls["moe"] >= 2 * 11, calls
+    else:
+        assert calls == {"mla": 0, "moe": 0}
+
+
+def test_v3_variant_q_proj_softmax_two_shared(kernel_ops, monkeypatch, tmp_path):
+    """The other branches the blocks take: no q LoRA (q_proj), softmax scoring, no renormalisation, two shared
+    experts, no group limit."""
+    path = make_hf_v3(tmp_path, seed=3, q_lora_rank=None, scoring_func="softmax", norm_topk_prob=False,
+                      n_shared_experts=2, n_group=1, topk_group=1)
+    runs = _both_ways(monkeypatch, path, make_prompts((40, 7, 21), seed=4), dtype="float32")
+    _assert_same_bits(runs)
+    assert runs["1"][1]["mla"] > 0 and runs["1"][1]["moe"] > 0
+
+
+def test_fp8_cache_keeps_the_python_attention(kernel_ops, monkeypatch, tmp_path):
+    """An e4m3 latent cache is written saturated and read widened by the Python path: the attention block steps
+    aside (the MoE block still runs) and the results are unchanged."""
+    path = make_hf_v3(tmp_path, seed=5)
+    runs = _both_ways(monkeypatch, path, make_prompts((9, 30), seed=6), dtype="float32", kv_cache_dtype="fp8")
+    _assert_same_bits(runs)
+    assert runs["1"][1]["mla"] == 0 and runs["1"][1]["moe"] > 0
+
+
+def test_v4_moe_block_same_bits(kernel_ops, monkeypatch, tmp_path):
+    """DeepSeek-V4's MoE: sqrtsoftplus scoring, the SwiGLU clamp on routed and shared experts, hash-routed layers
+    (those keep the Python path: the block has no token-id table)."""
+    path = load_script("make_deepseek_v4_checkpoint").make_checkpoint(tmp_path / "v4", "tiny", seed=0)
+    runs = _both_ways(monkeypatch, path, make_prompts((6, 19, 35), seed=7), dtype="float32")
+    _assert_same_bits(runs)
+    assert runs["1"][1]["moe"] > 0 and runs["1"][1]["mla"] == 0
