@@ -108,6 +108,10 @@ def test_panel_gemm_batched_strided():
 
 def test_panel_gemm_bad_shapes_named():
     wp = cpu_ops.pack_panels(torch.randn(20, 8))
+    with pytest.raises(RuntimeError, match="panel_linear: wp must be"):
+        torch.ops.openinfer_cpu.panel_linear(torch.randn(3, 9), wp, 20, None)
+    with pytest.raises(ValueError, match="out is only for the batched form"):
+        cpu_ops.panel_gemm(torch.randn(3, 8), wp, 20, out=torch.empty(3, 20))
     with pytest.raises(RuntimeError, match="x must be"):
         torch.ops.openinfer_cpu.panel_gemm(torch.empty(1, 2, 20), torch.randn(1, 2, 9), wp.unsqueeze(0), None)
     with pytest.raises(RuntimeError, match="N in the panels"):

@@ -437,24 +437,23 @@ def unpack_panels(wp: torch.Tensor, n: int) -> torch.Tensor:
 
 def panel_gemm(x: torch.Tensor, wp: torch.Tensor, n: int, bias: torch.Tensor | None = None,
                out: torch.Tensor | None = None) -> torch.Tensor | None:
-    """x [..., K] W^T (+ bias) -> [..., n] for W in panels ``wp`` [NP, K, 16]; or, batched, x [H, M, K] and wp
-    [H, NP, K, 16] -> [H, M, n] (x and ``out`` may be strided views with unit stride in the last dim). fp32 or bf16, x
-    in wp's dtype; None when the kernel cannot take the call (the caller unpacks or runs its torch path)."""
+    """x [..., K] W^T (+ bias) -> [..., n] for W in panels ``wp`` [NP, K, 16] (one op: the reshapes and the allocation
+    happen in C++); or, batched, x [H, M, K] and wp [H, NP, K, 16] -> [H, M, n], x and ``out`` possibly strided views
+    with unit stride in the last dim (no bias). fp32 or bf16, x in wp's dtype; None when the kernel cannot take the
+    call (the caller unpacks or runs its torch path)."""
     ops = ops_for(x, wp)
-    if (ops is None or wp.dtype not in (torch.float32, torch.bfloat16) or x.dtype != wp.dtype
-            or (bias is not None and wp.dim() != 3)):
+    if ops is None or wp.dtype not in (torch.float32, torch.bfloat16) or x.dtype != wp.dtype:
         return None
-    if out is None and wp.dim() == 3:  # a plain linear: one op call (a decode step makes dozens of these)
+    if wp.dim() == 3:
+        if out is not None:
+            raise ValueError("panel_gemm: out is only for the batched form (wp [H, NP, K, 16])")
         return ops.panel_linear(x, wp, n, None if bias is None else bias.to(wp.dtype))
-    batched = wp.dim() == 4
-    rows = math.prod(x.shape[:-1])
-    x3 = x if batched else x.reshape(1, rows, x.shape[-1])
-    if x3.stride(-1) != 1:
-        x3 = x3.contiguous()
-    y = out if out is not None else x.new_empty(*x3.shape[:2], n)
-    ops.panel_gemm(y if batched else y.view(1, rows, n), x3, wp if batched else wp.unsqueeze(0),
-                   None if bias is None else bias.to(wp.dtype))
-    return y if batched else y.view(*x.shape[:-1], n)
+    if bias is not None:
+        return None
+    x3 = x if x.stride(-1) == 1 else x.contiguous()
+    y = out if out is not None else x.new_empty(x3.shape[0], x3.shape[1], n)
+    ops.panel_gemm(y, x3, wp, None)
+    return y
 
 
 def moe_experts_panels(rows: torch.Tensor, counts: list[int], p13: torch.Tensor, p2: torch.Tensor,

@@ -74,15 +74,14 @@ class DeepseekV3Attention(nn.Module):
         if md.prefills or not md.num_decodes or md.num_decodes != x.shape[0]:
             return None
         lin = decode_blocks.linear_panels
+        q_b_proj = self.q_proj if self.q_lora_rank is None else self.q_b_proj
         q_a = None if self.q_lora_rank is None else lin(self.q_a_proj)
-        q_b = lin(self.q_proj) if self.q_lora_rank is None else lin(self.q_b_proj)
-        kv_a, o_proj = lin(self.kv_a_proj_with_mqa), lin(self.o_proj)
-        if q_b is None or kv_a is None or o_proj is None or (q_a is None and self.q_lora_rank is not None):
+        q_b, kv_a, o_proj = lin(q_b_proj), lin(self.kv_a_proj_with_mqa), lin(self.o_proj)
+        if any(p is None for p in (q_b, kv_a, o_proj)) or (q_a is None and self.q_lora_rank is not None):
             return None
         absorbed = self.mla._absorbed_panels(self.kv_b_proj.weight)
         if absorbed is None:
             return None
-        q_b_proj = self.q_proj if self.q_lora_rank is None else self.q_b_proj
         return decode_blocks.mla_decode_block(
             x, q_a, getattr(self, "q_a_layernorm", None), q_b, q_b_proj.out_features, kv_a, self.kv_a_layernorm,
             absorbed, o_proj, self.o_proj.out_features, cos, sin, self.mla, md, _LORA_NORM_EPS)
