@@ -1,12 +1,13 @@
-"""DeepSeek's decode blocks (layers/decode_blocks.py, cpu_kernels/decode_blocks.cpp): the MLA attention and the MoE
-of a layer as one op each. They must give the bits of the modules' Python path (``OPENINFER_DECODE_BLOCKS=0``) —
-the same greedy tokens and exactly the same log-probs — and they must actually run where they apply (counted), and
-step aside where they do not (an fp8 cache, hash-routed layers, steps with a prefill)."""
+"""The decode blocks (layers/decode_blocks.py, cpu_kernels/decode_blocks.cpp): DeepSeek's MLA attention and MoE of a
+layer, and a whole Llama-family decoder layer, as one op each. They must give the bits of the modules' Python path
+(``OPENINFER_DECODE_BLOCKS=0``) — the same greedy tokens and exactly the same log-probs — and they must actually run
+where they apply (counted), and step aside where they do not (an fp8 cache, hash-routed layers, steps with a prefill,
+biases, q / k norms)."""
 from __future__ import annotations
 
 import pytest
 import torch
-from helpers import load_script
+from helpers import load_script, make_dense_checkpoint
 from test_deepseek_v3 import make_hf_v3, make_prompts
 
 from openinfer import LLM, SamplingParams
@@ -17,8 +18,9 @@ PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=
 
 def _counted(monkeypatch) -> dict[str, int]:
     """How many times each block ran (returned a result) rather than stepping aside."""
-    calls = {"mla": 0, "moe": 0}
-    real = {"mla": decode_blocks.mla_decode_block, "moe": decode_blocks.moe_block}
+    calls = {"mla": 0, "moe": 0, "llama": 0}
+    real = {"mla": decode_blocks.mla_decode_block, "moe": decode_blocks.moe_block,
+            "llama": decode_blocks.llama_decode_layer}
 
     def wrap(name):
         def run(*args, **kwargs):
@@ -29,6 +31,7 @@ def _counted(monkeypatch) -> dict[str, int]:
 
     monkeypatch.setattr(decode_blocks, "mla_decode_block", wrap("mla"))
     monkeypatch.setattr(decode_blocks, "moe_block", wrap("moe"))
+    monkeypatch.setattr(decode_blocks, "llama_decode_layer", wrap("llama"))
     return calls
 
 
@@ -53,7 +56,7 @@ def _assert_same_bits(runs) -> None:
     for i, ((t1, lp1), (t0, lp0)) in enumerate(zip(on, off)):
         assert t1 == t0, f"prompt {i}: greedy tokens differ with the decode blocks"
         assert lp1 == lp0, f"prompt {i}: log-probs differ with the decode blocks (must be the same bits)"
-    assert runs["0"][1] == {"mla": 0, "moe": 0}  # OPENINFER_DECODE_BLOCKS=0 turns them off
+    assert not any(runs["0"][1].values())  # OPENINFER_DECODE_BLOCKS=0 turns them off
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -69,7 +72,7 @@ def test_v3_blocks_same_bits_as_python_path(kernel_ops, monkeypatch, tmp_path, d
         # 3 layers (1 dense, 2 MoE), 11 decode steps for 5 sequences at least once each
         assert calls["mla"] >= 3 * 11 and calls["moe"] >= 2 * 11, calls
     else:
-        assert calls == {"mla": 0, "moe": 0}
+        assert not any(calls.values())
 
 
 def test_v3_variant_q_proj_softmax_two_shared(kernel_ops, monkeypatch, tmp_path):
@@ -98,3 +101,33 @@ def test_v4_moe_block_same_bits(kernel_ops, monkeypatch, tmp_path):
     runs = _both_ways(monkeypatch, path, make_prompts((6, 19, 35), seed=7), dtype="float32")
     _assert_same_bits(runs)
     assert runs["1"][1]["moe"] > 0 and runs["1"][1]["mla"] == 0
+
+
+@pytest.mark.parametrize("dtype,overrides", [
+    (torch.float32, {}),
+    (torch.bfloat16, {}),
+    # MHA (no GQA), head dim 32 with half of it rotated, three layers
+    (torch.float32, dict(num_key_value_heads=4, hidden_size=128, num_hidden_layers=3, partial_rotary_factor=0.5)),
+])
+def test_llama_layer_block_same_bits(kernel_ops, monkeypatch, tmp_path, dtype, overrides):
+    """A Llama decoder layer as one op: every layer of every decode-only step (the first layer's residual is its
+    input, the others' the running sum), prefill steps on the Python path, the same bits either way."""
+    path = make_dense_checkpoint(tmp_path / "llama", seed=2, **overrides)
+    runs = _both_ways(monkeypatch, path, make_prompts((5, 17, 33, 3), seed=8), dtype=str(dtype).split(".")[1])
+    _assert_same_bits(runs)
+    calls = runs["1"][1]
+    layers = overrides.get("num_hidden_layers", 2)
+    if cpu_ops.panels_enabled(torch.device("cpu"), dtype):
+        assert calls["llama"] >= layers * 11 and calls["mla"] == calls["moe"] == 0, calls
+    else:
+        assert not any(calls.values())
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_llama_block_steps_aside_for_bias_and_qk_norm(kernel_ops, monkeypatch, tmp_path, arch):
+    """Qwen2's q / k / v biases and Qwen3's per-head q / k norms are not in the block: those layers keep the Python
+    path, and the results do not change."""
+    path = make_dense_checkpoint(tmp_path / arch, arch=arch, seed=3)
+    runs = _both_ways(monkeypatch, path, make_prompts((12, 4, 25, 9), seed=9), dtype="float32")
+    _assert_same_bits(runs)
+    assert runs["1"][1]["llama"] == 0

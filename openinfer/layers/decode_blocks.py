@@ -1,12 +1,14 @@
-"""Whole decode-step blocks of a DeepSeek layer as one C++ op each (``cpu_kernels/decode_blocks.cpp``): the MLA
-attention and the MoE. They run the same kernels and ATen calls as the modules' Python path, in the same order, so
-the results are the same bits; what they remove is the Python between ~50 small calls per block (about 0.7 ms per
-layer at batch 1 on the bench host, where the layer's weights stream in ~1 ms).
+"""Whole decode-step blocks as one C++ op each (``cpu_kernels/decode_blocks.cpp``): a DeepSeek layer's MLA attention
+and its MoE, and a whole Llama-family decoder layer. They run the same kernels and ATen calls as the modules' Python
+path, in the same order, so the results are the same bits; what they remove is the Python between the calls (about
+0.7 ms per DeepSeek layer at batch 1 on the bench host, where the layer's weights stream in ~1 ms; ~0.3 ms per Llama
+layer, ~10 % of a batch-1 step of the Llama bench checkpoint).
 
 Each function returns None when the block cannot take the call, and the module runs its Python path: not on the
 CPU, kernels unavailable or ``OPENINFER_CPU_KERNELS=0``, ``OPENINFER_DECODE_BLOCKS=0``, a step with a prefill in
 it, more than one rank, weights not in the panel layout (quantised, native-bf16 oneDNN, MXFP4 / FP8 experts),
-biases, an fp8 cache.
+biases, an fp8 cache (DeepSeek attention) or a cache in another dtype than the activations (Llama), Qwen3's q / k
+norms.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import os
 
 import torch
 
+from openinfer.forward_context import get_forward_context
 from openinfer.layers import cpu_ops
 
 
@@ -65,3 +68,28 @@ def moe_block(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None, 
         cfg.norm_topk_prob, float(cfg.routed_scaling_factor), None if shared is None else shared[0],
         None if shared is None else shared[1], 0 if shared is None else shared[2], panels[0], panels[1],
         math.inf if limit is None else float(limit))
+
+
+def llama_decode_layer(layer, positions: torch.Tensor, x: torch.Tensor,
+                       residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``LlamaDecoderLayer.forward`` for a decode-only step as one op: ``(mlp output, residual)``, x and residual
+    updated in place as the Python path's fused norms do. ``layer`` is the ``LlamaDecoderLayer``."""
+    attn, mlp = layer.self_attn, layer.mlp
+    a, rot = attn.attn, attn.rotary_emb
+    lin = linear_panels
+    panels = (lin(attn.qkv_proj), lin(attn.o_proj), lin(mlp.gate_up_proj), lin(mlp.down_proj))
+    ops = cpu_ops.get_ops()
+    if (ops is None or any(p is None for p in panels) or a.k_cache is None or a.k_cache.dtype != x.dtype
+            or x.dim() != 2 or not x.is_contiguous() or rot.cos.dtype != torch.float32
+            or layer.input_layernorm.weight.dtype != x.dtype or layer.post_attention_layernorm.weight.dtype != x.dtype
+            or (residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
+                                          or not residual.is_contiguous()))):
+        return None
+    md = get_forward_context()
+    tables = md.group(a.kv_group)
+    out = ops.llama_decode_layer(
+        x, residual, layer.input_layernorm.weight, panels[0], positions, rot.cos, rot.sin, a.k_cache, a.v_cache,
+        tables.slot_mapping, tables.decode_block_tables, md.decode_seq_lens, attn.num_heads, attn.num_kv_heads,
+        attn.head_dim, rot.rot_dim, float(a.scale), panels[1], layer.post_attention_layernorm.weight, panels[2],
+        mlp.gate_up_proj.out_features // 2, panels[3], float(layer.input_layernorm.eps))
+    return out, (x if residual is None else residual)

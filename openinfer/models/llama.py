@@ -16,7 +16,7 @@ from torch import nn
 from openinfer.config import AttentionBackend
 from openinfer.forward_context import get_forward_context
 from openinfer.kv_cache_interface import KVGroupSpec
-from openinfer.layers import cpu_ops
+from openinfer.layers import cpu_ops, decode_blocks
 from openinfer.layers.activation import SiluAndMul
 from openinfer.layers.attention import Attention, bind_layer_caches, free_layer_caches, paged_attention_spec
 from openinfer.layers.linear import Linear
@@ -101,8 +101,27 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg["hidden_size"], cfg["intermediate_size"], bool(cfg.get("mlp_bias", False)))
         self.input_layernorm = RMSNorm(cfg["hidden_size"], eps)
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
+        # decode steps may run as one op (_decode_block): one rank, the fast attention path, no q / k norms
+        a = self.self_attn
+        self._block_ok = (not qk_norm and backend != AttentionBackend.REFERENCE
+                          and a.num_heads == cfg["num_attention_heads"] and a.qkv_proj.tp.world_size == 1
+                          and a.o_proj.tp.world_size == 1 and self.mlp.down_proj.tp.world_size == 1
+                          and self.input_layernorm.eps == self.post_attention_layernorm.eps)
+
+    def _decode_block(self, positions, x, residual):
+        """This forward as one op (layers/decode_blocks.py, the same bits) for a step of decodes only on the CPU,
+        every matrix in the panel layout; None otherwise."""
+        if not self._block_ok or x.device.type != "cpu" or not decode_blocks.enabled():
+            return None
+        md = get_forward_context()
+        if md.prefills or not md.num_decodes or md.num_decodes != x.shape[0]:
+            return None
+        return decode_blocks.llama_decode_layer(self, positions, x, residual)
 
     def forward(self, positions, x, residual):
+        fused = self._decode_block(positions, x, residual)
+        if fused is not None:
+            return fused
         if residual is None:
             residual = x
             x = self.input_layernorm(x)

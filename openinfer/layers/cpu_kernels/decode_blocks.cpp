@@ -1,10 +1,11 @@
-// Two blocks of a DeepSeek decode step as one op each: the MLA attention (projections, norms, rope, the latent cache
-// write, the absorbed attention, o_proj) and the MoE (router, shared expert, routed experts, combine). Each is the
+// Blocks of a decode step as one op each: a DeepSeek layer's MLA attention (projections, norms, rope, the latent cache
+// write, the absorbed attention, o_proj) and its MoE (router, shared expert, routed experts, combine), and a whole
+// Llama-family decoder layer (norms, fused qkv, rotary + cache write, paged attention, o_proj, SwiGLU MLP). Each is the
 // Python path's sequence of kernel and ATen calls, in the same order on the same tensors, so the results are the
 // same bits (tests/test_decode_blocks.py); what goes away is the Python between them. At batch 1 that glue was
 // ~0.4 ms per attention and ~0.3 ms per MoE layer of a ~12 ms DeepSeek-V3 bench step (about 50 tensor calls, each
 // ~1-2 us of Python and dispatch), the same order as the weights' streaming time in those layers. The callers
-// (models/deepseek_v3/attention.py, layers/deepseek_moe.py) take these only on the CPU, for decode-only steps,
+// (models/deepseek_v3/attention.py, layers/deepseek_moe.py, models/llama.py) take these only on the CPU, for decode-only steps,
 // on a single rank, with weights in the panel layout, and keep their Python path for everything else.
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -111,6 +112,49 @@ at::Tensor moe_block(const at::Tensor& x, const at::Tensor& gate_w, const c10::o
   return dst;
 }
 
+// models/llama.py's LlamaDecoderLayer.forward for a step of decodes: x [T, hidden] the previous layer's MLP output
+// (or the embeddings, with residual undefined: then x itself becomes the residual, as in the Python path), both
+// updated in place like add_rms_norm_ does there. Returns the MLP's output; the residual is the tensor the caller
+// holds. qkv_p / o_p / gate_up_p / down_p: the four linears in the panel layout; cos / sin the rotary tables
+// [max_pos, rot_dim / 2].
+at::Tensor llama_decode_layer(at::Tensor x, const c10::optional<at::Tensor>& residual, const at::Tensor& in_norm,
+                              const at::Tensor& qkv_p, const at::Tensor& positions, const at::Tensor& cos,
+                              const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
+                              const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                              const at::Tensor& seq_lens, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                              int64_t rot_dim, double scale, const at::Tensor& o_p, const at::Tensor& post_norm,
+                              const at::Tensor& gate_up_p, int64_t inter, const at::Tensor& down_p, double eps) {
+  TORCH_CHECK(x.dim() == 2 && k_cache.dim() == 4 && k_cache.scalar_type() == x.scalar_type(),
+              "llama_decode_layer: x must be [T, hidden] and the caches [blocks, block_size, Hk, D] in x's dtype");
+  const int64_t T = x.size(0), hidden = x.size(1);
+  // input_layernorm: RMSNorm(x) into a new tensor for the first layer, else the fused residual add in place
+  at::Tensor h, res;
+  if (residual.has_value()) {
+    res = *residual;
+    oi::add_rms_norm(x, res, in_norm, eps);
+    h = x;
+  } else {
+    res = x;
+    h = at::empty(x.sizes(), x.options());
+    oi::rms_norm(h, x, in_norm, eps);
+  }
+  // attention: the fused projection, rotary on q / k in place and k / v into the cache, the paged decode kernel
+  const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim;
+  at::Tensor qkv = oi::panel_linear(h, qkv_p, q_size + 2 * kv_size, c10::nullopt);
+  oi::rotary_cache_write(qkv, positions.contiguous(), cos, sin, k_cache, v_cache, slot_mapping.contiguous(), heads,
+                         kv_heads, head_dim, rot_dim);
+  const at::Tensor q = qkv.narrow(1, 0, q_size).view({T, heads, head_dim});
+  at::Tensor attn = at::empty({T, heads, head_dim}, x.options());
+  oi::paged_decode_attention(attn, q, k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(), scale);
+  at::Tensor o = oi::panel_linear(attn.view({T, q_size}), o_p, hidden, c10::nullopt);
+  // post_attention_layernorm (in place on o and the residual), then the SwiGLU MLP
+  oi::add_rms_norm(o, res, post_norm, eps);
+  const at::Tensor gu = oi::panel_linear(o, gate_up_p, 2 * inter, c10::nullopt);
+  at::Tensor act = at::empty({T, inter}, x.options());
+  oi::silu_and_mul(act, gu);
+  return oi::panel_linear(act, down_p, hidden, c10::nullopt);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(openinfer_cpu, m) {
@@ -125,4 +169,10 @@ TORCH_LIBRARY_FRAGMENT(openinfer_cpu, m) {
       "bool norm_topk_prob, float routed_scale, Tensor? shared_gate_up, Tensor? shared_down, int shared_inter, "
       "Tensor p13, Tensor p2, float limit) -> Tensor");
   m.impl("moe_block", c10::DispatchKey::CPU, &moe_block);
+  m.def(
+      "llama_decode_layer(Tensor(a!) x, Tensor(b!)? residual, Tensor in_norm, Tensor qkv_p, Tensor positions, "
+      "Tensor cos, Tensor sin, Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor slot_mapping, Tensor block_tables, "
+      "Tensor seq_lens, int heads, int kv_heads, int head_dim, int rot_dim, float scale, Tensor o_p, "
+      "Tensor post_norm, Tensor gate_up_p, int inter, Tensor down_p, float eps) -> Tensor");
+  m.impl("llama_decode_layer", c10::DispatchKey::CPU, &llama_decode_layer);
 }

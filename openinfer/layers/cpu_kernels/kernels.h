@@ -13,6 +13,14 @@ void panel_gemm(at::Tensor y, const at::Tensor& x, const at::Tensor& wp, const c
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& wp, int64_t n, const c10::optional<at::Tensor>& bias);
 // layer_ops.cpp
 void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps);
+void add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps);
+void silu_and_mul(at::Tensor out, const at::Tensor& x);
+void rotary_cache_write(at::Tensor qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+                        at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping, int64_t num_heads,
+                        int64_t num_kv_heads, int64_t head_dim, int64_t rot_dim);
+// paged_decode_attention.cpp
+void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale);
 // rope_interleaved.cpp
 void rope_interleaved(at::Tensor out, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool inverse,
                       bool deinterleave);

@@ -369,6 +369,16 @@ namespace oi {
 void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
   ::rms_norm(std::move(out), x, weight, eps);
 }
+void add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps) {
+  ::add_rms_norm(std::move(x), std::move(residual), weight, eps);
+}
+void silu_and_mul(at::Tensor out, const at::Tensor& x) { ::silu_and_mul(std::move(out), x); }
+void rotary_cache_write(at::Tensor qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+                        at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping, int64_t num_heads,
+                        int64_t num_kv_heads, int64_t head_dim, int64_t rot_dim) {
+  ::rotary_cache_write(std::move(qkv), positions, cos, sin, std::move(k_cache), std::move(v_cache), slot_mapping,
+                       num_heads, num_kv_heads, head_dim, rot_dim);
+}
 }  // namespace oi
 
 TORCH_LIBRARY_FRAGMENT(openinfer_cpu, m) {

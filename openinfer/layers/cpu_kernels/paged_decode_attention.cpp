@@ -29,6 +29,7 @@
 #include <limits>
 #include <vector>
 
+#include "kernels.h"
 #include "vec.h"
 
 namespace {
@@ -366,6 +367,13 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
 }
 
 }  // namespace
+
+namespace oi {
+void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+  ::paged_decode_attention(std::move(out), q, k_cache, v_cache, block_tables, seq_lens, scale);
+}
+}  // namespace oi
 
 TORCH_LIBRARY(openinfer_cpu, m) {
   m.def(
