@@ -25,6 +25,17 @@ def enabled() -> bool:
     return os.environ.get("OPENINFER_DECODE_BLOCKS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def decode_only_step(x: torch.Tensor):
+    """The step's forward context when a block may take it: blocks on, x on the CPU, a step of decodes only (x one
+    row per decoding sequence); else None."""
+    if x.device.type != "cpu" or not enabled():
+        return None
+    md = get_forward_context()
+    if md.prefills or not md.num_decodes or md.num_decodes != x.shape[0]:
+        return None
+    return md
+
+
 def linear_panels(linear) -> torch.Tensor | None:
     """A ``Linear``'s weight in the panel layout when that is all its matmul needs (no bias, not quantised)."""
     if linear._quant is not None or linear.bias is not None:
@@ -70,10 +81,11 @@ def moe_block(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None, 
         math.inf if limit is None else float(limit))
 
 
-def llama_decode_layer(layer, positions: torch.Tensor, x: torch.Tensor,
-                       residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+def llama_decode_layer(layer, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                       md) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``LlamaDecoderLayer.forward`` for a decode-only step as one op: ``(mlp output, residual)``, x and residual
-    updated in place as the Python path's fused norms do. ``layer`` is the ``LlamaDecoderLayer``."""
+    updated in place as the Python path's fused norms do. ``layer`` is the ``LlamaDecoderLayer``, ``md`` the step's
+    metadata."""
     attn, mlp = layer.self_attn, layer.mlp
     a, rot = attn.attn, attn.rotary_emb
     lin = linear_panels
@@ -85,7 +97,6 @@ def llama_decode_layer(layer, positions: torch.Tensor, x: torch.Tensor,
             or (residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
                                           or not residual.is_contiguous()))):
         return None
-    md = get_forward_context()
     tables = md.group(a.kv_group)
     out = ops.llama_decode_layer(
         x, residual, layer.input_layernorm.weight, panels[0], positions, rot.cos, rot.sin, a.k_cache, a.v_cache,

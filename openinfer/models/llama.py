@@ -111,12 +111,8 @@ class LlamaDecoderLayer(nn.Module):
     def _decode_block(self, positions, x, residual):
         """This forward as one op (layers/decode_blocks.py, the same bits) for a step of decodes only on the CPU,
         every matrix in the panel layout; None otherwise."""
-        if not self._block_ok or x.device.type != "cpu" or not decode_blocks.enabled():
-            return None
-        md = get_forward_context()
-        if md.prefills or not md.num_decodes or md.num_decodes != x.shape[0]:
-            return None
-        return decode_blocks.llama_decode_layer(self, positions, x, residual)
+        md = decode_blocks.decode_only_step(x) if self._block_ok else None
+        return None if md is None else decode_blocks.llama_decode_layer(self, positions, x, residual, md)
 
     def forward(self, positions, x, residual):
         fused = self._decode_block(positions, x, residual)

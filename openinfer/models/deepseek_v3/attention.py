@@ -6,7 +6,6 @@ from torch import nn
 
 from openinfer.config import AttentionBackend
 from openinfer.distributed.parallel_state import get_tensor_model_parallel_world_size
-from openinfer.forward_context import get_forward_context
 from openinfer.layers import decode_blocks
 from openinfer.layers.linear import CheckpointLinear
 from openinfer.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear, divide
@@ -68,10 +67,8 @@ class DeepseekV3Attention(nn.Module):
     def _decode_block(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
         """This forward as one op (layers/decode_blocks.py, the same bits) for a step of decodes only, when every
         matrix is in the panel layout; None otherwise."""
-        if not self._block_ok or x.device.type != "cpu" or not decode_blocks.enabled():
-            return None
-        md = get_forward_context()
-        if md.prefills or not md.num_decodes or md.num_decodes != x.shape[0]:
+        md = decode_blocks.decode_only_step(x) if self._block_ok else None
+        if md is None:
             return None
         lin = decode_blocks.linear_panels
         q_b_proj = self.q_proj if self.q_lora_rank is None else self.q_b_proj
