@@ -5,7 +5,10 @@ every query's window + entries, then sink_attention), in one process, 1 thread.
 
     python scripts/bench_v4_attention.py
 """
-import time, torch
+import time
+
+import torch
+
 from openinfer.layers import cpu_ops
 from openinfer.models.deepseek_v4.attention import sink_attention
 torch.set_num_threads(1)
@@ -29,7 +32,8 @@ def torch_path():
     chunk = 2048
     for s in range(0, T, chunk):
         e = min(T, s + chunk)
-        p = pos[s:e]; sq = token_seq[s:e, None]
+        p = pos[s:e]
+        sq = token_seq[s:e, None]
         win_pos = p[:, None] - (W - 1) + torch.arange(W)
         wp = win_pos.clamp(min=0)
         keys = kv[tables[sq, wp // bs] * bs + wp % bs]
@@ -40,4 +44,6 @@ def torch_path():
     return out
 print("max diff", (kernel() - torch_path()).abs().max().item())
 for f in (kernel, torch_path, kernel, torch_path):
-    t = time.perf_counter(); f(); print(f.__name__, round(time.perf_counter() - t, 3), "s")
+    t = time.perf_counter()
+    f()
+    print(f.__name__, round(time.perf_counter() - t, 3), "s")

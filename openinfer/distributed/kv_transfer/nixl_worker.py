@@ -207,7 +207,7 @@ class NixlConnectorWorker(KVConnectorWorker):
     def _start_push(self, spec: KVLoad, now: float) -> None:
         nbytes = sum(sum(s.block_bytes for s in stores) for ids, rids, stores in
                      zip(spec.local_block_ids, spec.remote_block_ids, self.layout)
-                     for l, r in zip(ids, rids) if l >= 0 and r >= 0)
+                     for lb, rb in zip(ids, rids) if lb >= 0 and rb >= 0)
         req = PushRequest(self.engine_id, spec.remote_engine_id, self._metadata, self.layout, spec.req_id,
                           spec.remote_request_id, spec.local_block_ids)
         fut = self._pool.submit(register_push, spec.remote_host, spec.remote_port, req,

@@ -59,8 +59,8 @@ class SharedTopology:
                     raise ValueError(f"{field}: layer {layer} (compress ratio {ratios[layer]}) reads source "
                                      f"layer {src} (compress ratio {ratios[src]}); ratios must match")
             for layer in sorted(set(m)):
-                if m[layer] == layer and ratios[layer] == 0 and any(s == layer and l != layer
-                                                                    for l, s in enumerate(m)):
+                if m[layer] == layer and ratios[layer] == 0 and any(s == layer and other != layer
+                                                                    for other, s in enumerate(m)):
                     raise ValueError(f"{field}: source layer {layer} is sliding-window only (ratio 0)")
         for fine_name, fine, coarse_name, coarse in (("index_source_layer_ids", index, "index_k_source_layer_ids",
                                                       index_k),
