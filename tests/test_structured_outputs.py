@@ -17,7 +17,7 @@ from helpers import make_dense_checkpoint
 from openinfer import LLM, SamplingParams
 from openinfer.sampling_params import StructuredOutputsParams as SO
 from openinfer.structured_outputs.backend import MAX_GRAMMAR_CHARS, make_backend
-from schema_strategies import json_schemas
+from schema_strategies import json_schemas, max_json_chars
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 PROMPTS = ['{"a": 1, "b": [true, false]} {"a": 1, "b": [', "hello", '[1, 2, 3] {"x": "yes"} {"x": "']
@@ -44,8 +44,20 @@ def run(llm: LLM, spec: SO, n: int = 2, **kw) -> list:
     return [c for o in outs for c in o.outputs]
 
 
+def test_schema_size_bound_covers_the_longest_instance():
+    """The bound that keeps generated schemas inside the token budget, on the schema a CI run drew (4 x 4 objects):
+    its longest compact instance must not exceed it, and it must exceed the 300-token budget (so it is filtered)."""
+    obj = {"type": "object", "additionalProperties": False, "required": [],
+           "properties": {k: {"type": "boolean"} for k in ("a", "ababh", "abh")}}
+    schema = {"type": "array", "minItems": 0, "maxItems": 4,
+              "items": {"type": "array", "minItems": 0, "maxItems": 4, "items": obj}}
+    longest = [[{"a": False, "ababh": False, "abh": False}] * 4] * 4
+    jsonschema.validate(longest, schema)
+    assert 300 < len(json.dumps(longest, separators=(",", ":"))) <= max_json_chars(schema)
+
+
 @settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
-@given(schemas=st.lists(json_schemas(), min_size=3, max_size=3), greedy=st.booleans())
+@given(schemas=st.lists(json_schemas(max_chars=290), min_size=3, max_size=3), greedy=st.booleans())
 def test_every_output_validates_against_its_schema(llm, schemas, greedy):
     params = [SamplingParams(n=2, max_tokens=300, temperature=0.0 if greedy else 1.0, seed=i,
                              structured_outputs=SO(json=s)) for i, s in enumerate(schemas)]
