@@ -5,8 +5,8 @@
 // same bits (tests/test_decode_blocks.py); what goes away is the Python between them. At batch 1 that glue was
 // ~0.4 ms per attention and ~0.3 ms per MoE layer of a ~12 ms DeepSeek-V3 bench step (about 50 tensor calls, each
 // ~1-2 us of Python and dispatch), the same order as the weights' streaming time in those layers. The callers
-// (models/deepseek_v3/attention.py, layers/deepseek_moe.py, models/llama.py) take these only on the CPU, for decode-only steps,
-// on a single rank, with weights in the panel layout, and keep their Python path for everything else.
+// (models/deepseek_v3/attention.py, layers/deepseek_moe.py, models/llama.py) take these only on the CPU, for
+// decode-only steps, on a single rank, with weights in the panel layout, and keep their Python path for the rest.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
