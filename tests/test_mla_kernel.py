@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from openinfer.config import AttentionBackend
 from openinfer.forward_context import AttentionMetadata, set_forward_context
 from openinfer.layers import cpu_ops
 from openinfer.layers.mla import MLAAttention, reference_mla
@@ -199,3 +200,97 @@ def test_mla_kernel_avx2_build(kernel_ops, avx2_variant):
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert " passed" in r.stdout, r.stdout[-1000:]
+
+
+# ---- the causal prefill kernel (cpu_kernels/mla_prefill.cpp) ------------------------------------------------
+
+def _prefill_reference(q_nope, q_pe, kv, k_pe, scale, dv):
+    """fp64: K = [kv's k_nope | k_pe expanded over the heads], V = kv's value columns; query i at ctx - n + i."""
+    n, h, dn = q_nope.shape
+    ctx = kv.shape[0]
+    kvh = kv.double().view(ctx, h, dn + dv)
+    k = torch.cat((kvh[..., :dn], k_pe.double()[:, None].expand(ctx, h, -1)), dim=-1)
+    s = torch.einsum("ihd,jhd->hij", torch.cat((q_nope, q_pe), dim=-1).double(), k) * scale
+    seen = torch.arange(ctx)[None, :] <= torch.arange(ctx - n, ctx)[:, None]
+    p = s.masked_fill(~seen, float("-inf")).softmax(dim=-1)
+    return torch.einsum("hij,jhd->ihd", p, kvh[..., dn:]).float()
+
+
+@pytest.mark.parametrize("n,ctx,heads,dn,r,dv", [
+    (1, 1, 1, 16, 8, 32),         # one token
+    (5, 5, 3, 16, 8, 32),         # fewer queries than a block of 4
+    (37, 37, 2, 128, 64, 128),    # V3 head dims, odd length
+    (7, 40, 3, 128, 64, 128),     # a later chunk: 33 keys cached before it
+    (3, 101, 2, 24, 8, 64),       # key count off every vector width
+    (130, 130, 8, 128, 64, 128),  # the bench checkpoint's shape
+])
+def test_mla_prefill_kernel_matches_reference(kernel_ops, n, ctx, heads, dn, r, dv):
+    gen = torch.Generator().manual_seed(1000 * n + ctx)
+    # strided as the layer passes them: q_nope / q_pe halves of one projection, k_pe a column slice of the latents
+    q = torch.randn(n, heads, dn + r, generator=gen)
+    lat = torch.randn(ctx, 40 + r, generator=gen)
+    kv = torch.randn(ctx, heads * (dn + dv), generator=gen)
+    out = torch.full((n + 2, heads, dv), float("nan"))
+    assert cpu_ops.mla_prefill_attention(out[1:n + 1], q[..., :dn], q[..., dn:], kv, lat[:, 40:], 0.125)
+    ref = _prefill_reference(q[..., :dn], q[..., dn:], kv, lat[:, 40:], 0.125, dv)
+    torch.testing.assert_close(out[1:n + 1], ref, atol=2e-5, rtol=1e-5)
+    assert out[0].isnan().all() and out[-1].isnan().all()  # nothing written outside its rows
+
+
+def test_mla_prefill_kernel_declines_what_it_does_not_take(kernel_ops):
+    """bf16, or a value dim that is not a whole number of 2-vector tiles: False and out untouched (the layer then
+    runs SDPA)."""
+    q_nope, q_pe, k_pe = torch.randn(4, 2, 16), torch.randn(4, 2, 8), torch.randn(4, 8)
+    out = torch.full((4, 2, 8), 7.0)
+    assert not cpu_ops.mla_prefill_attention(out, q_nope, q_pe, torch.randn(4, 2 * 24), k_pe, 0.1)
+    assert (out == 7.0).all()
+    out16 = torch.zeros(4, 2, 32, dtype=torch.bfloat16)
+    assert not cpu_ops.mla_prefill_attention(out16, q_nope.bfloat16(), q_pe.bfloat16(),
+                                             torch.randn(4, 2 * 48).bfloat16(), k_pe.bfloat16(), 0.1)
+    assert (out16 == 0).all()
+
+
+def test_mla_prefill_kernel_rejects_bad_shapes(kernel_ops):
+    q_nope, q_pe = torch.randn(4, 2, 16), torch.randn(4, 2, 8)
+    out = torch.empty(4, 2, 32)
+    with pytest.raises(RuntimeError, match="kv's width"):
+        cpu_ops.mla_prefill_attention(out, q_nope, q_pe, torch.randn(4, 2 * 47), torch.randn(4, 8), 0.1)
+    with pytest.raises(RuntimeError, match="must cover"):
+        cpu_ops.mla_prefill_attention(out, q_nope, q_pe, torch.randn(3, 2 * 48), torch.randn(3, 8), 0.1)
+    with pytest.raises(RuntimeError, match="k_pe"):
+        cpu_ops.mla_prefill_attention(out, q_nope, q_pe, torch.randn(4, 2 * 48), torch.randn(4, 9), 0.1)
+
+
+def test_mla_layer_prefill_kernel_and_sdpa_match_reference(kernel_ops, monkeypatch):
+    """The layer's prefill chunks (a fresh prompt and a chunk after cached tokens, beside two decodes) through the
+    kernel, through SDPA (kernel declined) and through the reference backend."""
+    torch.manual_seed(0)
+    h, lr, dn, r, dv, bs = 4, 32, 16, 8, 32, 4
+    layer = MLAAttention(h, lr, dn, r, dv, scale=0.2)
+    cache = torch.randn(24, bs, lr + r)
+    kv_b = 0.2 * torch.randn(h * (dn + dv), lr)
+    seqs = [([3, 7], 6, 1), ([10, 2, 20, 5], 13, 1), ([1, 4, 8, 9], 16, 7), ([11, 12, 13], 9, 9)]
+    md = AttentionMetadata.build([n for _, _, n in seqs], [ctx for _, ctx, _ in seqs],
+                                 {"full": [t for t, _, _ in seqs]}, {"full": bs}, bs, torch.device("cpu"))
+    t = md.num_tokens
+    q_nope, q_pe, c_kv, k_pe = torch.randn(t, h, dn), torch.randn(t, h, r), torch.randn(t, lr), torch.randn(t, r)
+    calls = []
+    kernel = cpu_ops.mla_prefill_attention
+
+    def counted(*args):
+        calls.append(kernel(*args))
+        return calls[-1]
+
+    def run(backend):
+        layer.backend, layer.kv_cache = backend, cache.clone()
+        with set_forward_context(md):
+            return layer(q_nope, q_pe, c_kv, k_pe, kv_b)
+
+    monkeypatch.setattr(cpu_ops, "mla_prefill_attention", counted)
+    fast = run(AttentionBackend.SDPA)
+    assert calls == [True, True]  # both prefill spans went through the kernel
+    monkeypatch.setattr(cpu_ops, "mla_prefill_attention", lambda *args: False)
+    sdpa = run(AttentionBackend.SDPA)
+    ref = run(AttentionBackend.REFERENCE)
+    torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(sdpa, ref, atol=1e-5, rtol=1e-5)

@@ -217,6 +217,18 @@ def mla_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
     return out
 
 
+def mla_prefill_attention(out: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor,
+                          k_pe: torch.Tensor, scale: float) -> bool:
+    """Causal MLA prefill attention on decompressed K / V (``cpu_kernels/mla_prefill.cpp``), written into out
+    [n, H, Dv]; q_nope [n, H, Dn], q_pe [n, H, R], kv [ctx, H * (Dn + Dv)] (latents @ kv_b^T), k_pe [ctx, R]; query i
+    at position ctx - n + i. False when the kernel cannot take the call (not fp32, unbuilt kernels, Dv not a
+    multiple of two vectors): the caller runs SDPA."""
+    ops = ops_for(out, q_nope, kv)
+    if ops is None or q_nope.dtype != torch.float32:
+        return False
+    return bool(ops.mla_prefill_attention(out, q_nope, q_pe, kv, k_pe, float(scale)))
+
+
 # ---- fused per-layer ops (cpu_kernels/layer_ops.cpp) --------------------------------------------------------
 # Each returns None / False when the kernel cannot take the call (disabled or unbuilt kernels, a GPU tensor, a
 # layout or dtype mix the kernel does not handle), and the caller runs its torch code instead.

@@ -44,7 +44,7 @@ def linear_panels(linear) -> torch.Tensor | None:
 
 
 def mla_decode_block(x: torch.Tensor, q_a: torch.Tensor | None, q_a_norm, q_b: torch.Tensor, q_b_n: int,
-                     kv_a: torch.Tensor, kv_a_norm, absorbed: tuple[torch.Tensor, torch.Tensor],
+                     kv_a: torch.Tensor, kv_a_norm, absorbed: tuple[torch.Tensor, ...],
                      o_proj: torch.Tensor, hidden: int, cos: torch.Tensor, sin: torch.Tensor, mla, md,
                      lora_eps: float) -> torch.Tensor | None:
     """o_proj(MLA attention(x)) for a decode-only step: ``q_a`` / ``kv_a`` / ``q_b`` / ``o_proj`` panels, the two

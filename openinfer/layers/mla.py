@@ -8,9 +8,11 @@ Backends:
 - ``sdpa`` (fast): decodes use the weight-absorbed form — q'_h = W_UK_h^T q_nope_h, so scores are
   q'_h . c_kv + q_pe_h . k_pe and out_h = W_UV_h (p_h @ c_kv) — one MQA over the latent with no per-token
   decompression, on CPU the C++ kernel over the cache blocks in place (torch fallback: gather + SDPA). Prefill
-  chunks decompress K/V per sequence and run causal MHA: with many queries per key that is fewer FLOPs (head dim
-  192+128 instead of 576+512 for V3) and the decompression is amortised; V is zero-padded to the q/k head dim
-  because SDPA's fused (flash) CPU kernel takes only one head dim and otherwise falls back to its math path.
+  chunks decompress K/V per sequence (on kv_b's panels on CPU) and run causal MHA: with many queries per key that
+  is fewer FLOPs (head dim 192+128 instead of 576+512 for V3) and the decompression is amortised. fp32 on CPU runs
+  the causal C++ kernel (cpu_kernels/mla_prefill.cpp: k_pe read in place, no padding); otherwise SDPA, with V
+  zero-padded to the q/k head dim because its fused (flash) CPU kernel takes only one head dim and otherwise falls
+  back to its math path.
 - ``reference``: per sequence and per query, fp32, keys read slot by slot and decompressed: plainly correct.
 """
 from __future__ import annotations
@@ -41,7 +43,7 @@ class MLAAttention(nn.Module):
         self.kv_group = kv_group
         # [num_blocks, block_size, kv_lora_rank + rope]; bound by the model's bind_kv_cache.
         self.kv_cache: torch.Tensor | None = None
-        # (kv_b weight, its version, W_UK^T panels, W_UV panels): see _absorbed_panels
+        # (kv_b weight, its version, W_UK^T panels, W_UV panels, kv_b panels): see _absorbed_panels
         self._absorbed: tuple | None = None
 
     @property
@@ -70,21 +72,28 @@ class MLAAttention(nn.Module):
         w = kv_b_weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
         return w[:, :self.qk_nope_head_dim], w[:, self.qk_nope_head_dim:]  # W_UK [H,Dn,L], W_UV [H,Dv,L]
 
-    def _absorbed_panels(self, kv_b_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _absorbed_panels(self, kv_b_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Where ``cpu_ops.panels_enabled`` (CPU fp32, bf16 without native bf16): W_UK^T and W_UV per head in the panel
-        layout (``cpu_ops.pack_panels``) for the two absorbed decode GEMMs, built on first use and again whenever
-        kv_b's weight changes (another tensor, or written in place). One more copy of kv_b's bytes; torch.bmm on
-        strided views of kv_b read them at ~half the copy bandwidth at batch 1 (1.6 ms of a 14 ms V3 bench decode
-        step)."""
+        layout (``cpu_ops.pack_panels``) for the two absorbed decode GEMMs, and kv_b whole for the prefill
+        decompression, built on first use and again whenever kv_b's weight changes (another tensor, or written in
+        place). Two more copies of kv_b's bytes. torch.bmm on strided views of kv_b read them at ~half the copy
+        bandwidth at batch 1 (1.6 ms of a 14 ms V3 bench decode step); aten::mm packs kv_b afresh on every call, so a
+        128-token prefill span's decompression ran at ~37 GFLOP/s (~20 % of a V3 bench prefill)."""
         if not cpu_ops.panels_enabled(kv_b_weight.device, kv_b_weight.dtype):
             return None
         cached = self._absorbed
         if cached is None or cached[0] is not kv_b_weight or cached[1] != kv_b_weight._version:
             w_uk, w_uv = self._split_kv_b(kv_b_weight.detach())
             cached = (kv_b_weight, kv_b_weight._version, cpu_ops.pack_panels(w_uk.transpose(1, 2)),
-                      cpu_ops.pack_panels(w_uv))
+                      cpu_ops.pack_panels(w_uv), cpu_ops.pack_panels(kv_b_weight.detach()))
             self._absorbed = cached
-        return cached[2], cached[3]
+        return cached[2], cached[3], cached[4]
+
+    def _decompress(self, c_kv: torch.Tensor, kv_b_weight: torch.Tensor) -> torch.Tensor:
+        """c_kv [S, L] @ kv_b^T -> [S, H * (Dn + Dv)], on kv_b's panels where there are any."""
+        panels = self._absorbed_panels(kv_b_weight)
+        kv = None if panels is None else cpu_ops.panel_gemm(c_kv, panels[2], kv_b_weight.shape[0])
+        return c_kv @ kv_b_weight.t() if kv is None else kv
 
     def bind_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
         self.kv_cache = torch.zeros(num_blocks, block_size, self.latent_dim, dtype=dtype, device=device)
@@ -128,7 +137,11 @@ class MLAAttention(nn.Module):
                 lat = as_cached(latent[s:s + n], self.kv_cache.dtype)
             else:
                 lat = self.kv_cache[tables.table(span)].view(-1, self.latent_dim)[:ctx].to(q_nope.dtype)
-            k, v = decompress(lat, kv_b_weight, h, self.qk_nope_head_dim, lr)
+            kv = self._decompress(lat[:, :lr], kv_b_weight)  # [ctx, H * (Dn + Dv)]
+            if cpu_ops.mla_prefill_attention(out[s:s + n], q_nope[s:s + n], q_pe[s:s + n], kv, lat[:, lr:],
+                                             self.scale):
+                continue
+            k, v = split_kv(kv, lat[:, lr:], h, self.qk_nope_head_dim)
             q = torch.cat((q_nope[s:s + n], q_pe[s:s + n]), dim=-1).transpose(0, 1).unsqueeze(0)
             k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
             dqk = q.shape[-1]
@@ -148,9 +161,15 @@ class MLAAttention(nn.Module):
 def decompress(latent: torch.Tensor, kv_b_weight: torch.Tensor, num_heads: int, qk_nope_head_dim: int,
                kv_lora_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """latent [S, L+R] -> K [S, H, Dn+R], V [S, H, Dv] (k_pe shared by every head)."""
-    s = latent.shape[0]
-    c_kv, k_pe = latent[:, :kv_lora_rank], latent[:, kv_lora_rank:]
-    kv = (c_kv @ kv_b_weight.t()).view(s, num_heads, -1)
+    return split_kv(latent[:, :kv_lora_rank] @ kv_b_weight.t(), latent[:, kv_lora_rank:], num_heads,
+                    qk_nope_head_dim)
+
+
+def split_kv(kv: torch.Tensor, k_pe: torch.Tensor, num_heads: int,
+             qk_nope_head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv [S, H*(Dn+Dv)] (c_kv @ kv_b^T), k_pe [S, R] -> K [S, H, Dn+R], V [S, H, Dv]."""
+    s = kv.shape[0]
+    kv = kv.view(s, num_heads, -1)
     k_nope, v = kv[..., :qk_nope_head_dim], kv[..., qk_nope_head_dim:]
     k = torch.cat((k_nope, k_pe[:, None, :].expand(s, num_heads, k_pe.shape[-1])), dim=-1)
     return k, v
