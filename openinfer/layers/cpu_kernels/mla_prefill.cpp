@@ -49,45 +49,26 @@ struct PrefillProblem {
   float scale;
 };
 
-// s[r * ld + j] = q[r] . kT[:, j] for r < NQ and j in [j0, j0 + kKV * kW): q rows [NQ, D] contiguous.
-template <int NQ, int NV>
-inline void score_tile(const float* __restrict__ q, int64_t D, const float* __restrict__ kT, int64_t ldk,
-                       int64_t j0, float* __restrict__ s, int64_t ld) {
-  vfloat acc[NQ][NV] = {};
-  for (int64_t d = 0; d < D; ++d) {
-    vfloat k[NV];
+// c[r, : NV kW] = sum_{t < T} a[r * lda + t] * b[t * ldb + (0 .. NV kW)] for r < NR: a GEMM micro-tile with NR x NV
+// accumulators in registers, each vector of b loaded once for all NR rows and each a[r, t] broadcast. Scores are
+// q (rows) times kT (key vectors), P V is p (rows) times V's rows.
+template <int NR, int NV>
+inline void outer_tile(const float* __restrict__ a, int64_t lda, const float* __restrict__ b, int64_t ldb, int64_t T,
+                       float* __restrict__ c, int64_t ldc) {
+  vfloat acc[NR][NV] = {};
+  for (int64_t t = 0; t < T; ++t) {
+    vfloat x[NV];
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) k[v] = loadv_reg(kT + d * ldk + j0 + v * kW);
+    for (int v = 0; v < NV; ++v) x[v] = loadv_reg(b + t * ldb + v * kW);
 #pragma GCC unroll 4
-    for (int r = 0; r < NQ; ++r) {
-      const float qd = q[r * D + d];
+    for (int r = 0; r < NR; ++r) {
+      const float at = a[r * lda + t];
 #pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) acc[r][v] += qd * k[v];
+      for (int v = 0; v < NV; ++v) acc[r][v] += at * x[v];
     }
   }
-  for (int r = 0; r < NQ; ++r) {
-    for (int v = 0; v < NV; ++v) storev(s + r * ld + j0 + v * kW, acc[r][v]);
-  }
-}
-
-// o[r, c : c + kVV kW] = sum_{j < m} p[r * ld + j] * v_j[c : ...] for r < NQ; v rows of stride vs.
-template <int NQ>
-inline void value_tile(const float* __restrict__ p, int64_t ld, const float* __restrict__ v, int64_t vs, int64_t m,
-                       float* __restrict__ o, int64_t os) {
-  vfloat acc[NQ][kVV] = {};
-  for (int64_t j = 0; j < m; ++j) {
-    vfloat x[kVV];
-#pragma GCC unroll 4
-    for (int u = 0; u < kVV; ++u) x[u] = loadv_reg(v + j * vs + u * kW);
-#pragma GCC unroll 4
-    for (int r = 0; r < NQ; ++r) {
-      const float pj = p[r * ld + j];
-#pragma GCC unroll 4
-      for (int u = 0; u < kVV; ++u) acc[r][u] += pj * x[u];
-    }
-  }
-  for (int r = 0; r < NQ; ++r) {
-    for (int u = 0; u < kVV; ++u) storev(o + r * os + u * kW, acc[r][u]);
+  for (int r = 0; r < NR; ++r) {
+    for (int v = 0; v < NV; ++v) storev(c + r * ldc + v * kW, acc[r][v]);
   }
 }
 
@@ -105,8 +86,8 @@ void query_block(const PrefillProblem& pb, int64_t h, int64_t i0, const float* k
   const int64_t m = off + i0 + NQ;                 // keys any row of the block sees
   const int64_t mt = (m + kW - 1) / kW * kW;       // <= ldk: kT's columns are zero padded
   int64_t j0 = 0;
-  for (; j0 + kKV * kW <= mt; j0 += kKV * kW) score_tile<NQ, kKV>(qb, D, kT, ldk, j0, s, ldk);
-  for (; j0 < mt; j0 += kW) score_tile<NQ, 1>(qb, D, kT, ldk, j0, s, ldk);
+  for (; j0 + kKV * kW <= mt; j0 += kKV * kW) outer_tile<NQ, kKV>(qb, D, kT + j0, ldk, D, s + j0, ldk);
+  for (; j0 < mt; j0 += kW) outer_tile<NQ, 1>(qb, D, kT + j0, ldk, D, s + j0, ldk);
   const float ninf = -std::numeric_limits<float>::infinity();
   float inv[NQ];
   for (int r = 0; r < NQ; ++r) {
@@ -123,7 +104,7 @@ void query_block(const PrefillProblem& pb, int64_t h, int64_t i0, const float* k
     inv[r] = 1.0f / hsum(sum);
   }
   const float* v = pb.kv + h * (pb.Dn + pb.Dv) + pb.Dn;
-  for (int64_t c = 0; c < pb.Dv; c += kVV * kW) value_tile<NQ>(s, ldk, v + c, pb.kv_s, m, ob + c, pb.Dv);
+  for (int64_t c = 0; c < pb.Dv; c += kVV * kW) outer_tile<NQ, kVV>(s, ldk, v + c, pb.kv_s, m, ob + c, pb.Dv);
   for (int r = 0; r < NQ; ++r) {
     float* o = pb.out + (i0 + r) * pb.out_s + h * pb.out_h;
     const float a = inv[r];
