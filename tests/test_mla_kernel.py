@@ -237,6 +237,13 @@ def test_mla_prefill_kernel_matches_reference(kernel_ops, n, ctx, heads, dn, r, 
     assert out[0].isnan().all() and out[-1].isnan().all()  # nothing written outside its rows
 
 
+def test_mla_prefill_kernel_no_queries(kernel_ops):
+    """A span with no queries (n = 0) is a no-op that the kernel takes."""
+    out = torch.empty(0, 2, 32)
+    assert cpu_ops.mla_prefill_attention(out, torch.randn(0, 2, 16), torch.randn(0, 2, 8), torch.randn(5, 2 * 48),
+                                         torch.randn(5, 8), 0.1)
+
+
 def test_mla_prefill_kernel_declines_what_it_does_not_take(kernel_ops):
     """bf16, or a value dim that is not a whole number of 2-vector tiles: False and out untouched (the layer then
     runs SDPA)."""
