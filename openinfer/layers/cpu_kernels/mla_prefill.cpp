@@ -159,17 +159,16 @@ void run(const PrefillProblem& pb) {
   const int64_t D = pb.Dn + pb.R;
   const int64_t ldk = (pb.ctx + kW - 1) / kW * kW;
   at::parallel_for(0, pb.H, 1, [&](int64_t h0, int64_t h1) {
+    // kT[d, j] = k[j, h, d]: rows Dn.. (k_pe) are every head's, written once; rows ..Dn per head. The padding
+    // columns past ctx are never written and stay 0 (finite scores, masked).
     std::vector<float> scratch(D * ldk + kQ * D + kQ * ldk + kQ * pb.Dv);
     float* kT = scratch.data();
     float* qb = kT + D * ldk;
     float* s = qb + kQ * D;
     float* ob = s + kQ * ldk;
+    transpose(pb.k_pe, pb.pe_s, pb.ctx, pb.R, kT + pb.Dn * ldk, ldk);
     for (int64_t h = h0; h < h1; ++h) {
-      // this head's keys, transposed: kT[d, j] = k[j, h, d]; padding columns stay 0 (finite scores, masked)
-      const float* kn = pb.kv + h * (pb.Dn + pb.Dv);
-      for (int64_t d = 0; d < D; ++d) std::fill(kT + d * ldk + pb.ctx, kT + (d + 1) * ldk, 0.0f);
-      transpose(kn, pb.kv_s, pb.ctx, pb.Dn, kT, ldk);
-      transpose(pb.k_pe, pb.pe_s, pb.ctx, pb.R, kT + pb.Dn * ldk, ldk);
+      transpose(pb.kv + h * (pb.Dn + pb.Dv), pb.kv_s, pb.ctx, pb.Dn, kT, ldk);
       int64_t i = 0;
       for (; i + kQ <= pb.n; i += kQ) query_block<kQ>(pb, h, i, kT, ldk, qb, s, ob);
       for (; i < pb.n; ++i) query_block<1>(pb, h, i, kT, ldk, qb, s, ob);
