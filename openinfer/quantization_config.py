@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from typing import Any
 
 # Quantised at load (layers/quant_linear.py says how each is laid out): int8 / int4 weight-only, w8a8 = int8 weights
-# per output channel and int8 activations per token, quantised dynamically.
-QUANTIZATION_METHODS = ("int8", "int4", "w8a8")
+# per output channel and int8 activations per token, quantised dynamically; w4a8 = int4 weights (per group) with
+# those int8 activations.
+QUANTIZATION_METHODS = ("int8", "int4", "w8a8", "w4a8")
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,12 @@
   (``s = amax / 7``, q in [-7, 7], stored as q + 8 in a nibble), two per byte in the kernel's order
   (``cpu_kernels/lowbit_gemm.cpp``: in each run of 16 columns, byte i = column i | column i + 8 << 4); K is padded
   to a multiple of 16 with zeros. About a quarter of bf16's bytes plus 4 bytes per group.
+- ``w4a8``: the weight quantised as ``int4`` (K padded to a multiple of 64), its bytes then laid out in blocks of 4
+  rows: [ceil(N / 4), Kp / 64, 4, 32] (the 32 bytes of each row's 64 columns side by side, rows past N zero), so
+  the kernel reads the matrix as one front-to-back stream (the per-row layout gave it 4 short streams per block:
+  ~10 GB/s at batch 1 from memory); the activations quantised per token as in ``w8a8``, so each group's dot
+  product is int4 x int8 -> int32 (``cpu_kernels/w4a8_gemm.cpp``), scaled by s_m and the group's scale: llama.cpp's
+  Q4_0 x Q8_0 on CPUs, which the weight-only ``int4`` (every nibble widened to fp32) trails at batch 1 on AVX2.
 
 A ``QuantizedWeight`` replaces a ``Linear``'s weight (``Linear._quant``); ``matmul`` runs the C++ kernel on the
 CPU, else (``OPENINFER_CPU_KERNELS=0``, a GPU tensor, no compiler) the torch reference: the rows are dequantised
@@ -36,6 +42,8 @@ from openinfer.quantization_config import QUANTIZATION_METHODS
 
 INT4_GROUP = 128  # input columns per int4 scale (llama.cpp's Q4_0 uses 32, GPTQ/AWQ 128)
 _INT4_RUN = 16  # columns per packed run (the kernel's vector layout)
+W4A8_STEP = 64  # w4a8: K is padded to, and groups are multiples of, the 64 columns of one 32-byte weight load
+W4A8_ROWS = 4  # w4a8: output rows per block of the packed layout (the kernel's register tile)
 # From this many activation rows on (prefill) int8 / int4 decode the matrix to fp32 for the call (``int8_dequantize``
 # / ``int4_dequantize``) and run torch's blocked GEMM on it: the register tile re-widens every weight for each pair
 # of rows, so from a few dozen rows it trails a GEMM. scripts/packed_rows.py, 1 thread, quiet AVX2 EPYC, ms kernel /
@@ -93,6 +101,9 @@ class QuantizedWeight:
         if method == "int4":
             q, s = quantize_int4(weight, group)
             return cls("int4", q, s, tuple(weight.shape), weight.dtype, group)
+        if method == "w4a8":
+            q, s = quantize_int4(weight, group, W4A8_STEP)
+            return cls("w4a8", block_rows(q), s, tuple(weight.shape), weight.dtype, group)
         raise ValueError(f"quantization={method!r} is not supported; choose one of {', '.join(QUANTIZATION_METHODS)}")
 
     @property
@@ -107,12 +118,18 @@ class QuantizedWeight:
         """W as a plain fp32 ``[N, K]`` matrix."""
         if self.method in ("int8", "w8a8"):
             return self.qweight.float() * self.scales[:, None]
-        return dequantize_int4(self.qweight, self.scales, self.group, self.shape[1], self.zero_corr)
+        return dequantize_int4(self.int4_rows(), self.scales, self.group, self.shape[1], self.zero_corr)
+
+    def int4_rows(self) -> torch.Tensor:
+        """int4 / w4a8: the packed weight in int4's row layout, uint8 [N, Kp / 2]."""
+        return unblock_rows(self.qweight, self.shape[0]) if self.method == "w4a8" else self.qweight
 
     def to_dense(self) -> torch.Tensor:
         return self.dequantize().to(self.dtype)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.method == "w4a8":
+            return self._matmul_w4a8(x, bias)
         n, k = self.shape
         lead = x.shape[:-1]
         x2 = x.reshape(-1, k)
@@ -180,6 +197,30 @@ class QuantizedWeight:
             return y
         return w8a8_reference(xf, self.qweight, self.scales, b)
 
+    def _matmul_w4a8(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The kernel at every M (prefill too: its integer dot products outrun a decoded fp32 GEMM here, and one path
+        keeps prefill and decode on the same numbers); the torch reference quantises x to the same integers and
+        forms the same exact int32 group sums, differing only in the fp32 summation over groups. Each step skipped
+        when it is a no-op: at batch 1 this Python is ~10 % of a call."""
+        n, k = self.shape
+        x2 = x if x.dim() == 2 else x.reshape(-1, k)
+        xf = x2 if x2.dtype == torch.float32 else x2.float()
+        kp = self.qweight.shape[1] * 2
+        if kp != k:
+            xf = F.pad(xf, (0, kp - k))
+        if not xf.is_contiguous():
+            xf = xf.contiguous()
+        b = None if bias is None else bias.float().contiguous()
+        ops = cpu_ops.ops_for(xf, self.qweight)
+        if ops is not None:
+            y = torch.empty(xf.shape[0], n, dtype=torch.float32)
+            ops.w4a8_linear(y, xf, self.qweight, self.scales, self.group, b)
+        else:
+            y = w4a8_reference(xf, self.int4_rows(), self.scales, self.group, b)
+        if x.dtype != torch.float32:
+            y = y.to(x.dtype)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
+
     @classmethod
     def cat(cls, parts: list[QuantizedWeight]) -> QuantizedWeight:
         """Row-wise concatenation (the fused q/k/v or gate/up projection from its checkpoint parts)."""
@@ -192,6 +233,10 @@ class QuantizedWeight:
         if len(parts) == 1:
             return first
         n = sum(p.shape[0] for p in parts)
+        if first.method == "w4a8":  # blocks of 4 rows do not concatenate: back to rows, and blocked again
+            q = block_rows(torch.cat([p.int4_rows() for p in parts]))
+            return cls("w4a8", q, torch.cat([p.scales for p in parts]).contiguous(), (n, first.shape[1]),
+                       first.dtype, first.group)
         corr = None
         if any(p.zero_corr is not None for p in parts):  # a symmetric part's correction is zero (z = 8)
             corr = torch.cat([torch.zeros_like(p.scales.t()) if p.zero_corr is None else p.zero_corr for p in parts],
@@ -221,6 +266,41 @@ def w8a8_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     return y if bias is None else y + bias
 
 
+def block_rows(q: torch.Tensor) -> torch.Tensor:
+    """int4 rows uint8 [N, Kp / 2] (Kp a multiple of 64) -> w4a8's blocks [ceil(N / 4) * 4, Kp / 2]: per block of 4
+    rows, for each 64 columns the 4 rows' 32 bytes in turn; rows past N hold nibble 8 (q = 0)."""
+    n, half = q.shape
+    nb = -(-n // W4A8_ROWS)
+    full = torch.full((nb * W4A8_ROWS, half), 0x88, dtype=torch.uint8)
+    full[:n] = q
+    steps = half // (W4A8_STEP // 2)
+    return full.view(nb, W4A8_ROWS, steps, W4A8_STEP // 2).transpose(1, 2).reshape(nb * W4A8_ROWS, half).contiguous()
+
+
+def unblock_rows(q: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of ``block_rows``: uint8 [n, Kp / 2]."""
+    rows, half = q.shape
+    steps = half // (W4A8_STEP // 2)
+    return q.view(rows // W4A8_ROWS, steps, W4A8_ROWS, W4A8_STEP // 2).transpose(1, 2).reshape(rows, half)[:n]
+
+
+def w4a8_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group: int,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    """The torch W4A8 path on x fp32 [M, Kp] (padded to the packed width): x quantised per token as in w8a8, each
+    group's int4 x int8 dot product exact in int32, then s_m * sum_g s_ng dot_g (+ bias) in fp32."""
+    xq, xs = quantize_activations(x)
+    n, kp = qweight.shape[0], qweight.shape[1] * 2
+    groups = scales.shape[1]
+    b = qweight.view(n, kp // _INT4_RUN, _INT4_RUN // 2).to(torch.int32)
+    wq = torch.stack([b & 0xF, b >> 4], dim=2).view(n, kp) - 8
+    pad = groups * group - kp  # a last group shorter than ``group``
+    xg = F.pad(xq.to(torch.int32), (0, pad)).view(-1, groups, group).transpose(0, 1)  # [G, M, group]
+    wg = F.pad(wq, (0, pad)).view(n, groups, group).permute(1, 2, 0)  # [G, group, N]
+    dot = torch.bmm(xg, wg)  # [G, M, N], exact
+    y = (dot.float() * scales.t()[:, None, :]).sum(dim=0) * xs[:, None]
+    return y if bias is None else y + bias
+
+
 def _safe_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
     s = amax / qmax
     return torch.where(s > 0, s, torch.ones_like(s))  # all-zero rows: any finite scale gives q = 0
@@ -236,12 +316,14 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @torch.no_grad()
-def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] float -> (uint8 [N, Kp / 2] in the kernel's nibble order, fp32 scales [N, ceil(Kp / group)])."""
-    if group <= 0 or group % _INT4_RUN:
-        raise ValueError(f"int4 group size must be a positive multiple of {_INT4_RUN}, got {group}")
+def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP,
+                  pad: int = _INT4_RUN) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (uint8 [N, Kp / 2] in the kernel's nibble order, fp32 scales [N, ceil(Kp / group)]); Kp is K
+    rounded up to ``pad`` (16, or w4a8's 64), the extra columns zero."""
+    if pad % _INT4_RUN or group <= 0 or group % pad:
+        raise ValueError(f"int4 group size must be a positive multiple of {pad}, got {group}")
     n, k = weight.shape
-    kp = -(-k // _INT4_RUN) * _INT4_RUN
+    kp = -(-k // pad) * pad
     groups = -(-kp // group)
     w = torch.zeros(n, groups * group, dtype=torch.float32)
     w[:, :k] = weight.float()

@@ -154,7 +154,7 @@ class LlamaForCausalLM(nn.Module):
     qkv_bias = False
     supported_kv_cache_dtypes = ("auto", "fp8", "fp8_e4m3")  # engine_args checks kv_cache_dtype against it
     # --quantization (layers/quant_linear.py) and low-bit checkpoints (layers/checkpoint_quant.py); engine_args checks
-    supported_quantization = ("int8", "int4", "w8a8")
+    supported_quantization = ("int8", "int4", "w8a8", "w4a8")
     # HF name fragment -> (fused parameter fragment, part)
     stacked_params = [
         ("q_proj", "qkv_proj", 0),

@@ -69,7 +69,7 @@ class DeepseekV3Model(nn.Module):
 
 class DeepseekV3ForCausalLM(nn.Module):
     supported_kv_cache_dtypes = ("auto", "fp8", "fp8_e4m3")  # the latent cache in e4m3 (layers/mla.py)
-    supported_quantization = ("int8", "int4")  # --quantization: linears and routed experts (quant_linear.py)
+    supported_quantization = ("int8", "int4", "w4a8")  # --quantization: linears and routed experts (quant_linear.py)
 
     def __init__(self, cfg: dict[str, Any], *, attention_backend: AttentionBackend = AttentionBackend.SDPA) -> None:
         super().__init__()
