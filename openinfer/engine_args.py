@@ -52,7 +52,8 @@ class EngineArgs:
                                        "(float8_e4m3fn, scale 1.0: half of bf16's bytes) | fp8_ds_mla "
                                        "(DeepSeek-V4's packed fp8 layout, what fp8 picks on V4)")
     quantization: str | None = _arg(None, "keep the linear weights low-bit, quantised at load and multiplied "
-                                          "packed: int8 (per output channel) | int4 (groups of 128 columns); "
+                                          "packed: int8 (per output channel) | int4 (groups of 128 columns) | "
+                                          "w8a8 / w4a8 (those weights times int8 activations, per token); "
                                           "default: the checkpoint's weights as they are")
     seed: int = _arg(0, "random seed of the engine (sampling without a per-request seed)")
     attention_backend: str = _arg("auto", "auto | sdpa | reference (the plain torch attention)")

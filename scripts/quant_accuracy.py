@@ -1,4 +1,4 @@
-"""Accuracy of ``--quantization int8 / int4 / w8a8``, and of low-bit checkpoints made from the same weights
+"""Accuracy of ``--quantization int8 / int4 / w8a8 / w4a8``, and of low-bit checkpoints made from the same weights
 (``scripts/make_quantized_checkpoint.py``: compressed-tensors W8A8 / W4A16, GPTQ), against the unquantised weights
 (issue 16, must-show 2).
 

@@ -1,5 +1,5 @@
-"""Decode speed of ``--quantization int8 / int4`` against the unquantised weights, in one process, interleaved
-(issue 16, build item "low-bit weights"; the box is shared, so only ratios measured side by side mean much).
+"""Decode speed of ``--quantization int8 / int4 / w8a8 / w4a8`` against the unquantised weights, in one process,
+interleaved (issue 16, build item "low-bit weights"; the box is shared, so only ratios measured side by side mean much).
 
 One engine per mode is loaded up front; then for each round and batch size every mode runs one timed decode
 window (``bench/decode_window.py``: prefill untimed, then exactly ``--steps`` pure decode steps), the modes in

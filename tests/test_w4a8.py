@@ -73,8 +73,10 @@ def test_kernel_integer_path_is_exact():
 
 @needs_kernels
 @pytest.mark.parametrize("m,n,k,group", [(1, 1, 37, 64), (1, 37, 100, 128), (2, 4, 64, 64), (3, 64, 1024, 128),
-                                         (5, 9, 2816, 128), (40, 130, 700, 192), (7, 6, 130, 256)])
+                                         (5, 9, 2816, 128), (23, 9, 2816, 128), (40, 130, 700, 192),
+                                         (7, 6, 130, 256)])
 def test_kernel_matches_exact_and_reference(monkeypatch, m, n, k, group):
+    """23 tokens at K 2816 span three of the kernel's token tiles (10 tokens of 32 KB), the last one odd."""
     w = torch.randn(n, k, generator=_gen(n + k))
     w[n // 2] = 0.0  # an all-zero output row
     qw = QuantizedWeight.quantize(w, "w4a8", group)
