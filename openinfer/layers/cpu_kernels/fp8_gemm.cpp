@@ -23,6 +23,8 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include "vec.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -59,13 +61,6 @@ inline bool folded(float s, float* s256) {
 }
 
 #ifdef FP8_SIMD
-inline float hsum8(__m256 v) {
-  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  a = _mm_add_ps(a, _mm_movehl_ps(a, a));
-  a = _mm_add_ss(a, _mm_movehdup_ps(a));
-  return _mm_cvtss_f32(a);
-}
-
 // 8 codes -> 8 floats times the block's scale.
 inline __m256 decode8(const uint8_t* p, __m256 s256, bool twice, __m256 s) {
   const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));

@@ -24,6 +24,8 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "vec.h"
+
 #include <algorithm>
 #include <cstdint>
 
@@ -37,13 +39,6 @@ constexpr int kRows = 4;  // output rows per block
 constexpr int kM = 2;     // activation rows sharing one widened weight vector
 
 #ifdef __AVX2__
-inline float hsum8(__m256 v) {
-  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  a = _mm_add_ps(a, _mm_movehl_ps(a, a));
-  a = _mm_add_ss(a, _mm_movehdup_ps(a));
-  return _mm_cvtss_f32(a);
-}
-
 inline __m256 widen_i8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }

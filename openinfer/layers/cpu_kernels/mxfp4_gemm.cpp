@@ -24,6 +24,8 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include "vec.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -53,15 +55,6 @@ struct ScaleTable {
   }
 };
 const ScaleTable kScale;
-
-#ifdef __AVX2__
-inline float hsum8(__m256 v) {
-  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  a = _mm_add_ps(a, _mm_movehl_ps(a, a));
-  a = _mm_add_ss(a, _mm_movehdup_ps(a));
-  return _mm_cvtss_f32(a);
-}
-#endif
 
 #ifdef __AVX2__
 // 32 codes of one block -> 4 x 8 floats in column order, times the block's scale (2 x E2M1 x 2^(e - 127) / 2:

@@ -93,6 +93,16 @@ inline float hsum(vfloat v) {
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
+#ifdef __AVX2__
+// The same sum, in the same order, of one __m256 (the kernels written in AVX2 intrinsics).
+inline float hsum8(__m256 v) {
+  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+  a = _mm_add_ss(a, _mm_movehdup_ps(a));
+  return _mm_cvtss_f32(a);
+}
+#endif
+
 inline float hmax(vfloat v) {
   const vfloat8 a = max8(v);
   vfloat4 c = __builtin_shufflevector(a, a, 0, 1, 2, 3), d = __builtin_shufflevector(a, a, 4, 5, 6, 7);

@@ -24,6 +24,8 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include "vec.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -106,15 +108,6 @@ void quantize_rows(const float* x, int64_t M, int64_t Kp, int64_t G, int64_t gro
     }
   }
 }
-
-#ifdef __AVX2__
-inline float hsum8(__m256 v) {
-  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  a = _mm_add_ps(a, _mm_movehl_ps(a, a));
-  a = _mm_add_ss(a, _mm_movehdup_ps(a));
-  return _mm_cvtss_f32(a);
-}
-#endif
 
 // acc[m][r0 + r] = sum_g s_r[g] * dot(x_m, w_r over g), for rows r0 .. r0 + R - 1 of one block (``block``: its
 // Kp / 64 steps of 4 x 32 bytes; ``s[r]``: row r's G scales) and MB tokens. ``pf_ahead``: bytes ahead of the stream
