@@ -123,6 +123,17 @@ def test_llama_layer_block_same_bits(kernel_ops, monkeypatch, tmp_path, dtype, o
         assert not any(calls.values())
 
 
+@pytest.mark.parametrize("quantization,dtype", [("w4a8", "float32"), ("w4a8", "bfloat16"), ("w8a8", "float32")])
+def test_llama_block_runs_the_integer_kernels(kernel_ops, monkeypatch, tmp_path, quantization, dtype):
+    """--quantization w4a8 / w8a8: the block calls the same integer kernels as QuantizedWeight.matmul (x widened to
+    fp32, zero-padded to w4a8's 64-column width: intermediate 160 pads down_proj's K to 192), the same bits."""
+    path = make_dense_checkpoint(tmp_path / "llama", seed=4, intermediate_size=160)
+    runs = _both_ways(monkeypatch, path, make_prompts((5, 17, 33, 3), seed=10), dtype=dtype,
+                      quantization=quantization)
+    _assert_same_bits(runs)
+    assert runs["1"][1]["llama"] >= 2 * 11, runs["1"][1]
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
 def test_llama_block_steps_aside_for_bias_and_qk_norm(kernel_ops, monkeypatch, tmp_path, arch):
     """Qwen2's q / k / v biases and Qwen3's per-head q / k norms are not in the block: those layers keep the Python

@@ -6,8 +6,8 @@ layer, ~10 % of a batch-1 step of the Llama bench checkpoint).
 
 Each function returns None when the block cannot take the call, and the module runs its Python path: not on the
 CPU, kernels unavailable or ``OPENINFER_CPU_KERNELS=0``, ``OPENINFER_DECODE_BLOCKS=0``, a step with a prefill in
-it, more than one rank, weights not in the panel layout (quantised, native-bf16 oneDNN, MXFP4 / FP8 experts),
-biases, an fp8 cache (DeepSeek attention) or a cache in another dtype than the activations (Llama), Qwen3's q / k
+it, more than one rank, weights not in the panel layout (native-bf16 oneDNN, MXFP4 / FP8 experts, quantised ones other
+than the Llama block's W4A8 / W8A8 linears), biases, an fp8 cache (DeepSeek attention) or a cache in another dtype than the activations (Llama), Qwen3's q / k
 norms.
 """
 from __future__ import annotations
@@ -81,26 +81,60 @@ def moe_block(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None, 
         math.inf if limit is None else float(limit))
 
 
+# how cpu_kernels/decode_blocks.cpp's layer_linear runs each Llama linear
+LINEAR_KINDS = {"panels": 0, "w4a8": 1, "w8a8": 2}
+
+
+def layer_linear(linear) -> tuple[torch.Tensor, torch.Tensor | None, int, int] | None:
+    """A ``Linear`` as the Llama block takes it, ``(weight, scales, kind, group)``: its panels, or a W4A8 / W8A8
+    weight (the integer kernels ``QuantizedWeight.matmul`` calls); None for the rest (biases, the weight-only
+    low-bit formats with their decoded-GEMM switch and zero-point terms, weights not in the panel layout)."""
+    if linear.bias is not None:
+        return None
+    q = linear._quant
+    if q is None:
+        return None if linear._panels is None else (linear._panels, None, LINEAR_KINDS["panels"], 0)
+    if q.method not in ("w4a8", "w8a8") or q.zero_corr is not None:
+        return None
+    return q.qweight, q.scales, LINEAR_KINDS[q.method], q.group or 0
+
+
+def _llama_layer_weights(layer) -> tuple | None:
+    """The block's per-layer constants (the four linears as lists, the norms, the shapes), or None when the layer's
+    weights do not fit the block. Built once per layer, at its first decode step (after loading and quantisation; the
+    weights do not change after that): resolving ~25 module attributes each step was ~20 us per layer."""
+    attn, mlp = layer.self_attn, layer.mlp
+    a, rot = attn.attn, attn.rotary_emb
+    lins = [layer_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+    norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+    if any(p is None for p in lins) or rot.cos.dtype != torch.float32 or norms[0].dtype != norms[1].dtype:
+        return None
+    weights, scales, kinds, groups = (list(t) for t in zip(*lins))
+    return (a, norms, weights, scales, kinds, groups, rot.cos, rot.sin, attn.num_heads, attn.num_kv_heads,
+            attn.head_dim, rot.rot_dim, float(a.scale), mlp.gate_up_proj.out_features // 2,
+            float(layer.input_layernorm.eps))
+
+
 def llama_decode_layer(layer, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                        md) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``LlamaDecoderLayer.forward`` for a decode-only step as one op: ``(mlp output, residual)``, x and residual
     updated in place as the Python path's fused norms do. ``layer`` is the ``LlamaDecoderLayer``, ``md`` the step's
     metadata."""
-    attn, mlp = layer.self_attn, layer.mlp
-    a, rot = attn.attn, attn.rotary_emb
-    lin = linear_panels
-    panels = (lin(attn.qkv_proj), lin(attn.o_proj), lin(mlp.gate_up_proj), lin(mlp.down_proj))
+    const = layer.__dict__.get("_decode_block_weights", False)
+    if const is False:
+        const = layer.__dict__["_decode_block_weights"] = _llama_layer_weights(layer)
     ops = cpu_ops.get_ops()
-    if (ops is None or any(p is None for p in panels) or a.k_cache is None or a.k_cache.dtype != x.dtype
-            or x.dim() != 2 or not x.is_contiguous() or rot.cos.dtype != torch.float32
-            or layer.input_layernorm.weight.dtype != x.dtype or layer.post_attention_layernorm.weight.dtype != x.dtype
+    if ops is None or const is None:
+        return None
+    a, norms, weights, scales, kinds, groups, cos, sin, heads, kv_heads, head_dim, rot_dim, scale, inter, eps = const
+    if (a.k_cache is None or a.k_cache.dtype != x.dtype or x.dim() != 2 or not x.is_contiguous()
+            or norms[0].dtype != x.dtype
             or (residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
                                           or not residual.is_contiguous()))):
         return None
     tables = md.group(a.kv_group)
     out = ops.llama_decode_layer(
-        x, residual, layer.input_layernorm.weight, panels[0], positions, rot.cos, rot.sin, a.k_cache, a.v_cache,
-        tables.slot_mapping, tables.decode_block_tables, md.decode_seq_lens, attn.num_heads, attn.num_kv_heads,
-        attn.head_dim, rot.rot_dim, float(a.scale), panels[1], layer.post_attention_layernorm.weight, panels[2],
-        mlp.gate_up_proj.out_features // 2, panels[3], float(layer.input_layernorm.eps))
+        x, residual, norms[0], weights, scales, kinds, groups, positions, cos, sin, a.k_cache, a.v_cache,
+        tables.slot_mapping, tables.decode_block_tables, md.decode_seq_lens, heads, kv_heads, head_dim, rot_dim,
+        scale, norms[1], inter, eps)
     return out, (x if residual is None else residual)

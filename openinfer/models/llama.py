@@ -108,7 +108,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def _decode_block(self, positions, x, residual):
         """This forward as one op (layers/decode_blocks.py, the same bits) for a step of decodes only on the CPU,
-        every matrix in the panel layout; None otherwise."""
+        every matrix in the panel layout or W4A8 / W8A8; None otherwise."""
         md = decode_blocks.decode_only_step(x) if self._block_ok else None
         return None if md is None else decode_blocks.llama_decode_layer(self, positions, x, residual, md)
 

@@ -112,21 +112,50 @@ at::Tensor moe_block(const at::Tensor& x, const at::Tensor& gate_w, const c10::o
   return dst;
 }
 
+// One of a Llama layer's linears, as Linear.matmul runs it (no bias): kind 0 the panel layout (w the panels, n the
+// output width), 1 w4a8 and 2 w8a8 (w the packed weight, scales its scales, group w4a8's group; QuantizedWeight.matmul:
+// x widened to fp32 and zero-padded to the packed width, the kernel's fp32 result back in x's dtype).
+enum LinearKind : int64_t { kPanels = 0, kW4A8 = 1, kW8A8 = 2 };
+
+at::Tensor layer_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& scales,
+                        int64_t kind, int64_t group, int64_t n) {
+  if (kind == kPanels) return oi::panel_linear(x, w, n, c10::nullopt);
+  TORCH_CHECK((kind == kW4A8 || kind == kW8A8) && scales.has_value() && scales->size(0) == n,
+              "llama_decode_layer: a linear is kind 0 (panels), 1 (w4a8) or 2 (w8a8), quantised ones with scales [n, ...]");
+  at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
+  at::Tensor y = at::empty({x.size(0), n}, x.options().dtype(at::kFloat));
+  if (kind == kW4A8) {
+    const int64_t kp = w.size(1) * 2;
+    if (kp != xf.size(1)) xf = at::constant_pad_nd(xf, {0, kp - xf.size(1)});
+    oi::w4a8_linear(y, xf.contiguous(), w, *scales, group, c10::nullopt);
+  } else {
+    oi::w8a8_linear(y, xf.contiguous(), w, *scales, c10::nullopt);
+  }
+  return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+}
+
 // models/llama.py's LlamaDecoderLayer.forward for a step of decodes: x [T, hidden] the previous layer's MLP output
 // (or the embeddings, with residual undefined: then x itself becomes the residual, as in the Python path), both
 // updated in place like add_rms_norm_ does there. Returns the MLP's output; the residual is the tensor the caller
-// holds. qkv_p / o_p / gate_up_p / down_p: the four linears in the panel layout; cos / sin the rotary tables
-// [max_pos, rot_dim / 2].
+// holds. weights / scales / kinds / groups: the four linears (qkv, o, gate_up, down) as layer_linear takes them;
+// cos / sin the rotary tables [max_pos, rot_dim / 2].
 at::Tensor llama_decode_layer(at::Tensor x, const c10::optional<at::Tensor>& residual, const at::Tensor& in_norm,
-                              const at::Tensor& qkv_p, const at::Tensor& positions, const at::Tensor& cos,
-                              const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
+                              at::TensorList weights, const c10::List<c10::optional<at::Tensor>>& scales,
+                              at::IntArrayRef kinds, at::IntArrayRef groups, const at::Tensor& positions,
+                              const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
                               const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                               const at::Tensor& seq_lens, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                              int64_t rot_dim, double scale, const at::Tensor& o_p, const at::Tensor& post_norm,
-                              const at::Tensor& gate_up_p, int64_t inter, const at::Tensor& down_p, double eps) {
+                              int64_t rot_dim, double scale, const at::Tensor& post_norm, int64_t inter, double eps) {
   TORCH_CHECK(x.dim() == 2 && k_cache.dim() == 4 && k_cache.scalar_type() == x.scalar_type(),
               "llama_decode_layer: x must be [T, hidden] and the caches [blocks, block_size, Hk, D] in x's dtype");
+  TORCH_CHECK(weights.size() == 4 && scales.size() == 4 && kinds.size() == 4 && groups.size() == 4,
+              "llama_decode_layer: four linears (qkv, o, gate_up, down)");
   const int64_t T = x.size(0), hidden = x.size(1);
+  const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim;
+  const int64_t widths[4] = {q_size + 2 * kv_size, hidden, 2 * inter, hidden};
+  auto linear = [&](int i, const at::Tensor& in) {
+    return layer_linear(in, weights[i], scales.get(i), kinds[i], groups[i], widths[i]);
+  };
   // input_layernorm: RMSNorm(x) into a new tensor for the first layer, else the fused residual add in place
   at::Tensor h, res;
   if (residual.has_value()) {
@@ -139,20 +168,19 @@ at::Tensor llama_decode_layer(at::Tensor x, const c10::optional<at::Tensor>& res
     oi::rms_norm(h, x, in_norm, eps);
   }
   // attention: the fused projection, rotary on q / k in place and k / v into the cache, the paged decode kernel
-  const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim;
-  at::Tensor qkv = oi::panel_linear(h, qkv_p, q_size + 2 * kv_size, c10::nullopt);
+  at::Tensor qkv = linear(0, h);
   oi::rotary_cache_write(qkv, positions.contiguous(), cos, sin, k_cache, v_cache, slot_mapping.contiguous(), heads,
                          kv_heads, head_dim, rot_dim);
   const at::Tensor q = qkv.narrow(1, 0, q_size).view({T, heads, head_dim});
   at::Tensor attn = at::empty({T, heads, head_dim}, x.options());
   oi::paged_decode_attention(attn, q, k_cache, v_cache, block_tables.contiguous(), seq_lens.contiguous(), scale);
-  at::Tensor o = oi::panel_linear(attn.view({T, q_size}), o_p, hidden, c10::nullopt);
+  at::Tensor o = linear(1, attn.view({T, q_size}));
   // post_attention_layernorm (in place on o and the residual), then the SwiGLU MLP
   oi::add_rms_norm(o, res, post_norm, eps);
-  const at::Tensor gu = oi::panel_linear(o, gate_up_p, 2 * inter, c10::nullopt);
+  const at::Tensor gu = linear(2, o);
   at::Tensor act = at::empty({T, inter}, x.options());
   oi::silu_and_mul(act, gu);
-  return oi::panel_linear(act, down_p, hidden, c10::nullopt);
+  return linear(3, act);
 }
 
 }  // namespace
@@ -170,9 +198,9 @@ TORCH_LIBRARY_FRAGMENT(openinfer_cpu, m) {
       "Tensor p13, Tensor p2, float limit) -> Tensor");
   m.impl("moe_block", c10::DispatchKey::CPU, &moe_block);
   m.def(
-      "llama_decode_layer(Tensor(a!) x, Tensor(b!)? residual, Tensor in_norm, Tensor qkv_p, Tensor positions, "
-      "Tensor cos, Tensor sin, Tensor(c!) k_cache, Tensor(d!) v_cache, Tensor slot_mapping, Tensor block_tables, "
-      "Tensor seq_lens, int heads, int kv_heads, int head_dim, int rot_dim, float scale, Tensor o_p, "
-      "Tensor post_norm, Tensor gate_up_p, int inter, Tensor down_p, float eps) -> Tensor");
+      "llama_decode_layer(Tensor(a!) x, Tensor(b!)? residual, Tensor in_norm, Tensor[] weights, Tensor?[] scales, "
+      "int[] kinds, int[] groups, Tensor positions, Tensor cos, Tensor sin, Tensor(c!) k_cache, Tensor(d!) v_cache, "
+      "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, int heads, int kv_heads, int head_dim, int rot_dim, "
+      "float scale, Tensor post_norm, int inter, float eps) -> Tensor");
   m.impl("llama_decode_layer", c10::DispatchKey::CPU, &llama_decode_layer);
 }

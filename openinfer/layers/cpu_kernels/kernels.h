@@ -33,6 +33,11 @@ void moe_select(at::Tensor ids, const at::Tensor& scores, const c10::optional<at
 void swiglu(at::Tensor out, const at::Tensor& x, double limit);
 void moe_combine(at::Tensor out, const at::Tensor& y, const at::Tensor& inv, const at::Tensor& weights,
                  bool accumulate);
+// w4a8_gemm.cpp, w8a8_gemm.cpp
+void w4a8_linear(at::Tensor y, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                 int64_t group, const c10::optional<at::Tensor>& bias);
+void w8a8_linear(at::Tensor y, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                 const c10::optional<at::Tensor>& bias);
 // moe_panels.cpp
 void moe_experts_panels(at::Tensor out, const at::Tensor& rows, const at::Tensor& counts, const at::Tensor& p13,
                         const at::Tensor& p2, double limit);

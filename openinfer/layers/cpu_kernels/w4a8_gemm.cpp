@@ -31,6 +31,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "kernels.h"
+
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
@@ -253,6 +255,13 @@ void w4a8_linear(at::Tensor y, const at::Tensor& x, const at::Tensor& qweight, c
 }
 
 }  // namespace
+
+namespace oi {
+void w4a8_linear(at::Tensor y, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                 int64_t group, const c10::optional<at::Tensor>& bias) {
+  ::w4a8_linear(std::move(y), x, qweight, scales, group, bias);
+}
+}  // namespace oi
 
 TORCH_LIBRARY_FRAGMENT(openinfer_cpu, m) {
   m.def("w4a8_linear(Tensor(a!) y, Tensor x, Tensor qweight, Tensor scales, int group, Tensor? bias) -> ()");

@@ -24,6 +24,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "kernels.h"
+
 #if defined(__AVX2__) || defined(__AVX512VNNI__)
 #include <immintrin.h>
 #endif
@@ -153,6 +155,13 @@ void w8a8_linear(at::Tensor y, const at::Tensor& x, const at::Tensor& qweight, c
 }
 
 }  // namespace
+
+namespace oi {
+void w8a8_linear(at::Tensor y, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                 const c10::optional<at::Tensor>& bias) {
+  ::w8a8_linear(std::move(y), x, qweight, scales, bias);
+}
+}  // namespace oi
 
 TORCH_LIBRARY_FRAGMENT(openinfer_cpu, m) {
   m.def("w8a8_linear(Tensor(a!) y, Tensor x, Tensor qweight, Tensor scales, Tensor? bias) -> ()");
