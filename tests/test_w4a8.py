@@ -53,22 +53,29 @@ def test_layout_round_trip_and_padding():
 
 
 @needs_kernels
-def test_kernel_integer_path_is_exact():
+@pytest.mark.parametrize("group", [64, 256, 512])
+def test_kernel_integer_path_is_exact(group):
     """Scales of exactly 1 on both sides (integer weights with 7 in every group, integer activations with 127 in
-    every row, halves among them to test round-half-even), so y is the integer dot product and must be exact."""
-    n, k, group = 10, 320, 64
+    every row, halves among them to test round-half-even), so y is the integer dot product and must be exact. Eight
+    tokens take the 4-token prefill path twice; at group 256 its int16 group sums meet their bound (a row of 7s
+    against tokens of +-127: 4 steps x 2 x 2 x 15 x 127 = 30480 per lane), at 512 the kernel widens every step."""
+    n, k = 10, 1024
     wi = torch.randint(-7, 8, (n, k), generator=_gen(1))
     wi[:, ::group] = 7
-    x = torch.randint(-126, 127, (5, k), generator=_gen(2)).float()
+    wi[0] = 7
+    x = torch.randint(-126, 127, (8, k), generator=_gen(2)).float()
     x[:, 3] = 127.0
     x[:, 10:20] = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, -126.5, 3.5, 4.5])
     x[4] = 0.0  # an all-zero token: scale 1, output 0
+    x[5], x[6] = 127.0, -127.0
     qw = QuantizedWeight.quantize(wi.float(), "w4a8", group)
     assert (qw.scales == 1).all()
     xq, xs = quantize_activations(x)
     assert (xs[:4] == 1).all() and xq[0, 10:20].tolist() == [0, 2, 2, 0, -2, -2, 126, -126, 4, 4]
     want = (xq.to(torch.int64) @ wi.t().to(torch.int64)).float()
+    assert want[5, 0] == 127 * 7 * k
     assert torch.equal(qw.matmul(x), want)
+    assert torch.equal(qw.matmul(x[:3]), want[:3])  # the decode-sized paths (pairs, single tokens) alike
 
 
 @needs_kernels
@@ -76,7 +83,7 @@ def test_kernel_integer_path_is_exact():
                                          (5, 9, 2816, 128), (23, 9, 2816, 128), (40, 130, 700, 192),
                                          (7, 6, 130, 256)])
 def test_kernel_matches_exact_and_reference(monkeypatch, m, n, k, group):
-    """23 tokens at K 2816 span three of the kernel's token tiles (10 tokens of 32 KB), the last one odd."""
+    """23 tokens at K 2816 span three of the kernel's token tiles (8 tokens of 32 KB), the last one 4 + 2 + 1."""
     w = torch.randn(n, k, generator=_gen(n + k))
     w[n // 2] = 0.0  # an all-zero output row
     qw = QuantizedWeight.quantize(w, "w4a8", group)

@@ -40,7 +40,8 @@
 namespace {
 
 constexpr int kRows = 4;   // output rows per block
-constexpr int kM = 2;      // tokens sharing each decoded weight vector
+constexpr int kM = 2;      // tokens sharing each decoded weight vector (decode-sized calls)
+constexpr int kWide = 4;   // tokens per pass of the prefill path (w4a8_row)
 constexpr int kStep = 64;  // columns per 32-byte weight load
 // The first token's pass prefetches this many bytes ahead in the weight stream (1 thread, batch 1, weights from
 // memory, 5632 x 1024: none 12.0 GB/s, 512 B 13.7, 1 KB 14.4, 2 KB 14.6; 1024 x 2816 10.0 / 11.3 / 11.4 / 12.1).
@@ -119,7 +120,7 @@ void quantize_rows(const float* x, int64_t M, int64_t Kp, int64_t G, int64_t gro
 // the block's bytes in L1; summing two steps in int16 before widening spilled again: 47).
 template <int MB, int R>
 inline void w4a8_block(const int8_t* xq, const int32_t* corr, int64_t Kp, const uint8_t* block, int r0,
-                       int64_t pf_ahead, const float* const* s, int64_t G, int64_t group, float acc[kM][kRows]) {
+                       int64_t pf_ahead, const float* const* s, int64_t G, int64_t group, float acc[kWide][kRows]) {
   const uint8_t* w = block + r0 * 32;
 #ifdef __AVX2__
   const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
@@ -186,6 +187,53 @@ inline void w4a8_block(const int8_t* xq, const int32_t* corr, int64_t Kp, const 
 #endif
 }
 
+#ifdef __AVX2__
+// The prefill path: w4a8_block's results (the same bits) for MB = 4 tokens and one row r of a block, with fewer
+// instructions per multiply-add. The row's nibbles are unpacked once per 64 columns for 4 tokens instead of two, x
+// comes straight from memory as maddubs' second operand, and the int16 pair sums of the steps of a group add up in
+// int16 before one widening madd per group (w4a8_block widens every step: a multiply-port op per step, where
+// maddubs already fills those ports). Exact: a step adds at most 2 x 3810 per lane, so up to 4 steps (256 columns)
+// stay within int16; the caller takes this path only for groups of at most 256. Integer sums are order-free and
+// the fp32 work (per group: widen, subtract corr, fma with the scale; hsum at the end) is w4a8_block's, in its order.
+// One row per pass keeps the int16 accumulators in registers: with 2 rows x 4 tokens, or 1 row x 8 tokens, gcc kept
+// 4-5 of the 8 on the stack and the pass was slower. 1 thread, one Llama bench layer's four linears
+// (scripts/quant_speed.py --microbench --modes w4a8): 128 tokens 27.0-27.3 -> 23.7-25.1 ms (~60 G multiply-adds / s),
+// 16 tokens 3.36-3.56 -> 3.10-3.37 ms.
+template <int MB>
+inline void w4a8_row(const int8_t* xq, const int32_t* corr, int64_t Kp, const uint8_t* block, int r,
+                     int64_t pf_ahead, const float* const* s, int64_t G, int64_t group, float acc[kWide][kRows]) {
+  const uint8_t* w = block + r * 32;
+  const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 fa[MB];
+  for (int m = 0; m < MB; ++m) fa[m] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t k0 = g * group, k1 = std::min(Kp, k0 + group);
+    __m256i ia[MB];
+    for (int m = 0; m < MB; ++m) ia[m] = _mm256_setzero_si256();
+    const uint8_t* ws = w + (k0 / kStep) * (kRows * 32);
+    for (int64_t k = k0; k < k1; k += kStep, ws += kRows * 32) {
+      if (pf_ahead) {
+        __builtin_prefetch(ws + pf_ahead);
+        __builtin_prefetch(ws + pf_ahead + 64);
+      }
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ws));
+      const __m256i lo = _mm256_and_si256(b, nib), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), nib);
+      for (int m = 0; m < MB; ++m) {
+        const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * Kp + k));
+        const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * Kp + k + 32));
+        ia[m] = _mm256_add_epi16(ia[m], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)));
+      }
+    }
+    const __m256 sg = _mm256_set1_ps(s[r][g]);
+    for (int m = 0; m < MB; ++m) {
+      const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(corr + (m * G + g) * 8));
+      fa[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_madd_epi16(ia[m], ones), c)), sg, fa[m]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) acc[m][r] = hsum8(fa[m]);
+}
+#endif
+
 void w4a8_linear(at::Tensor y, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                  int64_t group, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous() && qweight.scalar_type() == at::kByte &&
@@ -221,9 +269,15 @@ void w4a8_linear(at::Tensor y, const at::Tensor& x, const at::Tensor& qweight, c
   // Tokens in tiles of ~kTileBytes of quantised x: each block of rows passes over one tile while it stays in cache,
   // and the weights are read once per tile. Without tiles a 2048-token prefill chunk re-read all of x (2 MB at K = 1024)
   // from L3 for every block of 4 rows.
-  const int64_t tile = std::max<int64_t>(kM, kTileBytes / Kp / kM * kM);
+  const int64_t fit = kTileBytes / Kp;  // whole passes of the wide path where it fits, else pairs
+  const int64_t tile = fit >= kWide ? fit / kWide * kWide : std::max<int64_t>(kM, fit / kM * kM);
+#ifdef __AVX2__
+  const bool wide = group <= 4 * kStep;  // w4a8_row's int16 sums hold up to 4 steps
+#else
+  const bool wide = false;
+#endif
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    float acc[kM][kRows];
+    float acc[kWide][kRows];
     for (int64_t m0 = 0; m0 < M; m0 += tile) {
       const int64_t m1 = std::min(M, m0 + tile);
       for (int64_t b = b0; b < b1; ++b) {
@@ -232,22 +286,30 @@ void w4a8_linear(at::Tensor y, const at::Tensor& x, const at::Tensor& qweight, c
         const float* srows[kRows];
         for (int r = 0; r < kRows; ++r) srows[r] = sp + (n + std::min(r, R - 1)) * G;  // rows past N: zero weights
         const uint8_t* wb = wp + b * block_bytes;
-        for (int64_t m = m0; m < m1; m += kM) {
+        for (int64_t m = m0; m < m1;) {
           const int64_t pf = m == m0 ? kPrefetchAhead : 0;
           const int8_t* xm = xq.data() + m * Kp;
           const int32_t* cm = corr.data() + m * G * 8;
-          if (m1 - m >= 2) {
+          int MB;
+          if (wide && m1 - m >= kWide) {
+#ifdef __AVX2__
+            for (int r = 0; r < kRows; ++r) w4a8_row<kWide>(xm, cm, Kp, wb, r, r == 0 ? pf : 0, srows, G, group, acc);
+#endif
+            MB = kWide;
+          } else if (m1 - m >= 2) {
             w4a8_block<2, 2>(xm, cm, Kp, wb, 0, pf, srows, G, group, acc);
             w4a8_block<2, 2>(xm, cm, Kp, wb, 2, 0, srows, G, group, acc);
+            MB = 2;
           } else {
             w4a8_block<1, 4>(xm, cm, Kp, wb, 0, pf, srows, G, group, acc);
+            MB = 1;
           }
-          const int MB = int(std::min<int64_t>(kM, m1 - m));
           for (int i = 0; i < MB; ++i)
             for (int r = 0; r < R; ++r) {
               const float v = acc[i][r] * xs[m + i];
               yp[(m + i) * N + n + r] = bp ? v + bp[n + r] : v;
             }
+          m += MB;
         }
       }
     }
