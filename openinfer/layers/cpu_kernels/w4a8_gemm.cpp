@@ -18,8 +18,9 @@
 // 40-47, 56-63} of the step; the quantised x is written once per call in that order, so no weight is shuffled.
 // Per group the 8 int32 lanes are exact; they are widened to fp32 and multiplied by s[n, g] into 8 fp32 lane sums,
 // summed horizontally at the end (the torch reference sums per group instead: the two differ in fp32 rounding only).
-// Work is split over the blocks of 4 output rows (weights read from memory once, in L1 while 2 tokens at a time
-// pass over them), the first pass prefetching ahead in the stream. A plain loop without AVX2.
+// Work is split over the blocks of 4 output rows (weights read from memory once, in L1 while the tokens pass over
+// them 2 at a time, or 4 at a time in prefill-sized calls: w4a8_row), the first pass prefetching ahead in the
+// stream. A plain loop without AVX2.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
