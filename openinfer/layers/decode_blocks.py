@@ -6,9 +6,9 @@ layer, ~10 % of a batch-1 step of the Llama bench checkpoint).
 
 Each function returns None when the block cannot take the call, and the module runs its Python path: not on the
 CPU, kernels unavailable or ``OPENINFER_CPU_KERNELS=0``, ``OPENINFER_DECODE_BLOCKS=0``, a step with a prefill in
-it, more than one rank, weights not in the panel layout (native-bf16 oneDNN, MXFP4 / FP8 experts, quantised ones other
-than the Llama block's W4A8 / W8A8 linears), biases, an fp8 cache (DeepSeek attention) or a cache in another dtype than the activations (Llama), Qwen3's q / k
-norms.
+it, more than one rank, weights not in the panel layout (native-bf16 oneDNN, MXFP4 / FP8 experts, quantised ones
+other than the Llama block's W4A8 / W8A8 linears), biases, an fp8 cache (DeepSeek attention) or a cache in another
+dtype than the activations (Llama), Qwen3's q / k norms.
 """
 from __future__ import annotations
 
@@ -89,14 +89,13 @@ def layer_linear(linear) -> tuple[torch.Tensor, torch.Tensor | None, int, int] |
     """A ``Linear`` as the Llama block takes it, ``(weight, scales, kind, group)``: its panels, or a W4A8 / W8A8
     weight (the integer kernels ``QuantizedWeight.matmul`` calls); None for the rest (biases, the weight-only
     low-bit formats with their decoded-GEMM switch and zero-point terms, weights not in the panel layout)."""
-    if linear.bias is not None:
-        return None
     q = linear._quant
     if q is None:
-        return None if linear._panels is None else (linear._panels, None, LINEAR_KINDS["panels"], 0)
-    if q.method not in ("w4a8", "w8a8") or q.zero_corr is not None:
+        panels = linear_panels(linear)
+        return None if panels is None else (panels, None, LINEAR_KINDS["panels"], 0)
+    if linear.bias is not None or q.method not in ("w4a8", "w8a8") or q.zero_corr is not None:
         return None
-    return q.qweight, q.scales, LINEAR_KINDS[q.method], q.group or 0
+    return q.qweight, q.scales, LINEAR_KINDS[q.method], q.group
 
 
 def _llama_layer_weights(layer) -> tuple | None:
