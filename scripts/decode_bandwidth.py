@@ -11,7 +11,9 @@ step at batch 1; the embedding is a one-row lookup and is not counted). Configur
 - ``fp32-packed``: fp32, oneDNN-packed weights (the default layout for fp32);
 - ``fp32-rowmajor`` / ``fp32-rowmajor-nogemv``: fp32 with ``OPENINFER_CPU_PREPACK=0`` (the low-latency mode),
   with the gemv kernel and without it (``F.linear``, the path before the kernel);
-- ``bf16`` / ``bf16-nogemv``: bf16 weights with the kernel and without it (torch's bf16 GEMM).
+- ``bf16`` / ``bf16-nogemv``: bf16 weights with the kernel and without it (torch's bf16 GEMM);
+- ``w8a8`` / ``w4a8``: ``--quantization w8a8`` / ``w4a8`` (int8 / 4-bit weights times int8 activations); their
+  streamed bytes are the packed weights and scales as resident (``QuantizedWeight.nbytes``), the LM head included.
 
 Each engine is loaded once; "-nogemv" reuses its engine with ``linear.GEMV`` off for that window.
 
@@ -33,13 +35,21 @@ from pathlib import Path
 # sys.path, not the repository root): a before/after comparison must run the code under test
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-CONFIGS = {  # name -> (dtype, OPENINFER_CPU_PREPACK, gemv)
-    "fp32-packed": ("float32", "1", True),
-    "fp32-rowmajor": ("float32", "0", True),
-    "fp32-rowmajor-nogemv": ("float32", "0", False),
-    "bf16": ("bfloat16", "1", True),
-    "bf16-nogemv": ("bfloat16", "1", False),
+CONFIGS = {  # name -> (dtype, OPENINFER_CPU_PREPACK, gemv, quantization)
+    "fp32-packed": ("float32", "1", True, None),
+    "fp32-rowmajor": ("float32", "0", True, None),
+    "fp32-rowmajor-nogemv": ("float32", "0", False, None),
+    "bf16": ("bfloat16", "1", True, None),
+    "bf16-nogemv": ("bfloat16", "1", False, None),
+    "w8a8": ("float32", "1", True, "w8a8"),
+    "w4a8": ("float32", "1", True, "w4a8"),
 }
+
+
+def engine_key(name: str) -> tuple:
+    """The engine a configuration runs on: (dtype, prepack, quantization); the gemv switch reuses one engine."""
+    dtype, prepack, _, quant = CONFIGS[name]
+    return dtype, prepack, quant
 
 
 def linear_bytes(model) -> int:
@@ -47,7 +57,9 @@ def linear_bytes(model) -> int:
 
     total = 0
     for m in model.modules():
-        if isinstance(m, Linear):
+        if isinstance(m, Linear) and m._quant is not None:
+            total += m._quant.nbytes
+        elif isinstance(m, Linear):
             elem = m._packed.element_size() if m._packed is not None else m.weight.element_size()
             total += m.in_features * m.out_features * elem
     return total
@@ -85,15 +97,16 @@ def main() -> None:
     max_len = args.context_len + args.steps * 2 + 64
     engines, nbytes = {}, {}
     for name in args.configs:
-        dtype, prepack, _ = CONFIGS[name]
-        key = (dtype, prepack)
+        key = engine_key(name)
+        dtype, prepack, quant = key
         if key not in engines:
             os.environ["OPENINFER_CPU_PREPACK"] = prepack  # read when the weights are packed, at load
             llm = LLM(model=args.model, dtype=dtype, max_num_seqs=1, max_model_len=max_len,
-                      num_kv_blocks=-(-max_len // 16) + 4)
+                      num_kv_blocks=-(-max_len // 16) + 4, quantization=quant)
             engines[key] = llm.engine
             nbytes[key] = linear_bytes(llm.engine.core.executor.driver_worker.model)
-            print(f"{dtype} prepack={prepack}: linear weights {nbytes[key] / 1e6:.1f} MB", flush=True)
+            print(f"{dtype} prepack={prepack} quantization={quant}: linear weights {nbytes[key] / 1e6:.1f} MB",
+                  flush=True)
     os.environ.pop("OPENINFER_CPU_PREPACK", None)
     src = torch.randn(args.copy_mb * 2 ** 20 // 4)
     dst = torch.empty_like(src)
@@ -103,10 +116,9 @@ def main() -> None:
     for threads in args.threads:
         torch.set_num_threads(threads)
         for name in args.configs:  # warm-up: first-touch pages, the kernel build, oneDNN's primitive caches
-            dtype, prepack, gemv = CONFIGS[name]
-            linear.GEMV = gemv
-            run_decode_window(engines[(dtype, prepack)], [[rng.randrange(3, vocab) for _ in range(args.context_len)]],
-                              4, 0.0)
+            linear.GEMV = CONFIGS[name][2]
+            run_decode_window(engines[engine_key(name)],
+                              [[rng.randrange(3, vocab) for _ in range(args.context_len)]], 4, 0.0)
         copy_bandwidth(src, dst)
         for r in range(args.rounds):
             c, rd = copy_bandwidth(src, dst)
@@ -115,10 +127,10 @@ def main() -> None:
             order = args.configs[r % len(args.configs):] + args.configs[:r % len(args.configs)]
             prompt = [rng.randrange(3, vocab) for _ in range(args.context_len)]
             for name in order:
-                dtype, prepack, gemv = CONFIGS[name]
-                linear.GEMV = gemv
-                s = run_decode_window(engines[(dtype, prepack)], [prompt], args.steps, 0.0).sample
-                samples.setdefault((name, threads), []).append(nbytes[(dtype, prepack)] * args.steps / s.elapsed_s / 1e9)
+                key = engine_key(name)
+                linear.GEMV = CONFIGS[name][2]
+                s = run_decode_window(engines[key], [prompt], args.steps, 0.0).sample
+                samples.setdefault((name, threads), []).append(nbytes[key] * args.steps / s.elapsed_s / 1e9)
             print(f"threads {threads} round {r}: copy {c:.1f} GB/s, "
                   + ", ".join(f"{n} {samples[(n, threads)][-1]:.1f}" for n in args.configs), flush=True)
         linear.GEMV = True
@@ -133,8 +145,7 @@ def main() -> None:
             med = statistics.median(xs)
             tok_s = None
             if name in CONFIGS:
-                dtype, prepack, _ = CONFIGS[name]
-                tok_s = med * 1e9 / nbytes[(dtype, prepack)]
+                tok_s = med * 1e9 / nbytes[engine_key(name)]
             rows.append({"threads": threads, "what": name, "gb_s": xs, "median": med, "of_copy": med / copy,
                          "tok_s": tok_s})
             print(f"{threads:7d} {name:22} {med:11.2f} {min(xs):6.2f}-{max(xs):<6.2f} {100 * med / copy:8.0f}% "
