@@ -15,7 +15,9 @@ step at batch 1; the embedding is a one-row lookup and is not counted). Configur
 - ``w8a8`` / ``w4a8``: ``--quantization w8a8`` / ``w4a8`` (int8 / 4-bit weights times int8 activations); their
   streamed bytes are the packed weights and scales as resident (``QuantizedWeight.nbytes``), the LM head included.
 
-Each engine is loaded once; "-nogemv" reuses its engine with ``linear.GEMV`` off for that window.
+Each engine is loaded once; "-nogemv" reuses its engine with ``linear.GEMV`` off for that window (that switch
+reaches the linears on the Python path: every one with row-major fp32, only the LM head where the Llama decode-layer
+op takes the layers, which runs its own kernel).
 
     python scripts/make_bench_checkpoint.py --out /work/bench/llama-200m
     python scripts/decode_bandwidth.py --model /work/bench/llama-200m --threads 1 2 --rounds 5
