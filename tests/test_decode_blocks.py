@@ -11,7 +11,7 @@ from helpers import load_script, make_dense_checkpoint
 from test_deepseek_v3 import make_hf_v3, make_prompts
 
 from openinfer import LLM, SamplingParams
-from openinfer.layers import cpu_ops, decode_blocks
+from openinfer.layers import cpu_ops, decode_blocks, quant_linear
 
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
 
@@ -35,9 +35,10 @@ def _counted(monkeypatch) -> dict[str, int]:
     return calls
 
 
-def _both_ways(monkeypatch, path, prompts, **llm_kw):
+def _both_ways(monkeypatch, path, prompts, params=PARAMS, **llm_kw):
     """(outputs, block calls) with the blocks on, then off; prefix caching off so both runs compute every token the
-    same way (a cached prefix would change the prefill path, not the blocks)."""
+    same way (a cached prefix would change the prefill path, not the blocks). ``params``: one SamplingParams, or
+    one per prompt."""
     calls = _counted(monkeypatch)
     runs = {}
     for flag in ("1", "0"):
@@ -45,7 +46,7 @@ def _both_ways(monkeypatch, path, prompts, **llm_kw):
         for k in calls:
             calls[k] = 0
         llm = LLM(str(path), enable_prefix_caching=False, num_kv_blocks=96, **llm_kw)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         runs[flag] = ([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], dict(calls))
     return runs
 
@@ -123,15 +124,31 @@ def test_llama_layer_block_same_bits(kernel_ops, monkeypatch, tmp_path, dtype, o
         assert not any(calls.values())
 
 
-@pytest.mark.parametrize("quantization,dtype", [("w4a8", "float32"), ("w4a8", "bfloat16"), ("w8a8", "float32")])
+@pytest.mark.parametrize("quantization,dtype", [("w4a8", "float32"), ("w4a8", "bfloat16"), ("w8a8", "float32"),
+                                                ("int8", "float32"), ("int4", "bfloat16")])
 def test_llama_block_runs_the_integer_kernels(kernel_ops, monkeypatch, tmp_path, quantization, dtype):
-    """--quantization w4a8 / w8a8: the block calls the same integer kernels as QuantizedWeight.matmul (x widened to
-    fp32, zero-padded to w4a8's 64-column width: intermediate 160 pads down_proj's K to 192), the same bits."""
-    path = make_dense_checkpoint(tmp_path / "llama", seed=4, intermediate_size=160)
+    """--quantization w4a8 / w8a8 / int8 / int4: the block calls the same low-bit kernels as QuantizedWeight.matmul
+    (x widened to fp32, zero-padded to the packed width: intermediate 152 pads down_proj's K to 192 for w4a8, to 160
+    for int4), the same bits."""
+    path = make_dense_checkpoint(tmp_path / "llama", seed=4, intermediate_size=152)
     runs = _both_ways(monkeypatch, path, make_prompts((5, 17, 33, 3), seed=10), dtype=dtype,
                       quantization=quantization)
     _assert_same_bits(runs)
     assert runs["1"][1]["llama"] >= 2 * 11, runs["1"][1]
+
+
+def test_llama_block_leaves_large_weight_only_steps_to_python(kernel_ops, monkeypatch, tmp_path):
+    """Weight-only int8 decodes its matrix to fp32 for steps of LOWBIT_DEQUANT_ROWS rows or more (Python path); the
+    block takes only the smaller steps. With the switch at 3 rows, four sequences decode on the Python path until
+    two have finished, then in the block; the same bits as without the block."""
+    monkeypatch.setitem(quant_linear.LOWBIT_DEQUANT_ROWS, "int8", 3)
+    path = make_dense_checkpoint(tmp_path / "llama", seed=6)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=3) for n in (4, 6, 12, 14)]
+    runs = _both_ways(monkeypatch, path, make_prompts((5, 17, 33, 3), seed=12), params, dtype="float32",
+                      quantization="int8")
+    _assert_same_bits(runs)
+    calls = runs["1"][1]["llama"]
+    assert 0 < calls < 2 * 13, calls  # 2 layers x (steps with <= 2 sequences), never the 4- and 3-sequence steps
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])

@@ -7,8 +7,9 @@ layer, ~10 % of a batch-1 step of the Llama bench checkpoint).
 Each function returns None when the block cannot take the call, and the module runs its Python path: not on the
 CPU, kernels unavailable or ``OPENINFER_CPU_KERNELS=0``, ``OPENINFER_DECODE_BLOCKS=0``, a step with a prefill in
 it, more than one rank, weights not in the panel layout (native-bf16 oneDNN, MXFP4 / FP8 experts, quantised ones
-other than the Llama block's W4A8 / W8A8 linears), biases, an fp8 cache (DeepSeek attention) or a cache in another
-dtype than the activations (Llama), Qwen3's q / k norms.
+other than the Llama block's W4A8 / W8A8 / weight-only int8 / symmetric int4 linears, and those two weight-only ones
+from the row count where their Python path decodes to fp32), biases, an fp8 cache (DeepSeek attention) or a cache in
+another dtype than the activations (Llama), Qwen3's q / k norms.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch
 
 from openinfer.forward_context import get_forward_context
 from openinfer.layers import cpu_ops
+from openinfer.layers.quant_linear import LOWBIT_DEQUANT_ROWS
 
 
 def enabled() -> bool:
@@ -82,20 +84,27 @@ def moe_block(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None, 
 
 
 # how cpu_kernels/decode_blocks.cpp's layer_linear runs each Llama linear
-LINEAR_KINDS = {"panels": 0, "w4a8": 1, "w8a8": 2}
+LINEAR_KINDS = {"panels": 0, "w4a8": 1, "w8a8": 2, "int8": 3, "int4": 4}
 
 
 def layer_linear(linear) -> tuple[torch.Tensor, torch.Tensor | None, int, int] | None:
-    """A ``Linear`` as the Llama block takes it, ``(weight, scales, kind, group)``: its panels, or a W4A8 / W8A8
-    weight (the integer kernels ``QuantizedWeight.matmul`` calls); None for the rest (biases, the weight-only
-    low-bit formats with their decoded-GEMM switch and zero-point terms, weights not in the panel layout)."""
+    """A ``Linear`` as the Llama block takes it, ``(weight, scales, kind, group)``: its panels, or a low-bit weight
+    (the kernels ``QuantizedWeight.matmul`` calls: W4A8 / W8A8, weight-only int8 / symmetric int4); None for the rest
+    (biases, int4 with zero points, weights not in the panel layout)."""
     q = linear._quant
     if q is None:
         panels = linear_panels(linear)
         return None if panels is None else (panels, None, LINEAR_KINDS["panels"], 0)
-    if linear.bias is not None or q.method not in ("w4a8", "w8a8") or q.zero_corr is not None:
+    if linear.bias is not None or q.method not in LINEAR_KINDS or q.zero_corr is not None:
         return None
     return q.qweight, q.scales, LINEAR_KINDS[q.method], q.group
+
+
+def _max_rows(lins) -> float:
+    """The most rows a step may have for the block to run these linears as their Python path would: weight-only
+    int8 / int4 switch to a decoded GEMM from ``LOWBIT_DEQUANT_ROWS`` rows, which the block does not do."""
+    kinds = {v: k for k, v in LINEAR_KINDS.items()}
+    return min((LOWBIT_DEQUANT_ROWS.get(kinds[lin[2]], math.inf) for lin in lins), default=math.inf)
 
 
 def _llama_layer_weights(layer) -> tuple | None:
@@ -111,7 +120,7 @@ def _llama_layer_weights(layer) -> tuple | None:
     weights, scales, kinds, groups = (list(t) for t in zip(*lins))
     return (a, norms, weights, scales, kinds, groups, rot.cos, rot.sin, attn.num_heads, attn.num_kv_heads,
             attn.head_dim, rot.rot_dim, float(a.scale), mlp.gate_up_proj.out_features // 2,
-            float(layer.input_layernorm.eps))
+            float(layer.input_layernorm.eps), _max_rows(lins))
 
 
 def llama_decode_layer(layer, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
@@ -125,8 +134,9 @@ def llama_decode_layer(layer, positions: torch.Tensor, x: torch.Tensor, residual
     ops = cpu_ops.get_ops()
     if ops is None or const is None:
         return None
-    a, norms, weights, scales, kinds, groups, cos, sin, heads, kv_heads, head_dim, rot_dim, scale, inter, eps = const
-    if (a.k_cache is None or a.k_cache.dtype != x.dtype or x.dim() != 2 or not x.is_contiguous()
+    (a, norms, weights, scales, kinds, groups, cos, sin, heads, kv_heads, head_dim, rot_dim, scale, inter, eps,
+     max_rows) = const
+    if (x.shape[0] >= max_rows or a.k_cache is None or a.k_cache.dtype != x.dtype or x.dim() != 2 or not x.is_contiguous()
             or norms[0].dtype != x.dtype
             or (residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
                                           or not residual.is_contiguous()))):

@@ -38,6 +38,11 @@ void w4a8_linear(at::Tensor y, const at::Tensor& x, const at::Tensor& qweight, c
                  int64_t group, const c10::optional<at::Tensor>& bias);
 void w8a8_linear(at::Tensor y, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                  const c10::optional<at::Tensor>& bias);
+// lowbit_gemm.cpp (weight-only int8 / int4)
+void int8_linear(at::Tensor y, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                 const c10::optional<at::Tensor>& bias);
+void int4_linear(at::Tensor y, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                 int64_t group, const c10::optional<at::Tensor>& bias);
 // moe_panels.cpp
 void moe_experts_panels(at::Tensor out, const at::Tensor& rows, const at::Tensor& counts, const at::Tensor& p13,
                         const at::Tensor& p2, double limit);

@@ -24,6 +24,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "kernels.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -319,6 +320,17 @@ void int4_dequantize(at::Tensor out, const at::Tensor& qweight, const at::Tensor
 }
 
 }  // namespace
+
+namespace oi {
+void int8_linear(at::Tensor y, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                 const c10::optional<at::Tensor>& bias) {
+  ::int8_linear(std::move(y), x, qweight, scales, bias);
+}
+void int4_linear(at::Tensor y, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                 int64_t group, const c10::optional<at::Tensor>& bias) {
+  ::int4_linear(std::move(y), x, qweight, scales, group, bias);
+}
+}  // namespace oi
 
 TORCH_LIBRARY_FRAGMENT(openinfer_cpu, m) {
   m.def("int8_linear(Tensor(a!) y, Tensor x, Tensor qweight, Tensor scales, Tensor? bias) -> ()");
