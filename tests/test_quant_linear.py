@@ -17,7 +17,7 @@ from openinfer.layers import quant_linear
 from openinfer.layers.quant_linear import LOWBIT_DEQUANT_ROWS, QuantizedWeight, quantize_int4, quantize_int8
 
 # (M, N, K); M >= LOWBIT_DEQUANT_ROWS[method] (70 for both) runs the decoded-matrix path
-SHAPES = [(1, 7, 37), (1, 64, 256), (3, 13, 100), (5, 9, 16), (2, 33, 130), (8, 40, 300), (70, 41, 130)]
+SHAPES = [(1, 7, 37), (1, 64, 256), (1, 5, 50), (3, 13, 100), (5, 9, 16), (2, 33, 130), (8, 40, 300), (70, 41, 130)]
 
 
 def _weight(n, k, seed=0):
