@@ -101,8 +101,8 @@ def layer_linear(linear) -> tuple[torch.Tensor, torch.Tensor | None, int, int] |
 
 
 def _max_rows(lins) -> float:
-    """The most rows a step may have for the block to run these linears as their Python path would: weight-only
-    int8 / int4 switch to a decoded GEMM from ``LOWBIT_DEQUANT_ROWS`` rows, which the block does not do."""
+    """The row count from which a step leaves these linears to their Python path: weight-only int8 / int4 switch
+    to a decoded GEMM from ``LOWBIT_DEQUANT_ROWS`` rows, which the block does not do (inf: no such linear)."""
     kinds = {v: k for k, v in LINEAR_KINDS.items()}
     return min((LOWBIT_DEQUANT_ROWS.get(kinds[lin[2]], math.inf) for lin in lins), default=math.inf)
 
@@ -136,8 +136,8 @@ def llama_decode_layer(layer, positions: torch.Tensor, x: torch.Tensor, residual
         return None
     (a, norms, weights, scales, kinds, groups, cos, sin, heads, kv_heads, head_dim, rot_dim, scale, inter, eps,
      max_rows) = const
-    if (x.shape[0] >= max_rows or a.k_cache is None or a.k_cache.dtype != x.dtype or x.dim() != 2 or not x.is_contiguous()
-            or norms[0].dtype != x.dtype
+    if (x.shape[0] >= max_rows or a.k_cache is None or a.k_cache.dtype != x.dtype or x.dim() != 2
+            or not x.is_contiguous() or norms[0].dtype != x.dtype
             or (residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
                                           or not residual.is_contiguous()))):
         return None

@@ -10,8 +10,9 @@
 // Both: x fp32 (the wrapper widens bf16/fp16 rows once per call: M x K is small next to N x K), fp32 accumulation,
 // work split over output rows in blocks of 4 (each block's weights are read from memory once, whatever M: the
 // rows stay in L1 while every activation row passes over them), 2 activation rows at a time so each widened
-// weight vector serves two FMAs; int8 with one activation row takes the rows one at a time instead (int8_row). (Widening a block once into an fp32 scratch for M >= 3 and running an fp32 4x3
-// tile over it measured slower here at M = 3 and 8, 1 thread: int8 17 vs 23 G multiply-adds/s.)
+// weight vector serves two FMAs; int8 with one activation row takes the rows one at a time instead (int8_row).
+// (Widening a block once into an fp32 scratch for M >= 3 and running an fp32 4x3 tile over it measured slower here
+// at M = 3 and 8, 1 thread: int8 17 vs 23 G multiply-adds/s.)
 // AVX2 intrinsics (cvtepi8_epi32 -> cvtepi32_ps -> fmadd); a plain loop elsewhere. The AVX2 code also runs on
 // AVX-512 hosts (no 512-bit variant yet).
 // Software prefetch of the next row block (``pf``, same offset, one 64-byte line per row at a time, during the first
