@@ -137,6 +137,14 @@ void w8a8_linear(at::Tensor y, const at::Tensor& x, const at::Tensor& qweight, c
   const int64_t blocks = (N + kRows - 1) / kRows;
   // A grain of ~64k weight bytes per task keeps small layers on one thread.
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, kRows * K));
+  // y[m, n .. n + R) from the exact dots: the reference's fp32 operations in its order
+  auto store = [&](int64_t m, int64_t n, int R, const int32_t* d) {
+    for (int r = 0; r < R; ++r) {
+      float v = float(d[r]) * xs[m] * ws[n + r];
+      if (bp) v += bp[n + r];
+      yp[m * N + n + r] = v;
+    }
+  };
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
     int32_t dots[kRows];
     for (int64_t b = b0; b < b1; ++b) {
@@ -147,9 +155,7 @@ void w8a8_linear(at::Tensor y, const at::Tensor& x, const at::Tensor& qweight, c
           for (int64_t m = 0; m < M; ++m) {
             const int8_t* w = wp + (n + r) * K;
             dot_rows<1>(xq.data() + m * K, w, m == 0 ? w + kSeqPrefetch : nullptr, K, dots);
-            float v = float(dots[0]) * xs[m] * ws[n + r];
-            if (bp) v += bp[n + r];
-            yp[m * N + n + r] = v;
+            store(m, n + r, 1, dots);
           }
         continue;
       }
@@ -162,11 +168,7 @@ void w8a8_linear(at::Tensor y, const at::Tensor& x, const at::Tensor& qweight, c
           case 2: dot_rows<2>(xr, wp + n * K, next, K, dots); break;
           default: dot_rows<1>(xr, wp + n * K, next, K, dots); break;
         }
-        for (int r = 0; r < R; ++r) {
-          float v = float(dots[r]) * xs[m] * ws[n + r];
-          if (bp) v += bp[n + r];
-          yp[m * N + n + r] = v;
-        }
+        store(m, n, R, dots);
       }
     }
   });
