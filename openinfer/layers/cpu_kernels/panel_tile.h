@@ -16,10 +16,17 @@ constexpr int64_t kPanel = 16;  // output columns per panel
 constexpr int kMaxTile = 6;     // activation rows per register tile
 // The first row tile of a panel streams it from memory; from kPrefetchMinRows rows it also prefetches
 // kPrefetchRows rows ahead (1.5 KB of fp32). Measured (scripts/panel_gemm_speed.py shapes, weights cycled through
-// 160 MB, 1 thread, Zen 3): 1.15-1.25x at M = 4-16, +3-5 % at M = 32; at M = 1-3 the loop already keeps enough
-// misses in flight (18-20 GB/s) and the prefetch only cost load slots. 16 and 64 rows ahead measured a little worse.
+// 160 MB, 1 thread, Zen 3): 1.15-1.25x at M = 4-16, +3-5 % at M = 32; at M = 1-3 this one-per-k-step prefetch
+// only cost load slots (their own follows). 16 and 64 rows ahead measured a little worse.
 constexpr int64_t kPrefetchRows = 24;
 constexpr int kPrefetchMinRows = 4;  // (row_tile's dispatch)
+// Tiles of 1-3 rows prefetch too, every 64-byte line kPrefetchSmallBytes ahead (not per k step as above: their
+// steps cover 2-4 rows), except fp32 at 1 row. A bf16 line costs twice fp32's instructions (a shift and a mask per
+// row), and 2-3 rows are more FMAs per line, so the out-of-order window reaches fewer misses ahead than the 1-row
+// fp32 loop, whose load ports the prefetches only crowd. Measured (one thread, Zen 3, 5632 x 1024 panels streamed
+// from 160 MB, plain read 15-18 GB/s): bf16 1-3 rows 14.3-14.6 -> 16.4-16.8 GB/s; fp32 2 rows 12.3-13.2 -> 14.0-15.0,
+// 3 rows 11.3-12.1 -> 13.1-14.3, 1 row 15.4-16.1 -> 13.7-14.0 (so not there).
+constexpr int64_t kPrefetchSmallBytes = 1024;
 // Calls with more than kRowBlockFrom activation rows (prefill) run in blocks of kRowBlock rows, every panel going by
 // each block in turn: the block's rows (96 x K floats, 192 KB at K = 512) stay in L2 while the panels stream, where
 // all M rows otherwise went through L2 once per panel. Measured (1 thread, Zen 3, weights cycled through 160 MB,
@@ -66,9 +73,17 @@ inline void row_tile(const float* __restrict x, int64_t ldx, const WT* __restric
   v8 lo[CH][MR], hi[CH][MR];
   for (int c = 0; c < CH; ++c)
     for (int i = 0; i < MR; ++i) lo[c][i] = hi[c][i] = v8{};
+  // bytes of panel per k step of CH rows, and the 64-byte lines a small tile prefetches per step (>= 1 for bf16)
+  constexpr int64_t kStepBytes = CH * kPanel * static_cast<int64_t>(sizeof(WT));
+  constexpr int kLines = kStepBytes >= 64 ? static_cast<int>(kStepBytes / 64) : 1;
+  const char* wb = reinterpret_cast<const char*>(wp);
   int64_t k = 0;
   for (; k + CH <= K; k += CH) {
-    if (PF) __builtin_prefetch(wp + (k + kPrefetchRows) * kPanel);
+    if (PF && MR >= kPrefetchMinRows) {
+      __builtin_prefetch(wp + (k + kPrefetchRows) * kPanel);
+    } else if (PF) {
+      for (int l = 0; l < kLines; ++l) __builtin_prefetch(wb + k * kPanel * sizeof(WT) + kPrefetchSmallBytes + 64 * l);
+    }
     for (int c = 0; c < CH; ++c) {
       v8 w0, w1;
       load_row(wp + (k + c) * kPanel, w0, w1);
@@ -106,9 +121,9 @@ inline void row_tile(int r, const float* x, int64_t ldx, const WT* wp, int64_t K
     case 6: return row_tile<6, PF>(x, ldx, wp, K, acc);
     case 5: return row_tile<5, PF>(x, ldx, wp, K, acc);
     case 4: return row_tile<4, PF>(x, ldx, wp, K, acc);
-    case 3: return row_tile<3, false>(x, ldx, wp, K, acc);  // < kPrefetchMinRows
-    case 2: return row_tile<2, false>(x, ldx, wp, K, acc);
-    default: return row_tile<1, false>(x, ldx, wp, K, acc);
+    case 3: return row_tile<3, PF>(x, ldx, wp, K, acc);  // < kPrefetchMinRows: kPrefetchSmallBytes
+    case 2: return row_tile<2, PF>(x, ldx, wp, K, acc);
+    default: return row_tile<1, PF && sizeof(WT) == 2>(x, ldx, wp, K, acc);  // fp32: none
   }
 }
 
