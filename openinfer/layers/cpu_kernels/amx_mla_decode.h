@@ -38,6 +38,15 @@ bool mla_amx_permitted() {
   return ok;
 }
 
+// The next 16 keys' rows (n rows of D values), one prefetch per 64-byte line, while this chunk's tiles run: a
+// sequence's blocks sit anywhere in the pool, so the hardware prefetcher cannot guess where the next chunk is.
+template <typename T>
+inline void prefetch_block(const T* p, int64_t n, int64_t D) {
+  const char* c = reinterpret_cast<const char*>(p);
+  const int64_t bytes = n * D * static_cast<int64_t>(sizeof(T));
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
+}
+
 struct alignas(64) MlaTileConfig {
   uint8_t palette_id;
   uint8_t start_row;

@@ -1,0 +1,68 @@
+"""The CPU kernels' AVX-512 / AMX code compiles, on a host that cannot run it.
+
+The kernels are built with -march=native, so on the AVX2 machines CI and most sessions run on, the code under
+``#if __AVX512F__`` / ``__AMX_TILE__`` (the AMX decode-attention and MLA tiles, the AVX-512 gemv, VNNI in the W8A8
+kernel) is never compiled. It broke once that way: a helper the AMX MLA tile loop called was removed from
+mla_decode.cpp, every AMX host's kernel build then failed, and the engine fell back to its torch path there
+(cpu_ops logs a warning and carries on). This compiles the sources that carry such code for Sapphire Rapids
+(AVX-512 + AVX512-BF16 + AMX) with ``-fsyntax-only``: parsing and template instantiation, no code generation
+(~15 s on 2 cores; all sources would take ~1 minute, see _isa_sources). It cannot show the AMX code is right; the
+kernel tests do that where the CPU has AMX.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sysconfig
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from torch.utils import cpp_extension
+
+from openinfer.layers import cpu_ops
+
+CXX = os.environ.get("CXX", "g++")
+ISA_MACRO = re.compile(r"__(AVX512|AMX)")
+LOCAL_INCLUDE = re.compile(r'^#include "([^"]+)"', re.M)
+
+
+def _isa_sources() -> list:
+    """Kernel sources whose own text or local headers (followed transitively) test an AVX-512 / AMX macro. vec.h
+    is not followed: its AVX-512 branch only sets the vector width that every kernel's generic code is written
+    against (kW), and parsing every source for it (~25 x 4 s of torch headers) is what this test leaves out."""
+
+    def mentions(path, seen) -> bool:
+        if path.name == "vec.h" or path in seen or not path.exists():
+            return False
+        seen.add(path)
+        text = path.read_text()
+        return bool(ISA_MACRO.search(text)) or any(
+            mentions(path.parent / inc, seen) for inc in LOCAL_INCLUDE.findall(text))
+
+    return [src for src in cpu_ops._SOURCES if mentions(src, set())]
+
+
+def _flags(march: str) -> list[str]:
+    # what torch's cpp_extension passes (its build.ninja's cflags), with the ISA swapped and no code generation
+    inc = [*cpp_extension.include_paths(), sysconfig.get_path("include")]
+    return ["-std=c++20", "-fsyntax-only", "-DTORCH_API_INCLUDE_EXTENSION_H", "-DTORCH_EXTENSION_NAME=isa_check",
+            *(f"-isystem{p}" for p in inc), "-fopenmp", f"-march={march}"]
+
+
+@pytest.mark.skipif(shutil.which(CXX) is None, reason="no C++ compiler: the kernels cannot build here either")
+def test_kernels_compile_for_avx512_and_amx():
+    flags = _flags("sapphirerapids")
+
+    def check(src):
+        r = subprocess.run([CXX, *flags, str(src)], capture_output=True, text=True, timeout=600)
+        return src.name, r.returncode, r.stderr
+
+    sources = _isa_sources()
+    # the ones known to carry such code: the AMX attention / MLA tiles, the AVX-512 gemv, VNNI W8A8
+    assert {"paged_decode_attention.cpp", "mla_decode.cpp", "gemv.cpp", "w8a8_gemm.cpp"} <= {s.name for s in sources}
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        results = list(pool.map(check, sources))
+    failed = {name: err[-2000:] for name, rc, err in results if rc != 0}
+    assert not failed, f"kernel sources that do not compile for -march=sapphirerapids: {failed}"
