@@ -73,9 +73,8 @@ inline void row_tile(const float* __restrict x, int64_t ldx, const WT* __restric
   v8 lo[CH][MR], hi[CH][MR];
   for (int c = 0; c < CH; ++c)
     for (int i = 0; i < MR; ++i) lo[c][i] = hi[c][i] = v8{};
-  // bytes of panel per k step of CH rows, and the 64-byte lines a small tile prefetches per step (>= 1 for bf16)
-  constexpr int64_t kStepBytes = CH * kPanel * static_cast<int64_t>(sizeof(WT));
-  constexpr int kLines = kStepBytes >= 64 ? static_cast<int>(kStepBytes / 64) : 1;
+  // the 64-byte lines of panel a k step of CH rows covers: what a small tile prefetches per step (1-2)
+  constexpr int kLines = static_cast<int>(CH * kPanel * sizeof(WT) / 64);
   const char* wb = reinterpret_cast<const char*>(wp);
   int64_t k = 0;
   for (; k + CH <= K; k += CH) {
