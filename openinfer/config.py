@@ -62,6 +62,51 @@ class AttentionBackend(enum.Enum):
             raise ValueError(f"attention_backend={value!r}; choose one of auto, sdpa, reference") from None
 
 
+KERNEL_BACKENDS = ("auto", "cpu", "torch")
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """How ops run: the C++ CPU kernels or torch's own ops (``--kernel-backend``), and the switches that turn single
+    kernel families off (to measure against them or bisect). ``layers/dispatch.py`` turns it, with the platform,
+    into the implementation of every op kind once at load; nothing below reads the environment.
+
+    ``backend``: ``auto`` builds the CPU kernels where the device is the CPU and a C++ toolchain is present (a
+    failed build stops start-up with the compiler's error), else uses torch; ``cpu`` requires them; ``torch``
+    never builds them."""
+
+    backend: str = "auto"
+    panels: bool = True  # 16-column weight panels (fp32; bf16 without native bf16)
+    gemv: bool = True  # the small-M gemv kernel on plain weights
+    prepack: bool = True  # prepack linear weights at load (panels or oneDNN's blocked layout)
+    decode_blocks: bool = True  # fused C++ decode-step blocks
+    amx: bool = True  # AMX tiles in the decode attention kernels where the CPU has them
+    fp8_weights: str = "packed"  # packed | dequantize (FP8 block-quantised linears)
+    mxfp4_experts: str = "packed"  # packed | dequantize (MXFP4 routed experts)
+    cflags: str = ""  # appended to the kernel build's compiler flags
+    cache_dir: str | None = None  # the kernel build's cache folder (None: torch's extension cache)
+
+    def __post_init__(self) -> None:
+        if self.backend not in KERNEL_BACKENDS:
+            raise ValueError(f"kernel_backend={self.backend!r}; choose one of {', '.join(KERNEL_BACKENDS)}")
+        for name in ("fp8_weights", "mxfp4_experts"):
+            if getattr(self, name) not in ("packed", "dequantize"):
+                raise ValueError(f"kernel {name}={getattr(self, name)!r}; choose packed or dequantize")
+
+    @classmethod
+    def from_env(cls, backend: str = "auto") -> KernelConfig:
+        """The one place the ``OPENINFER_*`` kernel switches become config (envs.py lists them).
+        ``OPENINFER_CPU_KERNELS=0`` means ``torch`` unless a backend other than auto was asked for."""
+        from openinfer import envs
+
+        if backend == "auto" and not envs.CPU_KERNELS:
+            backend = "torch"
+        return cls(backend=backend, panels=envs.CPU_PANELS, gemv=envs.CPU_GEMV, prepack=envs.CPU_PREPACK,
+                   decode_blocks=envs.DECODE_BLOCKS, amx=envs.CPU_AMX, fp8_weights=envs.FP8_WEIGHTS,
+                   mxfp4_experts=envs.MXFP4_EXPERTS, cflags=envs.KERNEL_CFLAGS or "",
+                   cache_dir=envs.KERNEL_CACHE or None)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """What the checkpoint is: the path, its raw config.json, and the dtype/device it runs in."""
@@ -431,6 +476,7 @@ class EngineConfig:
     structured_outputs_backend: str = "auto"  # auto | llguidance | xgrammar
     tokenizer_mode: str = "auto"  # auto (the chat template) | deepseek_v4 (chat_encoding/deepseek_v4.py)
     kv_transfer: KVTransferConfig | None = None
+    kernel: KernelConfig = field(default_factory=KernelConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.attention_backend, AttentionBackend):
@@ -462,6 +508,7 @@ def engine_config_to_json(config: EngineConfig) -> str:
         "seed": config.seed, "attention_backend": config.attention_backend.value,
         "structured_outputs_backend": config.structured_outputs_backend, "tokenizer_mode": config.tokenizer_mode,
         "kv_transfer": asdict(config.kv_transfer) if config.kv_transfer else None,
+        "kernel": asdict(config.kernel),
     })
 
 
@@ -479,4 +526,5 @@ def engine_config_from_json(text: str) -> EngineConfig:
                         attention_backend=AttentionBackend(d["attention_backend"]),
                         structured_outputs_backend=d.get("structured_outputs_backend", "auto"),
                         tokenizer_mode=d.get("tokenizer_mode", "auto"),
-                        kv_transfer=KVTransferConfig.parse(d.get("kv_transfer")))
+                        kv_transfer=KVTransferConfig.parse(d.get("kv_transfer")),
+                        kernel=KernelConfig(**d["kernel"]) if d.get("kernel") else KernelConfig())

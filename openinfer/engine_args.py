@@ -57,6 +57,9 @@ class EngineArgs:
                                           "default: the checkpoint's weights as they are")
     seed: int = _arg(0, "random seed of the engine (sampling without a per-request seed)")
     attention_backend: str = _arg("auto", "auto | sdpa | reference (the plain torch attention)")
+    kernel_backend: str = _arg("auto", "how ops run: auto (the C++ CPU kernels on the CPU when a C++ compiler is "
+                               "found; a failed kernel build stops start-up) | cpu (require them) | torch (torch's "
+                               "own ops only, nothing built); `openinfer env` shows what each op kind runs")
     tensor_parallel_size: int = _arg(1, "ranks that split every layer (heads, MLP, vocabulary), one process each")
     data_parallel_size: int = _arg(1, "attention replicas, each with its own scheduler, KV cache and requests "
                                       "(and its own tensor_parallel_size ranks)")
@@ -140,8 +143,8 @@ class EngineArgs:
         """The validated ``EngineConfig``; a bad value raises ``ValueError`` naming the field and its limit.
         ``chat_template`` is not part of it: it goes to ``LLMEngine(config, chat_template=...)``."""
         from openinfer.assets_path import default_model_path
-        from openinfer.config import (AttentionBackend, CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
-                                      KVTransferConfig, SchedulerConfig, SpeculativeConfig)
+        from openinfer.config import (AttentionBackend, CacheConfig, EngineConfig, KernelConfig, ModelConfig,
+                                      ParallelConfig, KVTransferConfig, SchedulerConfig, SpeculativeConfig)
 
         model = ModelConfig.from_path(self.model or default_model_path(), dtype=self.dtype,
                                       device=self.device, max_model_len=self.max_model_len,
@@ -189,6 +192,7 @@ class EngineArgs:
             structured_outputs_backend=self.structured_outputs_backend,
             tokenizer_mode=self.tokenizer_mode,
             kv_transfer=KVTransferConfig.parse(self.kv_transfer_config),
+            kernel=KernelConfig.from_env(self.kernel_backend),
         )
 
 

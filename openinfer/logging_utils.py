@@ -3,7 +3,7 @@ Set OPENINFER_LOG_LEVEL=WARNING to silence them."""
 from __future__ import annotations
 
 import logging
-import os
+from openinfer import envs
 
 _configured = False
 
@@ -19,5 +19,5 @@ def init_logging() -> None:
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s", "%H:%M:%S"))
     logger.addHandler(handler)
-    logger.setLevel(os.environ.get("OPENINFER_LOG_LEVEL", "INFO").upper())
+    logger.setLevel((envs.LOG_LEVEL or "INFO").upper())
     logger.propagate = False

@@ -9,7 +9,6 @@ import ctypes
 import ctypes.util
 import functools
 import logging
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -116,7 +115,9 @@ MALLOC_ENV = {name: str(value) for name, (_, value) in _MALLOC_SETTINGS.items()}
 
 
 def malloc_tuning_enabled() -> bool:
-    return os.environ.get("OPENINFER_MALLOC_TUNING", "1").strip().lower() not in ("0", "false", "no", "off")
+    from openinfer import envs
+
+    return envs.MALLOC_TUNING
 
 
 @functools.cache

@@ -15,7 +15,8 @@ step at batch 1; the embedding is a one-row lookup and is not counted). Configur
 - ``w8a8`` / ``w4a8``: ``--quantization w8a8`` / ``w4a8`` (int8 / 4-bit weights times int8 activations); their
   streamed bytes are the packed weights and scales as resident (``QuantizedWeight.nbytes``), the LM head included.
 
-Each engine is loaded once; "-nogemv" reuses its engine with ``linear.GEMV`` off for that window (that switch
+Each engine is loaded once; "-nogemv" reuses its engine with the gemv kernel off for that window (its kernel
+selection's ``gemv`` switch, ``set_gemv`` below; that switch
 reaches the linears on the Python path: every one with row-major fp32, only the LM head where the Llama decode-layer
 op takes the layers, which runs its own kernel).
 
@@ -67,6 +68,16 @@ def linear_bytes(model) -> int:
     return total
 
 
+def set_gemv(engine, on: bool) -> None:
+    """The gemv kernel on or off for this engine's next steps: its kernel selection (layers/dispatch.py, made at
+    load and in force for every step) with the ``gemv`` switch replaced."""
+    import dataclasses
+
+    runner = engine.core.executor.driver_worker.model_runner
+    kernels = runner.kernels
+    runner.kernels = dataclasses.replace(kernels, config=dataclasses.replace(kernels.config, gemv=on))
+
+
 def copy_bandwidth(src, dst) -> tuple[float, float]:
     """(copy GB/s counting read + write, read-only GB/s of a sum) over ``src``."""
     t0 = time.perf_counter()
@@ -94,7 +105,6 @@ def main() -> None:
 
     from openinfer import LLM
     from openinfer.bench.decode_window import run_decode_window
-    from openinfer.layers import linear
 
     max_len = args.context_len + args.steps * 2 + 64
     engines, nbytes = {}, {}
@@ -118,7 +128,7 @@ def main() -> None:
     for threads in args.threads:
         torch.set_num_threads(threads)
         for name in args.configs:  # warm-up: first-touch pages, the kernel build, oneDNN's primitive caches
-            linear.GEMV = CONFIGS[name][2]
+            set_gemv(engines[engine_key(name)], CONFIGS[name][2])
             run_decode_window(engines[engine_key(name)],
                               [[rng.randrange(3, vocab) for _ in range(args.context_len)]], 4, 0.0)
         copy_bandwidth(src, dst)
@@ -130,12 +140,13 @@ def main() -> None:
             prompt = [rng.randrange(3, vocab) for _ in range(args.context_len)]
             for name in order:
                 key = engine_key(name)
-                linear.GEMV = CONFIGS[name][2]
+                set_gemv(engines[key], CONFIGS[name][2])
                 s = run_decode_window(engines[key], [prompt], args.steps, 0.0).sample
                 samples.setdefault((name, threads), []).append(nbytes[key] * args.steps / s.elapsed_s / 1e9)
             print(f"threads {threads} round {r}: copy {c:.1f} GB/s, "
                   + ", ".join(f"{n} {samples[(n, threads)][-1]:.1f}" for n in args.configs), flush=True)
-        linear.GEMV = True
+        for engine in engines.values():
+            set_gemv(engine, True)
     load = os.getloadavg()
     print(f"\nload average at the end: {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} (cores: {os.cpu_count()})")
     print(f"{'threads':>7} {'what':22} {'GB/s median':>11} {'min-max':>13} {'% of copy':>9} {'tok/s':>7}")

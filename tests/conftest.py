@@ -21,27 +21,13 @@ def pytest_configure(config):
     logging.getLogger("openinfer").propagate = True
 
 
-def _toolchain() -> bool:
-    import shutil
-
-    from openinfer.layers import cpu_ops
-
-    cpu_ops._ninja_on_path()
-    return bool(shutil.which("c++") or shutil.which("g++")) and bool(shutil.which("ninja"))
-
-
 @pytest.fixture
 def kernel_ops():
-    """The built kernel. With a C++ compiler and ninja present, a failed build fails the test (no skip)."""
-    from openinfer.layers import cpu_ops
+    """The built kernel namespace. A failed build or a missing toolchain fails the test (no skip); only the explicit
+    opt-out (OPENINFER_CPU_KERNELS=0, the torch backend) skips."""
+    from helpers import require_kernels
 
-    if not cpu_ops.enabled():
-        pytest.skip("OPENINFER_CPU_KERNELS=0")
-    if not _toolchain():
-        pytest.skip("no C++ compiler or ninja: the CPU kernels cannot be built here")
-    ops = cpu_ops.get_ops()
-    assert ops is not None, f"CPU kernel build failed: {cpu_ops._state.get('error')}"
-    return ops
+    return require_kernels()
 
 
 @pytest.fixture

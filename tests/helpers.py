@@ -9,6 +9,20 @@ import torch
 from openinfer.utils.char_tokenizer import CHAT_TEMPLATE, write_char_tokenizer  # noqa: F401 (re-exported)
 
 
+def require_kernels():
+    """The C++ kernels, for a test that needs them: a failed build raises (KernelBuildError, with the compiler's
+    error), no toolchain fails the test; only OPENINFER_CPU_KERNELS=0 (the torch backend, asked for) skips."""
+    import pytest
+
+    from openinfer.layers import dispatch
+
+    sel = dispatch.active()
+    if sel.config.backend == "torch":
+        pytest.skip("OPENINFER_CPU_KERNELS=0: the torch backend was asked for")
+    assert sel.kernels, f"the CPU kernels are not built: {sel.build}"
+    return sel.ops
+
+
 def make_dense_checkpoint(path: str | Path, arch: str = "llama", seed: int = 0, vocab_size: int = 256,
                           tie: bool = False, **overrides) -> Path:
     """Write a tiny random fp32 Llama/Qwen2/Qwen3 checkpoint with tokenizer; returns the path."""

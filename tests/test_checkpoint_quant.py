@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from helpers import engine_model, load_script, make_dense_checkpoint, random_prompts
+from helpers import engine_model, load_script, make_dense_checkpoint, random_prompts, require_kernels
 from safetensors.torch import load_file
 
 from openinfer import LLM, SamplingParams
@@ -30,8 +30,7 @@ def _gen(seed):
 
 @pytest.mark.parametrize("m", [1, 4, 5, 33])  # 1 and 4: the one-row-at-a-time pass; 5, 33: the 4-row block
 def test_w8a8_kernel_matches_reference(monkeypatch, m):
-    if not cpu_ops.available():
-        pytest.skip("CPU kernels unavailable")
+    require_kernels()
     for i, (n, k) in enumerate([(7, 37), (9, 100), (40, 300), (130, 1000), (5, 64)]):  # K % 32 != 0 mostly
         w = torch.randint(-128, 128, (n, k), generator=_gen(i), dtype=torch.int8)
         w[0] = -128  # the extremes: |w| = 128 must not overflow the sign trick
@@ -212,8 +211,7 @@ def test_asymmetric_formats_match_dequantised_checkpoint(tmp_path, monkeypatch, 
 
 def test_w8a8_quantized_at_load_kernels_match_reference(tmp_path, monkeypatch):
     """``--quantization w8a8`` on a dense checkpoint: the same W8A8 path, quantised at load."""
-    if not cpu_ops.available():
-        pytest.skip("CPU kernels unavailable")
+    require_kernels()
     src = make_dense_checkpoint(tmp_path / "src", vocab_size=128, hidden_size=128, intermediate_size=256)
     fast, fast_lps, model = _run(src, True, monkeypatch, quantization="w8a8")
     assert all(m._quant.method == "w8a8" for m in model.modules() if isinstance(m, Linear) and m._quant is not None)

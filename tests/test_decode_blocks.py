@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import load_script, make_dense_checkpoint
+from helpers import engine_model, load_script, make_dense_checkpoint
 from test_deepseek_v3 import make_hf_v3, make_prompts
 
 from openinfer import LLM, SamplingParams
@@ -46,9 +46,30 @@ def _both_ways(monkeypatch, path, prompts, params=PARAMS, **llm_kw):
         for k in calls:
             calls[k] = 0
         llm = LLM(str(path), enable_prefix_caching=False, num_kv_blocks=96, **llm_kw)
+        trace = _trace_layers(engine_model(llm))
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        runs[flag] = ([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], dict(calls))
+        runs[flag] = ([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], dict(calls), trace)
     return runs
+
+
+def _trace_layers(model) -> list[tuple[str, list[torch.Tensor]]]:
+    """Every decoder layer's output at every step, in order: the block and the Python layer it replaces are
+    compared step for step, layer by layer (one definition of the layer, checked), not only at the logits."""
+    trace: list[tuple[str, list[torch.Tensor]]] = []
+
+    def hook(module, args, out, name):
+        outs = out if isinstance(out, tuple) else (out,)
+        trace.append((name, [t.detach().clone() for t in outs if isinstance(t, torch.Tensor)]))
+
+    for name, m in model.named_modules():
+        if not type(m).__name__.endswith("DecoderLayer"):
+            continue
+        # the layer when it has a forward (Llama, V3); else (V4: the model calls its parts) the parts a block replaces
+        units = [(name, m)] if type(m).forward is not torch.nn.Module.forward else \
+            [(f"{name}.{part}", getattr(m, part)) for part in ("self_attn", "mlp")]
+        for unit_name, unit in units:
+            unit.register_forward_hook(lambda mod, a, out, n=unit_name: hook(mod, a, out, n))
+    return trace
 
 
 def _assert_same_bits(runs) -> None:
@@ -58,6 +79,11 @@ def _assert_same_bits(runs) -> None:
         assert t1 == t0, f"prompt {i}: greedy tokens differ with the decode blocks"
         assert lp1 == lp0, f"prompt {i}: log-probs differ with the decode blocks (must be the same bits)"
     assert not any(runs["0"][1].values())  # OPENINFER_DECODE_BLOCKS=0 turns them off
+    on_trace, off_trace = runs["1"][2], runs["0"][2]
+    assert on_trace and [n for n, _ in on_trace] == [n for n, _ in off_trace]
+    for step, ((name, a), (_, b)) in enumerate(zip(on_trace, off_trace)):
+        assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b)), \
+            f"{name} (call {step}): the decode block's output differs from the Python layer's"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -105,7 +105,7 @@ def test_linear_dispatch_and_kernels_off(kernel_ops, monkeypatch, dtype):
             mp.setenv("OPENINFER_CPU_KERNELS", "0")
             off = lin(x)
         with monkeypatch.context() as mp:
-            mp.setattr(linear, "GEMV", False)
+            mp.setenv("OPENINFER_CPU_GEMV", "0")
             calls.clear()
             assert torch.equal(lin(x), off) and calls == []
         exact = x.double() @ lin.weight.double().t() + lin.bias.double()
@@ -119,7 +119,7 @@ def test_linear_dispatch_and_kernels_off(kernel_ops, monkeypatch, dtype):
 
 def _greedy(path, monkeypatch, gemv, **kw):
     with monkeypatch.context() as mp:
-        mp.setattr(linear, "GEMV", gemv)
+        mp.setenv("OPENINFER_CPU_GEMV", "1" if gemv else "0")
         llm = LLM(model=str(path), num_kv_blocks=64, **kw)
         prompts = random_prompts(3, [5, 20, 9], vocab_size=100)
         params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)

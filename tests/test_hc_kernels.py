@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from openinfer import LLM, SamplingParams
-from openinfer.layers import cpu_ops
 from openinfer.models.deepseek_v4 import hc_kernels
 from openinfer.models.deepseek_v4.hc import HyperConnection, fused_post_pre, fused_post_pre_torch
 
@@ -17,21 +16,6 @@ ROOT = Path(__file__).resolve().parents[1]
 # (n, D): V4's hc_mult 4 at a real-ish width, an odd width (not a multiple of 16: the vector tails), n = 3 and 2
 SHAPES = [(4, 1024), (4, 72), (3, 100), (2, 37)]
 BF16_ULP = 2.0 ** -7  # relative spacing of bf16 values
-
-
-@pytest.fixture
-def kernel_ops():
-    """The built ops. With a C++ compiler and ninja present a failed build fails the test (no skip)."""
-    import shutil
-
-    if not cpu_ops.enabled():
-        pytest.skip("OPENINFER_CPU_KERNELS=0")
-    cpu_ops._ninja_on_path()
-    if not ((shutil.which("c++") or shutil.which("g++")) and shutil.which("ninja")):
-        pytest.skip("no C++ compiler or ninja: the CPU kernels cannot be built here")
-    ops = cpu_ops.get_ops()
-    assert ops is not None, f"CPU kernel build failed: {cpu_ops._state.get('error')}"
-    return ops
 
 
 def _hc(n: int, d: int, iters: int = 20, seed: int = 0) -> HyperConnection:

@@ -1,9 +1,9 @@
-"""A kernel build lock left by a killed build does not hang the next engine start (layers/cpu_ops.py)."""
+"""A kernel build lock left by a killed build does not hang the next engine start (layers/kernel_build.py)."""
 import os
 import threading
 import time
 
-from openinfer.layers import cpu_ops
+from openinfer.layers import kernel_build
 
 
 def test_an_old_lock_is_removed_at_once(tmp_path, monkeypatch):
@@ -11,7 +11,7 @@ def test_an_old_lock_is_removed_at_once(tmp_path, monkeypatch):
     lock.touch()
     old = time.time() - 3600
     os.utime(lock, (old, old))
-    cpu_ops._clear_stale_lock(str(tmp_path))
+    kernel_build.clear_stale_lock(str(tmp_path))
     assert not lock.exists()
 
 
@@ -19,7 +19,7 @@ def test_a_young_lock_is_waited_on_then_removed_when_it_outlives_the_bound(tmp_p
     monkeypatch.setenv("OPENINFER_KERNEL_LOCK_STALE_S", "1.5")
     lock = tmp_path / "lock"
     lock.touch()
-    cpu_ops._clear_stale_lock(str(tmp_path))
+    kernel_build.clear_stale_lock(str(tmp_path))
     assert lock.exists()  # another process may still be building
     deadline = time.monotonic() + 10
     while lock.exists() and time.monotonic() < deadline:
@@ -29,7 +29,7 @@ def test_a_young_lock_is_waited_on_then_removed_when_it_outlives_the_bound(tmp_p
 
 def test_no_lock_no_watcher(tmp_path):
     before = {t.name for t in threading.enumerate()}
-    cpu_ops._clear_stale_lock(str(tmp_path))
+    kernel_build.clear_stale_lock(str(tmp_path))
     assert "kernel-lock-watch" not in {t.name for t in threading.enumerate()} - before
 
 
@@ -40,11 +40,11 @@ def test_two_checkouts_of_the_same_kernels_build_apart(tmp_path):
     import shutil
 
     copy = tmp_path / "cpu_kernels"
-    shutil.copytree(cpu_ops._KERNEL_DIR, copy)
-    flags = cpu_ops._cflags()
-    here = cpu_ops._extension_name(flags)
-    assert here == cpu_ops._extension_name(flags, cpu_ops._KERNEL_DIR)
-    there = cpu_ops._extension_name(flags, copy)
-    assert there != here and there == cpu_ops._extension_name(flags, copy)
+    shutil.copytree(kernel_build.KERNEL_DIR, copy)
+    flags = kernel_build.cflags()
+    here = kernel_build.extension_name(flags)
+    assert here == kernel_build.extension_name(flags, kernel_build.KERNEL_DIR)
+    there = kernel_build.extension_name(flags, copy)
+    assert there != here and there == kernel_build.extension_name(flags, copy)
     next(copy.glob("*.cpp")).write_text("// edited\n", encoding="utf-8")
-    assert cpu_ops._extension_name(flags, copy) not in (here, there)
+    assert kernel_build.extension_name(flags, copy) not in (here, there)

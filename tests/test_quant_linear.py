@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from helpers import engine_model, make_dense_checkpoint, random_prompts
+from helpers import engine_model, make_dense_checkpoint, random_prompts, require_kernels
 
 from openinfer import LLM, SamplingParams
 from openinfer.engine_args import EngineArgs
@@ -48,8 +48,7 @@ def test_quantize_round_trip_and_zero_rows():
 @pytest.mark.parametrize("method,group", [("int8", 0), ("int4", 32), ("int4", 128)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_lowbit_kernel_matches_torch_reference(monkeypatch, method, group, dtype):
-    if not cpu_ops.available():
-        pytest.skip("CPU kernels unavailable")
+    require_kernels()
     for i, (m, n, k) in enumerate(SHAPES):
         qw = QuantizedWeight.quantize(_weight(n, k, i), method, group or 128)
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(100 + i)).to(dtype)
@@ -72,8 +71,7 @@ def test_lowbit_kernel_matches_torch_reference(monkeypatch, method, group, dtype
 def test_decoded_matrix_path(monkeypatch, method, group):
     """Prefill rows (>= LOWBIT_DEQUANT_ROWS): the kernel's int8 / int4 decode is ``dequantize`` bit for bit, and
     decoding in row chunks (smaller than the matrix here) gives what one whole decode gives."""
-    if not cpu_ops.available():
-        pytest.skip("CPU kernels unavailable")
+    require_kernels()
     ops = cpu_ops.get_ops()
     n, k = 203, 300  # 203 rows: chunks of 64 leave a ragged last one
     qw = QuantizedWeight.quantize(_weight(n, k, 7), method, group or 128)
@@ -111,8 +109,7 @@ def _greedy(path, quant, kernels, monkeypatch, **kw):
 
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 def test_llama_greedy_same_with_kernels_on_and_off(tmp_path, monkeypatch, quant):
-    if not cpu_ops.available():
-        pytest.skip("CPU kernels unavailable")
+    require_kernels()
     path = make_dense_checkpoint(tmp_path / "m", vocab_size=128, hidden_size=128, intermediate_size=256)
     fast, model, _ = _greedy(path, quant, True, monkeypatch)
     quantised = [m for m in model.modules() if isinstance(m, Linear) and m._quant is not None]
@@ -137,8 +134,7 @@ def test_resident_weight_bytes(tmp_path, monkeypatch):
 
 
 def test_deepseek_v3_experts_quantised_greedy_same_with_kernels_on_and_off(tmp_path, monkeypatch):
-    if not cpu_ops.available():
-        pytest.skip("CPU kernels unavailable")
+    require_kernels()
     from test_deepseek_v3 import make_hf_v3
 
     path = make_hf_v3(tmp_path / "v3")

@@ -13,12 +13,13 @@ untouched.
 """
 from __future__ import annotations
 
-import os
 import threading
 import time
 from dataclasses import dataclass
 
-ENV = "OPENINFER_FAULT_INJECT"
+from openinfer import envs
+
+ENV = envs.variable("FAULT_INJECT")
 KINDS = ("forward_raises", "step_hangs", "engine_dies", "slow_steps")
 
 
@@ -68,5 +69,5 @@ def parse(spec: str) -> Fault:
 
 
 def from_env() -> Fault | None:
-    spec = os.environ.get(ENV)
+    spec = envs.FAULT_INJECT
     return parse(spec) if spec else None

@@ -1,4 +1,4 @@
-"""``openinfer`` console script: generate | serve | router | bench <kind>. Subcommands live in their own modules, each
+"""``openinfer`` console script: generate | serve | router | bench <kind> | env. Subcommands live in their own modules, each
 exposing ``add_parser(subparsers)`` that registers its arguments and sets ``func``."""
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ _SUBCOMMANDS = [
     "openinfer.server.cli",
     "openinfer.entrypoints.router_cli",
     "openinfer.bench.cli",
+    "openinfer.entrypoints.env_cli",
 ]
 
 
@@ -46,4 +47,11 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:  # user errors: one clear line, no traceback
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except RuntimeError as e:
+        from openinfer.layers.kernel_build import KernelBuildError
+
+        if not isinstance(e, KernelBuildError):
+            raise
+        print(f"error: {e}", file=sys.stderr)  # the compiler's first error and the opt-out, no traceback
+        sys.exit(1)
     sys.exit(rc or 0)

@@ -21,6 +21,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from openinfer import envs
 from openinfer.config import engine_config_to_json
 from openinfer.executor.abstract import Executor, ExecutorFailed
 from openinfer.step_io import ModelRunnerOutput, SchedulerOutput
@@ -29,7 +30,7 @@ from openinfer.worker import rpc
 logger = logging.getLogger(__name__)
 
 # How long workers may take to join the process groups and load their shards.
-START_TIMEOUT_S = float(os.environ.get("OPENINFER_WORKER_START_TIMEOUT_S", "900"))
+START_TIMEOUT_S = envs.WORKER_START_TIMEOUT_S
 _POLL_MS = 50
 
 

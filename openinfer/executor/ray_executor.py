@@ -12,11 +12,12 @@ import logging
 import os
 import weakref
 
+from openinfer import envs
 from openinfer.executor.multiproc import MultiprocExecutor
 
 logger = logging.getLogger(__name__)
 
-READY_TIMEOUT_S = float(os.environ.get("OPENINFER_RAY_PLACEMENT_TIMEOUT_S", "300"))
+READY_TIMEOUT_S = envs.RAY_PLACEMENT_TIMEOUT_S
 
 
 def _stop_actors(actors: list, placement_group) -> None:

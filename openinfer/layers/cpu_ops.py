@@ -1,170 +1,22 @@
-"""Optional C++ CPU kernels, compiled on first use with ``torch.utils.cpp_extension``.
+"""The C++ CPU kernels' Python wrappers (``cpu_kernels/``): one function per op, in the layout each kernel takes.
 
-The sources live in ``cpu_kernels/`` and are built for the machine that runs them (``-march=native``), into
-torch's extension cache (``TORCH_EXTENSIONS_DIR`` or its default) or ``OPENINFER_KERNEL_CACHE``; later
-processes reuse the build. Every kernel here has a plain torch fallback: when the build fails (no C++
-compiler, no ninja) one warning says why and the callers keep their torch path. ``OPENINFER_CPU_KERNELS=0``
-turns the kernels off.
+Which ops run these kernels is decided once, at load, by ``layers/dispatch.py`` (from ``KernelConfig`` and the
+platform); ``get_ops()`` is that decision's kernel namespace, None on the torch backend. Each wrapper returns None
+(or False) when there is no kernel namespace or when the call's tensors are not what the kernel takes (a GPU tensor,
+a dtype mix, a layout): the caller then runs its torch code for that call.
 """
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import logging
 import math
-import os
-import shutil
-import sys
-import threading
-import time
-from pathlib import Path
 
 import torch
 
-logger = logging.getLogger(__name__)
-
-# Every .cpp in cpu_kernels/ goes into the one extension (one build, one cache entry, one op namespace).
-_KERNEL_DIR = Path(__file__).parent / "cpu_kernels"
-_SOURCES = sorted(_KERNEL_DIR.glob("*.cpp"))
-_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast"]
-_LDFLAGS = ["-fopenmp"]
-
-_lock = threading.Lock()
-_state: dict[str, object] = {}  # "ops": the loaded op namespace, or "error": why there is none
-
-
-def enabled() -> bool:
-    return os.environ.get("OPENINFER_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
-
-
-def _ninja_on_path() -> None:
-    """torch runs ``ninja`` from PATH; the ``ninja`` wheel installs it next to the interpreter, which is not
-    on PATH when the venv's python is run without activating the venv."""
-    if shutil.which("ninja"):
-        return
-    candidates = [os.path.dirname(sys.executable)]
-    with contextlib.suppress(ImportError, AttributeError):  # the wheel is optional
-        import ninja  # type: ignore[import-not-found]
-
-        candidates.insert(0, ninja.BIN_DIR)
-    for d in candidates:
-        if os.path.isfile(os.path.join(d, "ninja")):
-            os.environ["PATH"] = d + os.pathsep + os.environ.get("PATH", "")
-            return
-
-
-def _cflags() -> list[str]:
-    # OPENINFER_KERNEL_CFLAGS is appended (later flags win): e.g. "-march=x86-64-v3" builds the AVX2 code on
-    # an AVX-512 host, which is how the tests cover the AVX2-only machines.
-    return _CFLAGS + os.environ.get("OPENINFER_KERNEL_CFLAGS", "").split()
-
-
-def _extension_name(cflags: list[str], kernel_dir: Path = _KERNEL_DIR) -> str:
-    """The extension's name, which is its build directory's name in the cache. It carries a hash of sources,
-    flags, torch and the CPU: an edited kernel, another torch, or a cache directory shared with a different CPU
-    (-march=native) builds afresh instead of loading a stale or illegal-instruction library. It carries the
-    sources' directory too: torch's build.ninja names the sources by path, so two checkouts of the same code
-    sharing one cache directory (a worktree and the main checkout, a script importing the installed copy) would
-    otherwise rewrite it in turn and each rebuild everything (minutes) on the other's next load."""
-    from openinfer.platform import cpu_info
-
-    h = hashlib.sha256()
-    for src in sorted(kernel_dir.glob("*.[ch]*")):  # the headers too: an edited vec.h must rebuild
-        h.update(src.read_bytes())
-    h.update(" ".join(cflags + _LDFLAGS).encode())
-    h.update(torch.__version__.encode())
-    h.update(str(kernel_dir.resolve()).encode())
-    model, cpu_flags = cpu_info()
-    h.update((model + " " + " ".join(sorted(cpu_flags))).encode())
-    return f"openinfer_cpu_{h.hexdigest()[:12]}"
-
-
-def _build():
-    from torch.utils import cpp_extension
-
-    _ninja_on_path()
-    cflags = _cflags()
-    name = _extension_name(cflags)
-    build_dir = None
-    root = os.environ.get("OPENINFER_KERNEL_CACHE")
-    if root:
-        build_dir = os.path.join(root, name)
-        os.makedirs(build_dir, exist_ok=True)
-    _clear_stale_lock(build_dir or cpp_extension._get_build_directory(name, verbose=False))
-    t0 = time.perf_counter()
-    cpp_extension.load(name=name, sources=[str(s) for s in _SOURCES], extra_cflags=cflags,
-                       extra_ldflags=_LDFLAGS, build_directory=build_dir, is_python_module=False,
-                       verbose=False)
-    took = time.perf_counter() - t0
-    # a fresh build (~7 s) delays the first decode step: say so; a cached load is quiet
-    logger.log(logging.INFO if took > 1.0 else logging.DEBUG, "openinfer CPU kernels ready in %.1f s (%s)",
-               took, name)
-    ops = torch.ops.openinfer_cpu
-    # bf16 decode attention on AMX tiles where the CPU has them; OPENINFER_CPU_AMX=0 keeps the vector kernel
-    use_amx = os.environ.get("OPENINFER_CPU_AMX", "1").strip().lower() not in ("0", "false", "no", "off")
-    ops.decode_attention_use_amx(use_amx)
-    ops.mla_decode_use_amx(use_amx)
-    return ops
-
-
-def _clear_stale_lock(build_dir: str) -> None:
-    """torch's build lock is a file that a killed build leaves behind, and every later load then waits on it
-    forever (a hang in nanosleep at engine start). A build takes seconds to a few minutes, so a lock older than
-    ``OPENINFER_KERNEL_LOCK_STALE_S`` (default 600) belongs to no live build: it is removed, with a warning. When
-    the lock is younger, another process may be building: a watcher thread removes it if it outlives the bound
-    while this process waits on it (never this process's own lock: it only watches a lock that existed before)."""
-    lock = os.path.join(build_dir, "lock")
-    stale_s = float(os.environ.get("OPENINFER_KERNEL_LOCK_STALE_S", "600"))
-
-    def remove_if_stale() -> bool:
-        try:
-            age = time.time() - os.path.getmtime(lock)
-        except OSError:
-            return True  # gone: the other build finished
-        if age <= stale_s:
-            return False
-        logger.warning("removing a stale kernel build lock %s (%.0f s old: a build that was killed); "
-                       "OPENINFER_KERNEL_LOCK_STALE_S sets the age", lock, age)
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(lock)
-        return True
-
-    if not os.path.exists(lock) or remove_if_stale():
-        return
-    logger.info("waiting for another process's kernel build (lock %s; removed as stale after %.0f s)", lock, stale_s)
-
-    def watch() -> None:
-        while not remove_if_stale():
-            time.sleep(1.0)
-
-    threading.Thread(target=watch, name="kernel-lock-watch", daemon=True).start()
-
-
-def _reason(e: Exception) -> str:
-    """One line for the warning: the compiler's first error when there is one, else the exception's last
-    line."""
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    first_error = next((ln for ln in lines if "error:" in ln), None)
-    return f"{type(e).__name__}: {first_error or (lines[-1] if lines else '')}"[:500]
+from openinfer.layers import dispatch
 
 
 def get_ops():
-    """The ``torch.ops.openinfer_cpu`` namespace, built on the first call; None when disabled or
-    unbuildable."""
-    if not enabled():
-        return None
-    ops = _state.get("ops")
-    if ops is not None or "error" in _state:
-        return ops
-    with _lock:
-        if "ops" not in _state and "error" not in _state:
-            try:
-                _state["ops"] = _build()
-            except Exception as e:  # noqa: BLE001 - any build/load failure means "use the torch path"
-                _state["error"] = _reason(e)
-                logger.warning("openinfer CPU kernels unavailable, using the torch path (%s)",
-                               _state["error"])
-        return _state.get("ops")
+    """The ``torch.ops.openinfer_cpu`` namespace of the active selection, None on the torch backend."""
+    return dispatch.active().ops
 
 
 def available() -> bool:
@@ -242,7 +94,7 @@ def ops_for(*tensors: torch.Tensor):
     for t in tensors:  # a loop, not any(<genexpr>): this runs ~80 times per decode step
         if t.device.type != "cpu":
             return None
-    return get_ops()
+    return dispatch.active().ops
 
 
 def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> bool:
@@ -409,20 +261,8 @@ PANEL = 16  # output columns per panel
 
 
 def panels_enabled(device: torch.device, dtype: torch.dtype) -> bool:
-    """fp32, or bf16 on a CPU without native bf16 (with it oneDNN's AMX / AVX-512 BF16 GEMM stays), on the CPU with
-    the kernels built: weights that are only multiplied go into the panel layout (``Linear``'s prepacking, MLA's
-    absorbed W_UK / W_UV, fp32 routed experts). ``OPENINFER_CPU_PANELS=0`` turns it off (``Linear`` then prepacks
-    fp32 for oneDNN and runs bf16 row-major on the gemv kernel, MLA runs torch.bmm on views of kv_b)."""
-    if os.environ.get("OPENINFER_CPU_PANELS", "1").strip().lower() in ("0", "false", "no", "off"):
-        return False
-    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
-        return False
-    if dtype == torch.bfloat16:
-        from openinfer.platform import cpu_has_fast_bf16
-
-        if cpu_has_fast_bf16():
-            return False
-    return get_ops() is not None
+    """Whether weights of this dtype go into the panel layout (``KernelSelection.panels`` decides)."""
+    return dispatch.active().panels(device, dtype)
 
 
 def pack_panels(w: torch.Tensor) -> torch.Tensor:

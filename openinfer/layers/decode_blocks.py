@@ -14,17 +14,17 @@ another dtype than the activations (Llama), Qwen3's q / k norms.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
 from openinfer.forward_context import get_forward_context
-from openinfer.layers import cpu_ops
+from openinfer.layers import cpu_ops, dispatch
 from openinfer.layers.quant_linear import LOWBIT_DEQUANT_ROWS
 
 
 def enabled() -> bool:
-    return os.environ.get("OPENINFER_DECODE_BLOCKS", "1").strip().lower() not in ("0", "false", "no", "off")
+    """Whether the active kernel selection runs the fused blocks (``KernelSelection.decode_blocks``)."""
+    return dispatch.active().decode_blocks
 
 
 def decode_only_step(x: torch.Tensor):

@@ -12,7 +12,6 @@ as matrices such as MLA's ``kv_b_proj``, ``OPENINFER_FP8_WEIGHTS=dequantize``) i
 """
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -105,11 +104,11 @@ FP8_DEQUANT_ROWS = 64
 
 
 def packed_fp8_enabled() -> bool:
-    """``OPENINFER_FP8_WEIGHTS=dequantize`` turns the packed FP8 linears off (dequantise at load, the old path)."""
-    mode = os.environ.get("OPENINFER_FP8_WEIGHTS", "packed")
-    if mode not in ("packed", "dequantize"):
-        raise ValueError(f"OPENINFER_FP8_WEIGHTS={mode!r}: choose packed or dequantize")
-    return mode == "packed"
+    """Whether FP8 linears stay packed (``KernelConfig.fp8_weights``; ``OPENINFER_FP8_WEIGHTS=dequantize``
+    dequantises them at load, the old path)."""
+    from openinfer.layers import dispatch
+
+    return dispatch.active().fp8_packed
 
 
 class Fp8Weight(QuantizedWeight):

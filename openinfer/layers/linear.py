@@ -52,18 +52,20 @@ kernel at every M as before; ``OPENINFER_CPU_GEMV=0`` turns that kernel off (the
 of the gemv kernel: at M = 1 bf16 streams at only ~55-65 % of the copy bandwidth (fp32 at ~95-100 %, same loop
 structure), so batch-1 bf16 there is ~1.1-1.3x fp32 instead of ~2x. ``scripts/decode_bandwidth.py`` measures it end
 to end.
+
+Which of these paths a weight takes is decided by ``layers/dispatch.py`` (``KernelSelection.panels``,
+``onednn_prepack``, ``gemv_max_rows``) from the engine's ``KernelConfig``; the switches named above are its
+environment spellings (``openinfer/envs.py``).
 """
 from __future__ import annotations
 
-import functools
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from openinfer.layers import cpu_ops
+from openinfer.layers import cpu_ops, dispatch
 from openinfer.layers.quant_linear import QuantizedWeight
 
 logger = logging.getLogger(__name__)
@@ -72,41 +74,7 @@ CPU_ROW_BLOCK = 512
 _SPLIT_ROWS = (2, 512)  # the M range where splitting measured faster
 # A hint for oneDNN's reorder; the packed layout serves every M (measured: hints 8/32/256 within noise).
 _PACK_BATCH_HINT = 32
-# Up to this many activation rows a plain fp32 weight runs the gemv kernel (it matches or beats oneDNN up to 8,
-# table above); bf16 without native bf16 runs it at every M.
-GEMV_MAX_M = 8
-# Read per call (module attribute), so a benchmark can compare both paths in one process.
-GEMV = os.environ.get("OPENINFER_CPU_GEMV", "1").strip().lower() not in ("0", "false", "no", "off")
-
-
-@functools.cache
-def _gemv_every_m(dtype: torch.dtype) -> bool:
-    """bf16 on a CPU without native bf16: the gemv kernel beats torch's emulated GEMM at every M."""
-    if dtype != torch.bfloat16:
-        return False
-    from openinfer.platform import cpu_has_fast_bf16
-
-    return not cpu_has_fast_bf16()
-
-
-def _prepack_on() -> bool:
-    return os.environ.get("OPENINFER_CPU_PREPACK", "1") != "0"
-
-
-def cpu_prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """oneDNN prepacking: CPU fp32 always; bf16 only where the CPU has native bf16 (AVX-512 BF16 / AMX),
-    since elsewhere torch's bf16 GEMMs are emulated and slow whatever the layout."""
-    if not _prepack_on():
-        return False
-    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return False
-    if dtype == torch.float32:
-        return True
-    if dtype == torch.bfloat16:
-        from openinfer.platform import cpu_has_fast_bf16
-
-        return cpu_has_fast_bf16()
-    return False
+GEMV_MAX_M = dispatch.GEMV_MAX_M  # the gemv kernel's row bound for fp32 (KernelSelection.gemv_max_rows)
 
 
 class Linear(nn.Linear):
@@ -125,9 +93,10 @@ class Linear(nn.Linear):
             return False
         if self._packed is not None or self._panels is not None:
             return True
-        if _prepack_on() and cpu_ops.panels_enabled(w.device, w.dtype):
+        kernels = dispatch.active()
+        if kernels.panels(w.device, w.dtype):
             self._panels = cpu_ops.pack_panels(w.detach())
-        elif cpu_prepack_supported(w.device, w.dtype):
+        elif kernels.onednn_prepack(w.device, w.dtype):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), _PACK_BATCH_HINT)
         else:
             return False
@@ -188,7 +157,7 @@ class Linear(nn.Linear):
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
         n = self.weight.shape[0]
         m = x.numel() // max(x.shape[-1], 1)
-        if (GEMV and x.device.type == "cpu" and (m <= GEMV_MAX_M or _gemv_every_m(self.weight.dtype))
+        if (x.device.type == "cpu" and m <= dispatch.active().gemv_max_rows(self.weight.dtype)
                 and not (torch.is_grad_enabled() and self.weight.requires_grad)):  # the kernel has no backward
             y = cpu_ops.dense_gemv(x.reshape(m, x.shape[-1]), self.weight, bias)
             if y is not None:

@@ -7,7 +7,6 @@ element**; plus one UE8M0 scale (``float8_e8m0fnu``, 2^(byte-127)) per 32 consec
 """
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -60,10 +59,9 @@ _KERNEL_HALF = MXFP4_BLOCK // 2  # columns per nibble half of a packed block in 
 def packed_experts_enabled() -> bool:
     """``OPENINFER_MXFP4_EXPERTS=dequantize`` dequantises MXFP4 experts at load instead of keeping them packed
     (the path before packed experts existed: to measure against, or to bisect). Default ``packed``."""
-    value = os.environ.get("OPENINFER_MXFP4_EXPERTS", "packed").strip().lower()
-    if value not in ("packed", "dequantize"):
-        raise ValueError(f"OPENINFER_MXFP4_EXPERTS={value!r} must be 'packed' or 'dequantize'")
-    return value == "packed"
+    from openinfer.layers import dispatch
+
+    return dispatch.active().mxfp4_packed
 
 
 class Mxfp4Tensor(NamedTuple):

@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 
+from openinfer import envs
 from openinfer.engine_args import EngineArgs
 from openinfer.request_limits import RequestLimits
 from openinfer.server.connections import ConnectionSettings, quiet_uvicorn_logs, raise_nofile_limit
@@ -35,7 +36,7 @@ def add_parser(sub) -> None:
     g.add_argument("--port", type=int, default=8000)
     g.add_argument(
         "--api-key",
-        default=os.environ.get("OPENINFER_API_KEY"),
+        default=envs.API_KEY,
         help="require 'Authorization: Bearer KEY' (default: $OPENINFER_API_KEY)",
     )
     g.add_argument(

