@@ -48,10 +48,13 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except RuntimeError as e:
+        from openinfer.executor.abstract import ExecutorFailed
         from openinfer.layers.kernel_build import KernelBuildError
 
-        if not isinstance(e, KernelBuildError):
+        # start-up failures that already say what went wrong (the compiler's first error and the opt-out; a worker
+        # rank that failed to start, with its error): one line, no traceback
+        if not isinstance(e, (KernelBuildError, ExecutorFailed)):
             raise
-        print(f"error: {e}", file=sys.stderr)  # the compiler's first error and the opt-out, no traceback
+        print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
     sys.exit(rc or 0)

@@ -18,6 +18,7 @@ import msgspec
 import zmq
 
 from openinfer.config import engine_config_from_json
+from openinfer.layers.kernel_build import KernelBuildError
 from openinfer.logging_utils import init_logging
 from openinfer.worker import rpc
 
@@ -45,7 +46,10 @@ def serve(rank: int, config_json: str, rpc_address: str, dist_init: str) -> int:
         worker.init_device()
         worker.load_model()
     except Exception as e:
-        logger.exception("rank %d failed to start", rank)
+        if isinstance(e, KernelBuildError):  # says all there is to say: the compiler's error and the opt-out
+            logger.error("rank %d failed to start: %s", rank, e)
+        else:
+            logger.exception("rank %d failed to start", rank)
         sock.send(msgspec.msgpack.encode(rpc.Ready(rank, os.getpid(), False, f"{type(e).__name__}: {e}")))
         return 1
     sock.send(msgspec.msgpack.encode(rpc.Ready(rank, os.getpid())))
