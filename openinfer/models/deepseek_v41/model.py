@@ -29,6 +29,7 @@ from openinfer.models.deepseek_v41.dspark import DSparkDrafter, target_features
 from openinfer.models.deepseek_v41.engram import Engram, compressed_vocabulary, table_sizes
 from openinfer.models.deepseek_v41.hc import ShiftedHyperConnection, apply_pre, first_pre, hc_post
 from openinfer.models.deepseek_v41.moe import MoE
+from openinfer.models.interface import DSparkTarget, KVStoreOwner, KVStores, ParallelMode
 
 
 class DecoderLayer(nn.Module):
@@ -46,7 +47,7 @@ class DecoderLayer(nn.Module):
                        if engram_sizes is not None else None)
 
 
-class DeepseekV41Model(nn.Module):
+class DeepseekV41Model(nn.Module, KVStoreOwner):
     def __init__(self, cfg: DeepseekV41Config) -> None:
         super().__init__()
         self.cfg = cfg
@@ -64,6 +65,10 @@ class DeepseekV41Model(nn.Module):
         # DSpark: when set, forward keeps the target layers' attention inputs ([T, targets*D], dspark.py)
         self.capture_dspark_features = False
         self.dspark_features: torch.Tensor | None = None
+
+    def kv_stores(self) -> KVStores:
+        """Engram's token ids travel with the window group (a decoder's Engram reads N-1 ids back)."""
+        return [] if self.ids_store is None else [(WINDOW, self.ids_store)]
 
     def rope(self, positions: torch.Tensor) -> dict:
         rope: dict[str, Any] = {name: rot.cos_sin(positions) for name, rot in self.rotary.items()}
@@ -171,7 +176,10 @@ def _select_rows(sel: torch.Tensor, X, pre, step: StepIndex, rope: dict, history
     return X[sel], pre[sel], step, rope, history[sel] if history is not None else None
 
 
-class DeepseekV41ForCausalLM(nn.Module):
+class DeepseekV41ForCausalLM(DSparkTarget):
+    # layers' own parallelism: vocabulary-parallel embedding and head, DeepseekMoE's experts over TP or EP ranks
+    supported_parallel_modes = frozenset({ParallelMode.TENSOR, ParallelMode.DATA, ParallelMode.EXPERT})
+
     def __init__(self, hf_config: dict[str, Any], *,
                  attention_backend: AttentionBackend = AttentionBackend.SDPA) -> None:
         super().__init__()
