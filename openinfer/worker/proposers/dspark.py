@@ -26,6 +26,7 @@ import torch
 
 from openinfer.config import EngineConfig
 from openinfer.kv_cache_interface import KVGroupSpec
+from openinfer.models.interface import DSparkTarget
 from openinfer.worker.proposers import ProposeInputs
 from openinfer.worker.proposers.drafting import DraftingModel
 
@@ -60,9 +61,9 @@ class ContextKeyStore:
 class DSparkProposer(DraftingModel):
     prefix = "dspark."
 
-    def __init__(self, config: EngineConfig, device: torch.device, target: torch.nn.Module) -> None:
+    def __init__(self, config: EngineConfig, device: torch.device, target: DSparkTarget) -> None:
         k = config.speculative.num_speculative_tokens
-        if getattr(target, "mtp", None) is None:
+        if target.mtp is None:
             raise ValueError(f"speculative_config.method='mtp': {config.model.path} has no DSpark draft blocks "
                              "(mtp.* tensors); the checkpoint declares num_nextn_predict_layers="
                              f"{target.config.num_nextn_predict_layers}")
