@@ -174,6 +174,20 @@ def test_parallel_modes_are_checked_against_the_class(fake_module, tmp_path):
     assert EngineArgs(model=str(path), device="meta", data_parallel_size=2).create_engine_config()
 
 
+def test_builtin_parallel_modes():
+    every = frozenset(ParallelMode)
+    for arch in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "DeepseekV3ForCausalLM",
+                 "DeepseekV4ForCausalLM"):
+        assert registry.resolve_model_class(arch).supported_parallel_modes == every
+    # V4.1 loads unsharded (no tensor parallelism); its experts split over expert-parallel replicas
+    v41 = "DeepseekV41ForCausalLM"
+    assert registry.resolve_model_class(v41).supported_parallel_modes == {ParallelMode.DATA, ParallelMode.EXPERT}
+    registry.check_parallel(v41, ParallelConfig(data_parallel_size=2, enable_expert_parallel=True))
+    with pytest.raises(ValueError, match="tensor_parallel_size=2: DeepseekV41ForCausalLM does not support tensor "
+                                         "parallelism; it supports data, expert"):
+        registry.check_parallel(v41, ParallelConfig(tensor_parallel_size=2))
+
+
 def _sources_outside_models():
     for path in sorted(ROOT.rglob("*.py")):
         rel = path.relative_to(ROOT)

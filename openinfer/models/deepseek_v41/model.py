@@ -177,8 +177,10 @@ def _select_rows(sel: torch.Tensor, X, pre, step: StepIndex, rope: dict, history
 
 
 class DeepseekV41ForCausalLM(DSparkTarget):
-    # layers' own parallelism: vocabulary-parallel embedding and head, DeepseekMoE's experts over TP or EP ranks
-    supported_parallel_modes = frozenset({ParallelMode.TENSOR, ParallelMode.DATA, ParallelMode.EXPERT})
+    # Replicas, and DeepseekMoE's experts over expert-parallel ranks (one-process tokens, dp2-ep2). Not tensor
+    # parallel: attention is replicated and load_v41_weights does not shard the embedding / head (tp2 failed at
+    # load with "embed.weight has shape (256, 128), the model expects (128, 128)").
+    supported_parallel_modes = frozenset({ParallelMode.DATA, ParallelMode.EXPERT})
 
     def __init__(self, hf_config: dict[str, Any], *,
                  attention_backend: AttentionBackend = AttentionBackend.SDPA) -> None:
