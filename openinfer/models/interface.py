@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import enum
 import inspect
+from dataclasses import dataclass
 from abc import ABCMeta, abstractmethod
 from collections.abc import Iterable, Mapping
 from typing import ClassVar
@@ -170,12 +171,33 @@ class MTPLayer(nn.Module, metaclass=ABCMeta):
         raise NotImplementedError(f"{type(self).__name__} loads no weights of its own (shares_target)")
 
 
+@dataclass(frozen=True)
+class DSparkShape:
+    """What the DSpark proposer sizes its context-key store and checks its settings with."""
+
+    draft_blocks: int  # draft blocks loaded with the model (0: the checkpoint has no mtp.* tensors)
+    declared_blocks: int  # num_nextn_predict_layers, as the config declares
+    max_draft_tokens: int  # dspark_block_size: the draft positions one block was trained for
+    key_dim: int  # a context key's width, per draft block
+    window: int  # the context tokens a draft reads (the sliding window)
+
+
 class DSparkTarget(CausalLM):
-    """A model whose DSpark draft blocks load with it (``mtp``, None when the checkpoint has none) and draft a whole
-    block per step for speculative method "mtp" (proposers/dspark.py)."""
+    """A model whose DSpark draft blocks load with it and draft a whole block per step for speculative method "mtp"
+    (proposers/dspark.py): the target's forward captures its layers' features, which become paged context keys."""
 
     drafts_with_dspark: ClassVar[bool] = True
-    mtp: nn.Module | None
+
+    @abstractmethod
+    def dspark_shape(self) -> DSparkShape: ...
+
+    @abstractmethod
+    def capture_dspark_features(self, on: bool) -> None:
+        """While on, ``forward`` keeps the features of every token it computes (``dspark_features``)."""
+
+    @abstractmethod
+    def dspark_features(self) -> torch.Tensor | None:
+        """The last forward's captured features, one row per token in step order."""
 
     @abstractmethod
     def dspark_context_keys(self, features: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ from openinfer.models.deepseek_v41.dspark import DSparkDrafter, target_features
 from openinfer.models.deepseek_v41.engram import Engram, compressed_vocabulary, table_sizes
 from openinfer.models.deepseek_v41.hc import ShiftedHyperConnection, apply_pre, first_pre, hc_post
 from openinfer.models.deepseek_v41.moe import MoE
-from openinfer.models.interface import DSparkTarget, KVStoreOwner, KVStores, ParallelMode
+from openinfer.models.interface import DSparkShape, DSparkTarget, KVStoreOwner, KVStores, ParallelMode
 
 
 class DecoderLayer(nn.Module):
@@ -212,6 +212,19 @@ class DeepseekV41ForCausalLM(DSparkTarget):
         finally:
             torch.set_default_dtype(prev)
         return self.mtp
+
+    def dspark_shape(self) -> DSparkShape:
+        cfg = self.config
+        return DSparkShape(draft_blocks=0 if self.mtp is None else len(self.mtp),
+                           declared_blocks=cfg.num_nextn_predict_layers,
+                           max_draft_tokens=cfg.dspark.block_size if cfg.dspark is not None else 0,
+                           key_dim=cfg.head_dim, window=cfg.sliding_window)
+
+    def capture_dspark_features(self, on: bool) -> None:
+        self.model.capture_dspark_features = on
+
+    def dspark_features(self) -> torch.Tensor | None:
+        return self.model.dspark_features
 
     def propose(self, features: torch.Tensor, ctx_pos: torch.Tensor, golden: torch.Tensor,
                 block_size: int | None = None):
