@@ -71,7 +71,8 @@ class DeepseekV3Model(nn.Module):
 class DeepseekV3ForCausalLM(CausalLM):
     supported_kv_cache_dtypes = ("auto", "fp8", "fp8_e4m3")  # the latent cache in e4m3 (layers/mla.py)
     supported_quantization = ("int8", "int4", "w4a8")  # --quantization: linears and routed experts (quant_linear.py)
-    supported_parallel_modes = frozenset({ParallelMode.TENSOR, ParallelMode.DATA, ParallelMode.EXPERT})  # tests/test_deepseek_parallel.py
+    # one-process tokens under tp2, dp2-ep2, tp2 x dp2 (V4), dp4-ep4: tests/test_deepseek_parallel.py
+    supported_parallel_modes = frozenset({ParallelMode.TENSOR, ParallelMode.DATA, ParallelMode.EXPERT})
 
     @classmethod
     def mtp_layer_class(cls) -> type[MTPLayer]:

@@ -99,7 +99,8 @@ class DeepseekV4Model(nn.Module):
 class DeepseekV4ForCausalLM(CausalLM):
     # fp8 on V4 is vLLM's fp8_ds_mla layout (cache.DS_MLA_STORES), as vLLM picks it for V4
     supported_kv_cache_dtypes = ("auto", "fp8", "fp8_e4m3", "fp8_ds_mla")
-    supported_parallel_modes = frozenset({ParallelMode.TENSOR, ParallelMode.DATA, ParallelMode.EXPERT})  # tests/test_deepseek_parallel.py
+    # one-process tokens under tp2, dp2-ep2, tp2 x dp2 (V4), dp4-ep4: tests/test_deepseek_parallel.py
+    supported_parallel_modes = frozenset({ParallelMode.TENSOR, ParallelMode.DATA, ParallelMode.EXPERT})
 
     @classmethod
     def mtp_layer_class(cls) -> type[MTPLayer]:
