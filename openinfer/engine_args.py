@@ -166,6 +166,10 @@ class EngineArgs:
                                   enable_eplb=self.enable_eplb, num_redundant_experts=self.num_redundant_experts,
                                   eplb_step_interval=self.eplb_step_interval,
                                   distributed_executor_backend=self.distributed_executor_backend)
+        if parallel.world_size > 1 or parallel.enable_expert_parallel:
+            from openinfer.models.registry import check_parallel
+
+            check_parallel(model.architecture, parallel)  # the class's supported_parallel_modes
         speculative = SpeculativeConfig.parse(self.speculative_config)
         if speculative is not None:
             speculative.check_target(model, parallel)
@@ -201,7 +205,7 @@ def _check_quantization(method: str, architecture: str, enable_eplb: bool) -> No
     Expert rebalancing moves dense expert weights between ranks, which quantised experts do not have."""
     from openinfer.models.registry import resolve_model_class
 
-    ok = getattr(resolve_model_class(architecture), "supported_quantization", ())
+    ok = resolve_model_class(architecture).supported_quantization
     if method not in ok:
         raise ValueError(f"quantization={method!r} is not supported by {architecture}; it supports "
                          f"{', '.join(ok) or 'none'}")
@@ -222,7 +226,7 @@ def _check_kv_cache_dtype(kv_cache_dtype: str, architecture: str, speculative) -
         draft = json.loads(open(f"{speculative.model}/config.json").read()).get("architectures") or [""]
         classes.append((f"draft model {draft[0]}", resolve_model_class(draft[0])))
     for name, cls in classes:
-        ok = getattr(cls, "supported_kv_cache_dtypes", ("auto",))
+        ok = cls.supported_kv_cache_dtypes
         if kv_cache_dtype not in ok:
             raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported by {name}; it supports "
                              f"{', '.join(ok)}")

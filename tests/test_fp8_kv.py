@@ -460,8 +460,11 @@ def test_kv_cache_dtype_errors(tmp_path):
     cfg = json.loads((path / "config.json").read_text())
     from openinfer.models import registry
 
-    class NoFp8:  # what every class without supported_kv_cache_dtypes means: the model's dtype only
-        pass
+    from openinfer.models.interface import CausalLM
+    from openinfer.models.llama import LlamaForCausalLM
+
+    class NoFp8(LlamaForCausalLM):  # the contract's default: the model's dtype only
+        supported_kv_cache_dtypes = CausalLM.supported_kv_cache_dtypes
 
     registry.register_model("NoFp8ForTest", __name__, "NoFp8")
     globals()["NoFp8"] = NoFp8

@@ -18,6 +18,7 @@ from torch import nn
 from openinfer.config import AttentionBackend
 from openinfer.forward_context import get_forward_context
 from openinfer.kv_cache_interface import KVGroupSpec
+from openinfer.models.interface import CausalLM
 from openinfer.models.weights import WeightLoadError, copy_into
 
 ARCH = "ToySlidingForCausalLM"
@@ -83,7 +84,7 @@ class ToyLayer(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(hidden, 2 * hidden), nn.Tanh(), nn.Linear(2 * hidden, hidden))
 
 
-class ToySlidingForCausalLM(nn.Module):
+class ToySlidingForCausalLM(CausalLM):
     def __init__(self, cfg: dict[str, Any], *, attention_backend: AttentionBackend = AttentionBackend.SDPA) -> None:
         super().__init__()
         h = cfg["hidden_size"]

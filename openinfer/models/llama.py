@@ -25,6 +25,7 @@ from openinfer.layers.quant_linear import QuantizedWeight
 from openinfer.layers.parallel_linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from openinfer.layers.rotary import RotaryEmbedding, apply_neox, rope_parameters
 from openinfer.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from openinfer.models.interface import CausalLM, ParallelMode
 from openinfer.models.weights import WeightLoadError, copy_into
 
 
@@ -149,12 +150,15 @@ class LlamaModel(nn.Module):
         return x
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     qk_norm = False
     qkv_bias = False
     supported_kv_cache_dtypes = ("auto", "fp8", "fp8_e4m3")  # engine_args checks kv_cache_dtype against it
     # --quantization (layers/quant_linear.py) and low-bit checkpoints (layers/checkpoint_quant.py); engine_args checks
     supported_quantization = ("int8", "int4", "w8a8", "w4a8")
+    # heads, MLP and vocabulary split over TP ranks (layers/parallel_linear.py); dense, so expert parallelism
+    # leaves it whole (its replicas only step in lockstep)
+    supported_parallel_modes = frozenset({ParallelMode.TENSOR, ParallelMode.DATA, ParallelMode.EXPERT})
     # HF name fragment -> (fused parameter fragment, part)
     stacked_params = [
         ("q_proj", "qkv_proj", 0),

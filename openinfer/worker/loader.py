@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from torch import nn
 
 from openinfer.config import AttentionBackend, ModelConfig
+from openinfer.models.interface import CausalLM, MTPLayer
 from openinfer.models.registry import resolve_model_class, resolve_mtp_class
 from openinfer.layers.checkpoint_quant import QuantizedTensorGrouper
 from openinfer.layers.linear import num_parameters
@@ -73,7 +73,7 @@ def read_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def load_model(mc: ModelConfig, attention_backend: AttentionBackend = AttentionBackend.SDPA,
-               device: torch.device | None = None) -> nn.Module:
+               device: torch.device | None = None) -> CausalLM:
     """Build the registered class for the checkpoint's architecture (in its dtype, on ``device``, by default the
     config's) and fill it from the safetensors files. The model follows ``models/interface.py``."""
     cls = resolve_model_class(mc.architecture)
@@ -92,12 +92,12 @@ def load_model(mc: ModelConfig, attention_backend: AttentionBackend = AttentionB
 
 
 def load_mtp_layer(mc: ModelConfig, index: int, attention_backend: AttentionBackend = AttentionBackend.SDPA,
-                   device: torch.device | None = None, target: nn.Module | None = None) -> nn.Module:
+                   device: torch.device | None = None, target: CausalLM | None = None) -> MTPLayer:
     """The checkpoint's multi-token-prediction layer ``index`` (speculative decoding's drafter), built and filled
     like a model (only its own tensors are read), or, for families that load it with the target (V4), taken
     from the loaded ``target``."""
     cls = resolve_mtp_class(mc.architecture)
-    if getattr(cls, "shares_target", False):
+    if cls.shares_target:
         return cls(target, index)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(mc.dtype)

@@ -23,6 +23,7 @@ from openinfer.layers.rotary import RotaryEmbedding
 from openinfer.models.deepseek_v3.attention import DeepseekV3Attention
 from openinfer.models.deepseek_v3.config import DeepseekV3Args
 from openinfer.models.deepseek_v3.loading import load_v3_weights
+from openinfer.models.interface import CausalLM, MTPLayer, ParallelMode
 
 
 class DeepseekV3DecoderLayer(nn.Module):
@@ -67,9 +68,17 @@ class DeepseekV3Model(nn.Module):
         return x
 
 
-class DeepseekV3ForCausalLM(nn.Module):
+class DeepseekV3ForCausalLM(CausalLM):
     supported_kv_cache_dtypes = ("auto", "fp8", "fp8_e4m3")  # the latent cache in e4m3 (layers/mla.py)
     supported_quantization = ("int8", "int4", "w4a8")  # --quantization: linears and routed experts (quant_linear.py)
+    # one-process tokens under tp2, dp2-ep2, tp2 x dp2 (V4), dp4-ep4: tests/test_deepseek_parallel.py
+    supported_parallel_modes = frozenset({ParallelMode.TENSOR, ParallelMode.DATA, ParallelMode.EXPERT})
+
+    @classmethod
+    def mtp_layer_class(cls) -> type[MTPLayer]:
+        from openinfer.models.deepseek_v3.mtp import DeepseekV3MTP  # its module imports this one
+
+        return DeepseekV3MTP
 
     def __init__(self, cfg: dict[str, Any], *, attention_backend: AttentionBackend = AttentionBackend.SDPA) -> None:
         super().__init__()

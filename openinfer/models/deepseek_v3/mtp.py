@@ -28,6 +28,7 @@ from openinfer.layers.vocab_parallel_embedding import ParallelLMHead, VocabParal
 from openinfer.models.deepseek_v3.config import DeepseekV3Args
 from openinfer.models.deepseek_v3.loading import load_v3_weights
 from openinfer.models.deepseek_v3.model import DeepseekV3DecoderLayer
+from openinfer.models.interface import MTPLayer
 from openinfer.models.weights import WeightLoadError
 
 
@@ -38,7 +39,7 @@ class SharedHead(nn.Module):
         self.head = ParallelLMHead(a.vocab_size, a.hidden_size)
 
 
-class DeepseekV3MTP(DeepseekV3DecoderLayer):
+class DeepseekV3MTP(DeepseekV3DecoderLayer, MTPLayer):
     """MTP layer ``index`` (0-based); its parameters are named as in the checkpoint after the
     ``model.layers.{num_hidden_layers + index}.`` prefix."""
 

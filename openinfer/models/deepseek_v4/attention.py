@@ -28,6 +28,7 @@ from openinfer.layers.norm import RMSNorm, unweighted_rms_norm
 from openinfer.models.deepseek_v4.cache import WINDOW, StepIndex, V4LayerCache
 from openinfer.models.deepseek_v4.compressor import Compressor
 from openinfer.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
+from openinfer.models.interface import KVStoreOwner, KVStores
 from openinfer.models.deepseek_v4.indexer import Indexer
 from openinfer.layers.rotary import RotaryEmbedding, apply_interleaved
 
@@ -50,7 +51,7 @@ def sink_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sin
     return torch.einsum("thl,tld->thd", probs.to(q.dtype), keys.to(q.dtype))
 
 
-class DeepseekV4Attention(nn.Module):
+class DeepseekV4Attention(nn.Module, KVStoreOwner):
     def __init__(self, cfg: DeepseekV4Config, layer_idx: int,
                  backend: AttentionBackend = AttentionBackend.SDPA) -> None:
         super().__init__()
@@ -91,6 +92,10 @@ class DeepseekV4Attention(nn.Module):
                                    cfg.index_topk, eps)
         self.backend = backend
         self.cache: V4LayerCache | None = None  # bound by DeepseekV4ForCausalLM.bind_kv_cache
+
+    def kv_stores(self) -> KVStores:
+        """The bound cache's stores, each in its group; none while unbound."""
+        return [] if self.cache is None else self.cache.stores()
 
     def forward(self, x: torch.Tensor, step: StepIndex, rope: dict[str, tuple[torch.Tensor, torch.Tensor]]):
         if self.cache is None:

@@ -185,6 +185,10 @@ class V4LayerCache:
         t = getattr(self, name)
         return t.view(-1, t.shape[-1])
 
+    def stores(self) -> list[tuple[str, torch.Tensor]]:
+        """(KV group, store) per store, in ``names`` order: what ``kv_stores`` reports (a KV connector's tensors)."""
+        return [(self.store_groups[name], getattr(self, name)) for name in self.names]
+
 
 @dataclass
 class StepIndex:

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 
 import torch
 
+from openinfer.layers.deepseek_moe import DeepseekExperts
 from openinfer.layers.quant_linear import QuantizedWeight
 from openinfer.models.quantized_weights import Dequantizer, packs_fp8, scale_owner
 from openinfer.models.weights import WeightLoadError, copy_into, materialize
@@ -137,7 +138,7 @@ def _keeps_packed(model, name: str, linears: bool = True) -> bool:
     if shard is None or shard[0] is None:
         return linears and packs_fp8(module, model.config.fp8_block)
     if module is None:
-        return any(_packs(m) for m in model.modules() if hasattr(m, "mxfp4"))
+        return any(_packs(m) for m in model.modules() if isinstance(m, DeepseekExperts))
     return _packs(module)
 
 

@@ -29,6 +29,7 @@ from openinfer.layers.norm import RMSNorm
 from openinfer.models.deepseek_v4.config import DeepseekV4Config
 from openinfer.models.deepseek_v4.hc import HyperConnection, HyperHead, fused_post_pre, hc_post
 from openinfer.models.deepseek_v4.moe import DeepseekV4MoE
+from openinfer.models.interface import CausalLM, MTPLayer, ParallelMode
 from openinfer.layers.rotary import RotaryEmbedding
 
 
@@ -95,9 +96,17 @@ class DeepseekV4Model(nn.Module):
         return self.norm(self.hc_head(X))
 
 
-class DeepseekV4ForCausalLM(nn.Module):
+class DeepseekV4ForCausalLM(CausalLM):
     # fp8 on V4 is vLLM's fp8_ds_mla layout (cache.DS_MLA_STORES), as vLLM picks it for V4
     supported_kv_cache_dtypes = ("auto", "fp8", "fp8_e4m3", "fp8_ds_mla")
+    # one-process tokens under tp2, dp2-ep2, tp2 x dp2 (V4), dp4-ep4: tests/test_deepseek_parallel.py
+    supported_parallel_modes = frozenset({ParallelMode.TENSOR, ParallelMode.DATA, ParallelMode.EXPERT})
+
+    @classmethod
+    def mtp_layer_class(cls) -> type[MTPLayer]:
+        from openinfer.models.deepseek_v4.mtp import DeepseekV4MTP  # runs the layers built here (self.mtp)
+
+        return DeepseekV4MTP
 
     def __init__(self, hf_config: dict[str, Any], *,
                  attention_backend: AttentionBackend = AttentionBackend.SDPA) -> None:

@@ -23,9 +23,10 @@ from openinfer.layers.kv_quant import is_fp8
 from openinfer.models.deepseek_v4.cache import (COARSE, FULL, WINDOW, StepIndex, V4LayerCache, coarse_ratio,
                                                 layer_bytes_per_block, lookback_tokens)
 from openinfer.models.deepseek_v4.hc import fused_post_pre, hc_post
+from openinfer.models.interface import MTPLayer
 
 
-class DeepseekV4MTP(nn.Module):
+class DeepseekV4MTP(MTPLayer):
     # Built from the loaded target (its mtp layers, embedding and head), not from the checkpoint again.
     shares_target = True
     supported_kv_cache_dtypes = ("auto", "fp8", "fp8_e4m3", "fp8_ds_mla")  # its stores, as the target's

@@ -26,6 +26,7 @@ from openinfer.models.deepseek_v4.common import fp32_param
 from openinfer.models.deepseek_v41.cache import WINDOW, LayerCache, StepIndex
 from openinfer.models.deepseek_v41.compression import Compressor
 from openinfer.models.deepseek_v41.config import DeepseekV41Config
+from openinfer.models.interface import KVStoreOwner, KVStores
 from openinfer.models.deepseek_v41.indexer import Indexer, candidate_blocks, candidate_mask, select_topk
 
 # Bytes of gathered index keys / entries per query chunk (as V4's attention).
@@ -47,7 +48,7 @@ class StepState:
     full_step: StepIndex | None = None
 
 
-class Attention(nn.Module):
+class Attention(nn.Module, KVStoreOwner):
     def __init__(self, cfg: DeepseekV41Config, layer: int) -> None:
         super().__init__()
         hidden, eps, topo = cfg.hidden_size, cfg.rms_norm_eps, cfg.topology
@@ -79,6 +80,10 @@ class Attention(nn.Module):
         self.indexer = (Indexer(hidden, cfg.q_lora_rank, cfg.head_dim, cfg.index_n_heads, cfg.index_head_dim,
                                 self.index_k_source == layer, eps) if r and self.index_source == layer else None)
         self.cache: LayerCache | None = None
+
+    def kv_stores(self) -> KVStores:
+        """The bound cache's stores, each in its group; none while unbound."""
+        return [] if self.cache is None else self.cache.stores()
 
     # -- projections shared with the whole-sequence reference ------------------------------------------
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):

@@ -29,6 +29,7 @@ from openinfer.models.deepseek_v41.dspark import DSparkDrafter, target_features
 from openinfer.models.deepseek_v41.engram import Engram, compressed_vocabulary, table_sizes
 from openinfer.models.deepseek_v41.hc import ShiftedHyperConnection, apply_pre, first_pre, hc_post
 from openinfer.models.deepseek_v41.moe import MoE
+from openinfer.models.interface import DSparkShape, DSparkTarget, KVStoreOwner, KVStores, ParallelMode
 
 
 class DecoderLayer(nn.Module):
@@ -46,7 +47,7 @@ class DecoderLayer(nn.Module):
                        if engram_sizes is not None else None)
 
 
-class DeepseekV41Model(nn.Module):
+class DeepseekV41Model(nn.Module, KVStoreOwner):
     def __init__(self, cfg: DeepseekV41Config) -> None:
         super().__init__()
         self.cfg = cfg
@@ -64,6 +65,10 @@ class DeepseekV41Model(nn.Module):
         # DSpark: when set, forward keeps the target layers' attention inputs ([T, targets*D], dspark.py)
         self.capture_dspark_features = False
         self.dspark_features: torch.Tensor | None = None
+
+    def kv_stores(self) -> KVStores:
+        """Engram's token ids travel with the window group (a decoder's Engram reads N-1 ids back)."""
+        return [] if self.ids_store is None else [(WINDOW, self.ids_store)]
 
     def rope(self, positions: torch.Tensor) -> dict:
         rope: dict[str, Any] = {name: rot.cos_sin(positions) for name, rot in self.rotary.items()}
@@ -171,7 +176,12 @@ def _select_rows(sel: torch.Tensor, X, pre, step: StepIndex, rope: dict, history
     return X[sel], pre[sel], step, rope, history[sel] if history is not None else None
 
 
-class DeepseekV41ForCausalLM(nn.Module):
+class DeepseekV41ForCausalLM(DSparkTarget):
+    # Replicas, and DeepseekMoE's experts over expert-parallel ranks (one-process tokens, dp2-ep2). Not tensor
+    # parallel: attention is replicated and load_v41_weights does not shard the embedding / head (tp2 failed at
+    # load with "embed.weight has shape (256, 128), the model expects (128, 128)").
+    supported_parallel_modes = frozenset({ParallelMode.DATA, ParallelMode.EXPERT})
+
     def __init__(self, hf_config: dict[str, Any], *,
                  attention_backend: AttentionBackend = AttentionBackend.SDPA) -> None:
         super().__init__()
@@ -202,6 +212,19 @@ class DeepseekV41ForCausalLM(nn.Module):
         finally:
             torch.set_default_dtype(prev)
         return self.mtp
+
+    def dspark_shape(self) -> DSparkShape:
+        cfg = self.config
+        return DSparkShape(draft_blocks=0 if self.mtp is None else len(self.mtp),
+                           declared_blocks=cfg.num_nextn_predict_layers,
+                           max_draft_tokens=cfg.dspark.block_size if cfg.dspark is not None else 0,
+                           key_dim=cfg.head_dim, window=cfg.sliding_window)
+
+    def capture_dspark_features(self, on: bool) -> None:
+        self.model.capture_dspark_features = on
+
+    def dspark_features(self) -> torch.Tensor | None:
+        return self.model.dspark_features
 
     def propose(self, features: torch.Tensor, ctx_pos: torch.Tensor, golden: torch.Tensor,
                 block_size: int | None = None):

@@ -26,6 +26,7 @@ import torch
 
 from openinfer.config import EngineConfig
 from openinfer.kv_cache_interface import KVGroupSpec
+from openinfer.models.interface import DSparkTarget
 from openinfer.worker.proposers import ProposeInputs
 from openinfer.worker.proposers.drafting import DraftingModel
 
@@ -60,21 +61,21 @@ class ContextKeyStore:
 class DSparkProposer(DraftingModel):
     prefix = "dspark."
 
-    def __init__(self, config: EngineConfig, device: torch.device, target: torch.nn.Module) -> None:
+    def __init__(self, config: EngineConfig, device: torch.device, target: DSparkTarget) -> None:
         k = config.speculative.num_speculative_tokens
-        if getattr(target, "mtp", None) is None:
+        shape = target.dspark_shape()
+        if shape.draft_blocks == 0:
             raise ValueError(f"speculative_config.method='mtp': {config.model.path} has no DSpark draft blocks "
                              "(mtp.* tensors); the checkpoint declares num_nextn_predict_layers="
-                             f"{target.config.num_nextn_predict_layers}")
-        cfg = target.config
-        if k > cfg.dspark.block_size:
+                             f"{shape.declared_blocks}")
+        if k > shape.max_draft_tokens:
             raise ValueError(f"speculative_config.num_speculative_tokens={k} exceeds the checkpoint's "
-                             f"dspark_block_size={cfg.dspark.block_size} (the DSpark block was trained for at most "
+                             f"dspark_block_size={shape.max_draft_tokens} (the DSpark block was trained for at most "
                              "that many draft positions)")
         self.target = target
-        self.window = cfg.sliding_window
-        target.model.capture_dspark_features = True
-        store = ContextKeyStore(len(target.mtp), cfg.head_dim, self.window)
+        self.window = shape.window
+        target.capture_dspark_features(True)
+        store = ContextKeyStore(shape.draft_blocks, shape.key_dim, self.window)
         super().__init__(store, k, config.model.max_model_len, config.cache.block_size, device)
         self.last_confidence: dict[str, list[float]] = {}
 
@@ -95,7 +96,7 @@ class DSparkProposer(DraftingModel):
             positions.append(pos)
             slot_rows.append(slots(r.state.block_ids[g], pos))
         positions = torch.cat(positions)
-        features = self.target.model.dspark_features
+        features = self.target.dspark_features()
         assert features is not None and features.shape[0] == positions.shape[0]
         store[torch.cat(slot_rows)] = self.target.dspark_context_keys(features, positions).to(store.dtype)
 

@@ -34,7 +34,7 @@ class MtpProposer(DraftingModel):
 
     def __init__(self, config: EngineConfig, device: torch.device, target: torch.nn.Module) -> None:
         layer = load_mtp_layer(config.model, 0, config.attention_backend, device, target)
-        if not getattr(layer, "shares_target", False):  # a shared layer was prepacked with the target
+        if not layer.shares_target:  # a shared layer was prepacked with the target
             prepack_linears(layer)
         super().__init__(layer, config.speculative.num_speculative_tokens, config.model.max_model_len,
                          config.cache.block_size, device)
