@@ -124,6 +124,29 @@ def test_chat_refusals_name_the_field(validator, body, param, words):
     assert e.param == param and words in e.message, (e.param, e.message)
 
 
+@pytest.mark.parametrize("role", ["user", "system", "developer", "tool"])
+def test_a_message_without_content_is_refused(validator, role):
+    """OpenAI answers 400 for these (content is required); the chat template would otherwise see an empty turn."""
+    for message in ({"role": role}, {"role": role, "content": None}):
+        e = refused(chat, validator, messages=[*MSG, message])
+        assert e.param == "messages.1.content" and e.code == "missing_required_parameter", e.message
+        assert "Missing required parameter: 'messages[1].content'" in e.message
+
+
+def test_an_assistant_message_without_content_needs_tool_calls(validator):
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    for message in ({"role": "assistant"}, {"role": "assistant", "content": None},
+                    {"role": "assistant", "content": None, "tool_calls": []}):
+        e = refused(chat, validator, messages=[*MSG, message])
+        assert e.param == "messages.1.content" and "only when it has tool_calls" in e.message
+    checked = chat(validator, messages=[*MSG, {"role": "assistant", "tool_calls": [call]},
+                                        {"role": "tool", "tool_call_id": "call_1", "content": "ok"}])
+    assert checked.messages[1] == {"role": "assistant", "content": "", "tool_calls": [call]}
+    legacy = {"role": "assistant", "function_call": {"name": "f", "arguments": "{}"}}  # OpenAI accepts it too
+    assert chat(validator, messages=[*MSG, legacy, *MSG]).messages[1]["content"] == ""
+    assert chat(validator, messages=[*MSG, {"role": "user", "content": ""}]).messages[1]["content"] == ""
+
+
 MESSAGES_CASES = [
     (dict(max_tokens=None), "max_tokens", "max_tokens is required"),
     (dict(messages=[]), "messages", "messages must be a non-empty list"),

@@ -330,8 +330,8 @@ class RequestValidator:
 
     @staticmethod
     def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-        """OpenAI chat messages as the chat template gets them (text parts joined): a known role, text parts
-        only."""
+        """OpenAI chat messages as the chat template gets them (text parts joined). Like OpenAI: a known role, text
+        parts only, and a content on every message but an assistant's that carries tool_calls."""
         if not messages:
             raise APIError("messages must be a non-empty list", 400, "messages")
         out = []
@@ -341,6 +341,11 @@ class RequestValidator:
                                f"messages.{i}.role")
             extra = m.model_extra or {}
             content = m.content
+            if content is None and not (m.role == "assistant" and _has_tool_calls(extra)):
+                why = " (an assistant message may leave it out only when it has tool_calls)" \
+                    if m.role == "assistant" else ""
+                raise APIError(f"Missing required parameter: 'messages[{i}].content'{why}", 400,
+                               f"messages.{i}.content", "missing_required_parameter")
             if isinstance(content, list):
                 texts = []
                 for part in content:
@@ -354,6 +359,13 @@ class RequestValidator:
                 d["name"] = m.name
             out.append(d)
         return out
+
+
+def _has_tool_calls(extra: dict[str, Any]) -> bool:
+    """Whether an assistant message may leave out its content: OpenAI's rule, "required unless tool_calls or
+    function_call is specified" (an empty tool_calls list is no tool call)."""
+    calls = extra.get("tool_calls")
+    return (isinstance(calls, list) and len(calls) > 0) or isinstance(extra.get("function_call"), dict)
 
 
 def _sampling_error(e: Exception) -> APIError:
