@@ -206,3 +206,18 @@ def test_what_passes_becomes_the_engine_request(validator):
 def test_count_tokens_needs_no_max_tokens(validator):
     checked = run(validator.check_messages({"messages": MSG}, count_only=True))
     assert checked.max_tokens is None
+
+
+def test_a_raised_request_limit_holds_through_the_engine(tmp_path_factory):
+    """--max-stop-strings past the default: the engine, which checks each request again, uses the server's caps
+    (it refused with its default ones, a 400 naming no field)."""
+    import httpx
+    from server_utils import InProcessServer, shared_checkpoint
+
+    with InProcessServer(shared_checkpoint(tmp_path_factory), dtype="float32", max_model_len=256, num_kv_blocks=64,
+                         server_kw={"limits": RequestLimits(max_stop_strings=100)}) as s:
+        body = {"prompt": "hello", "max_tokens": 2, "stop": [f"s{i}" for i in range(80)]}
+        r = httpx.post(s.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        r = httpx.post(s.url + "/v1/completions", json={**body, "stop": [f"s{i}" for i in range(101)]}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stop", r.text

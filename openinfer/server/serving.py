@@ -83,6 +83,8 @@ class ServingContext:
         self.created = int(time.time())
         self.tool_parser = get_tool_parser(settings.tool_call_parser) if settings.tool_call_parser else None
         make_reasoning_parser(settings.reasoning_parser)  # a bad name fails at start-up, not per request
+        # The engine checks what it is given again (its add_request is an API of its own): with the same caps.
+        engine.request_limits = settings.limits
         # Every check a request gets, and the engine request built from what passes (request_validation.py).
         self.validator = RequestValidator(
             served_model_names=settings.served_model_names,
