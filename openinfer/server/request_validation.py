@@ -46,6 +46,7 @@ _ANTHROPIC_SAMPLING = ("temperature", "top_p", "top_k")
 class CheckedRequest:
     """A request past every check that needs no token ids: what ``engine_request`` completes per prompt."""
 
+    request: GenerationRequest  # as parsed (for /v1/messages: the chat request it was mapped onto)
     model: str  # the served name to answer with
     params: SamplingParams  # checked, max_tokens still None (it depends on the prompt's length)
     max_tokens: int | None  # as requested (>= 1), None: whatever room the prompt leaves
@@ -55,13 +56,13 @@ class CheckedRequest:
 
 @dataclass
 class CheckedCompletion(CheckedRequest):
-    request: CompletionRequest = None  # type: ignore[assignment]
+    request: CompletionRequest
     prompts: list[str | list[int]] = field(default_factory=list)  # texts to tokenize, or token ids
 
 
 @dataclass
 class CheckedChat(CheckedRequest):
-    request: ChatCompletionRequest = None  # type: ignore[assignment]
+    request: ChatCompletionRequest
     plan: ToolPlan | None = None
     messages: list[dict[str, Any]] = field(default_factory=list)  # as the chat template gets them
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # chat_template_kwargs (+ the tools)
@@ -116,7 +117,7 @@ class RequestValidator:
             prompt_logprobs = req.logprobs  # echoed prompt tokens come with their logprobs too
         params = self.sampling_params(req, req.logprobs, prompt_logprobs, constraint)
         await self._compile(constraint, "structured_outputs")
-        return CheckedCompletion(model, params, requested, "max_tokens", "prompt", request=req, prompts=prompts)
+        return CheckedCompletion(req, model, params, requested, "max_tokens", "prompt", prompts=prompts)
 
     async def check_chat(self, req: ChatCompletionRequest) -> CheckedChat:
         model = self.check_model(req.model)
@@ -150,7 +151,7 @@ class RequestValidator:
         template_kwargs = dict(req.chat_template_kwargs or {})
         if plan is not None:
             template_kwargs.setdefault("tools", plan.tools)
-        return CheckedChat(model, params, requested, param, "messages", request=req, plan=plan, messages=messages,
+        return CheckedChat(req, model, params, requested, param, "messages", plan=plan, messages=messages,
                            template_kwargs=template_kwargs)
 
     async def check_messages(self, body: Any, count_only: bool = False) -> CheckedChat:
@@ -324,7 +325,7 @@ class RequestValidator:
 
     async def _compile(self, constraint: StructuredOutputsParams | None, where: str) -> None:
         """The grammar compiled (off the event loop, cached) before the request is admitted: the last check,
-        being the dearest."""
+        being the dearest. Without a compiler (a validator built for tests) the grammar is not checked."""
         if constraint is not None and self.grammar_compiler is not None:
             await compile_or_400(self.grammar_compiler, constraint, where)
 
