@@ -9,7 +9,7 @@ from typing import Any
 
 from openinfer.request_limits import DEFAULT_LIMITS, INT64_MAX, RequestLimits, check_counts
 
-_MAX_LOGPROBS = 20
+MAX_LOGPROBS = 20  # OpenAI's cap on logprobs / top_logprobs; the server's checks use it too
 
 
 class RequestOutputKind(enum.Enum):
@@ -184,8 +184,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or not 0 <= v <= _MAX_LOGPROBS):
-                raise bad(name, v, f"an integer in [0, {_MAX_LOGPROBS}]")
+            if v is not None and (not isinstance(v, int) or not 0 <= v <= MAX_LOGPROBS):
+                raise bad(name, v, f"an integer in [0, {MAX_LOGPROBS}]")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", self.seed, "an integer")
         if any(not isinstance(s, str) or not s for s in self.stop):

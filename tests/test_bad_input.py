@@ -97,6 +97,24 @@ def test_values_past_the_vocabulary_or_caps_rejected_by_the_engine(llm, kwargs, 
     works(llm)
 
 
+def test_the_engine_holds_requests_to_its_own_request_limits(llm):
+    """The server sets its caps (--max-stop-strings, ...) on the engine, whose add_request checks them again: a cap
+    the server raised must not be refused by the default one (a 400 without a field, before)."""
+    from openinfer.request_limits import DEFAULT_LIMITS, RequestLimits
+
+    stops = [f"s{i}" for i in range(80)]
+    with pytest.raises(ValueError, match="stop has 80 items, more than the limit of 64"):
+        llm.generate([{"prompt_token_ids": [5, 6]}], SamplingParams(stop=stops, max_tokens=2), use_tqdm=False)
+    llm.engine.request_limits = RequestLimits(max_stop_strings=100)
+    try:
+        out = llm.generate([{"prompt_token_ids": [5, 6]}], SamplingParams(stop=stops, max_tokens=2, ignore_eos=True),
+                           use_tqdm=False)[0]
+        assert len(out.outputs[0].token_ids) >= 1
+    finally:
+        llm.engine.request_limits = DEFAULT_LIMITS
+    works(llm)
+
+
 def test_error_messages_do_not_echo_huge_values():
     with pytest.raises(ValueError) as e:
         SamplingParams(stop=[""] * 100_000)

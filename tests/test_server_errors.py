@@ -104,6 +104,13 @@ CASES = [
     ("empty-stop", _cmpl(stop=[""]), 400, "stop must be", "stop"),
     ("negative-stop-token", _cmpl(stop_token_ids=[-1]), 400, "stop_token_ids", "stop_token_ids"),
     ("unknown-role", _chat(messages=[{"role": "wizard", "content": "x"}]), 400, "role must be one of", None),
+    # OpenAI answers 400 for a message without content, but for an assistant's that has tool_calls
+    ("user-without-content", _chat(messages=[{"role": "user"}]), 400,
+     "Missing required parameter: 'messages[0].content'", "messages.0.content"),
+    ("tool-without-content", _chat(messages=[*MSG, {"role": "tool", "tool_call_id": "c", "content": None}]), 400,
+     "Missing required parameter: 'messages[1].content'", "messages.1.content"),
+    ("assistant-without-content-or-tool-calls", _chat(messages=[*MSG, {"role": "assistant"}, *MSG]), 400,
+     "only when it has tool_calls", "messages.1.content"),
     (
         "image-part",
         _chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),

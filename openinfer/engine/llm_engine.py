@@ -20,6 +20,7 @@ from openinfer.engine.request import RequestStatus
 from openinfer.kv_events import KVEventBatch
 from openinfer.logging_utils import init_logging
 from openinfer.outputs import RequestOutput
+from openinfer.request_limits import DEFAULT_LIMITS, RequestLimits
 from openinfer.sampling_params import SamplingParams
 from openinfer.structured_outputs.backend import make_backend
 from openinfer.structured_outputs.manager import GrammarCompiler
@@ -44,6 +45,9 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._held: dict[str, ParentRequest] = {}  # first child id -> its parent, while siblings are held back
         self._ids = itertools.count()
+        # The caps add_request holds each request to (request_limits.py): the server puts its own here (--max-n,
+        # --max-stop-strings, ...), so that a cap it raised is not refused again by the default one.
+        self.request_limits: RequestLimits = DEFAULT_LIMITS
         logger.info(self.startup_message)
 
     # -- what the engine was built with --------------------------------------------------------------------
@@ -100,7 +104,7 @@ class LLMEngine:
         for this request follows ``params.output_kind``."""
         params = params or SamplingParams()
         params.validate()
-        params.check_limits(self.config.model.vocab_size)
+        params.check_limits(self.config.model.vocab_size, self.request_limits)
         text, ids = self.tokenize_prompt(prompt)
         self.validate_prompt_ids(ids)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)

@@ -30,11 +30,10 @@ from openinfer.server.openapi import install_openapi
 from openinfer.server.protocol import DetokenizeRequest, TokenizeRequest
 from openinfer.server.router_endpoints import install_router_endpoints
 from openinfer.server.serving import ServerSettings, ServingContext, json_bytes
-from openinfer.server.serving_chat import create_chat_completion, messages_to_dicts
+from openinfer.server.serving_chat import create_chat_completion
 from openinfer.server.serving_completion import create_completion
 from openinfer.server.serving_messages import count_tokens, create_message
 from openinfer.server.tokenizer_service import TokenizerService
-from openinfer.tokenizer import PromptTooLong
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +119,7 @@ def build_app(engine: LLMEngine, settings: ServerSettings, chat_template: str | 
     holder["engine"] = async_engine
     tokenizers = TokenizerService(engine.config.model.tokenizer_path, chat_template, engine.config.tokenizer_mode)
     ctx = ServingContext(engine, async_engine, tokenizers, settings, metrics)
+    validator = ctx.validator
     watchdog = Watchdog(async_engine, settings.health)
     kv_events = start_kv_events(engine, async_engine, settings.kv_events)
 
@@ -220,23 +220,13 @@ def build_app(engine: LLMEngine, settings: ServerSettings, chat_template: str | 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
         req = await ctx.parse_request(TokenizeRequest, await read_body(request, settings.max_body_bytes))
-        ctx.check_model(req.model)
+        validator.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError("send exactly one of 'prompt' or 'messages'", 400, "prompt")
         if req.messages is not None:
-            messages = messages_to_dicts(req.messages)
-            ctx.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
-            try:
-                ids = await tokenizers.apply_chat_template(
-                    messages, req.add_generation_prompt, ctx.max_prompt_chars
-                )
-            except APIError:
-                raise
-            except PromptTooLong as e:
-                ctx.check_prompt_chars(e.num_chars, "messages")
-                raise
-            except Exception as e:
-                raise APIError(f"cannot apply the chat template: {e}", 400, "messages") from None
+            messages = validator.chat_messages(req.messages)
+            validator.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
+            ids = await ctx.render_chat(messages, req.add_generation_prompt)
         else:
             ids = await ctx.encode_prompt(req.prompt, add_special_tokens=req.add_special_tokens)
         out = {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
@@ -247,9 +237,9 @@ def build_app(engine: LLMEngine, settings: ServerSettings, chat_template: str | 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
         req = await ctx.parse_request(DetokenizeRequest, await read_body(request, settings.max_body_bytes))
-        ctx.check_model(req.model)
+        validator.check_model(req.model)
         if req.tokens:
-            ctx.check_prompt_ids(req.tokens, "tokens")  # in the vocabulary, and no more than a context's worth
+            validator.check_prompt_ids(req.tokens, "tokens")  # in the vocabulary, and no more than a context's worth
         return json_response({"prompt": await tokenizers.decode(req.tokens)})
 
     @app.post("/reset_prefix_cache")

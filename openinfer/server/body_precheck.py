@@ -2,29 +2,30 @@
 token ids or characters, the conversation's characters, the number of prompts. They read the raw body
 (``raw_json.py``), so a body refused here costs the server no memory beyond the body itself; what passes is decoded
 and validated in full afterwards, where every check runs again on the decoded values (these are a cheaper first
-copy of the same rules, with the same messages)."""
+copy of the same rules, made by the same functions of request_validation.py, so with the same messages)."""
 from __future__ import annotations
 
 from typing import Protocol
 
 import msgspec
 
-from openinfer.request_limits import RequestLimits, check_counts
 from openinfer.server.errors import APIError
 from openinfer.server.raw_json import container_items, decode_or_none, number_items, string_chars
 
 
 class Limits(Protocol):
-    vocab_size: int
+    """The checks of ``request_validation.RequestValidator`` that these call."""
+
     max_model_len: int
     max_prompt_chars: int
-    limits: RequestLimits
 
     def too_long(self, what: str, param: str) -> APIError: ...
 
     def check_prompt_chars(self, num_chars: int, param: str = "prompt") -> None: ...
 
     def check_num_sequences(self, num_prompts: int, n: int) -> None: ...
+
+    def check_list_counts(self, **counts: int) -> None: ...
 
 
 # The list fields with caps, by their name in each API (Anthropic's messages API names its stop strings
@@ -36,11 +37,7 @@ _CAPPED = {"stop": "stop", "stop_sequences": "stop", "stop_token_ids": "stop_tok
 def precheck(ctx: Limits, top: dict[str, msgspec.Raw], anthropic: bool = False) -> None:
     """Raise the ``APIError`` the full validation would raise for an over-long or over-sized field. ``anthropic``:
     the body is a /v1/messages one (its ``system`` text joins the conversation)."""
-    counts = {cap: container_items(top[name]) or 0 for name, cap in _CAPPED.items() if name in top}
-    try:
-        check_counts(ctx.vocab_size, ctx.limits, **counts)
-    except ValueError as e:
-        raise APIError(str(e), 400, str(e).split(" ", 1)[0]) from None
+    ctx.check_list_counts(**{cap: container_items(top[name]) or 0 for name, cap in _CAPPED.items() if name in top})
     if "prompt" in top:
         _check_prompt(ctx, top["prompt"], top.get("n"))
     if "messages" in top:

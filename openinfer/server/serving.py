@@ -1,5 +1,5 @@
-"""What /v1/completions and /v1/chat/completions share: model check, context-length check, sampling params,
-admission, disconnect handling, usage, SSE framing."""
+"""What /v1/completions, /v1/chat/completions and /v1/messages share: parsing and tokenizing (the checks are
+request_validation.py's), admission, disconnect handling, usage, SSE framing."""
 
 from __future__ import annotations
 
@@ -20,23 +20,23 @@ from starlette.types import Receive, Scope, Send
 from openinfer.engine.llm_engine import LLMEngine
 from openinfer.engine.request import INVALID_REQUEST
 from openinfer.kv_events import KVEventsConfig
-from openinfer.request_limits import DEFAULT_LIMITS, RequestLimits, check_counts
-from openinfer.sampling_params import SamplingParams, StructuredOutputsParams
+from openinfer.request_limits import DEFAULT_LIMITS, RequestLimits
 from openinfer.server.async_engine import AsyncEngine, EngineOverloaded, EngineUnavailable, RequestStream
 from openinfer.server.body_precheck import precheck
 from openinfer.server.errors import APIError
 from openinfer.server.health import HealthSettings
 from openinfer.server.messages import AddRequest, RequestUpdate
 from openinfer.server.metrics import ServerMetrics
-from openinfer.server.protocol import GenerationRequest, StreamOptions
+from openinfer.server.protocol import StreamOptions
 from openinfer.server.reasoning import make_reasoning_parser
 from openinfer.server.request_parsing import parse, parse_request
+from openinfer.server.request_validation import RequestValidator
 from openinfer.server.tokenizer_service import TokenizerService
 from openinfer.server.tool_parsers import get_tool_parser
+from openinfer.tokenizer import PromptTooLong
 
 M = TypeVar("M", bound=BaseModel)
 DONE = b"data: [DONE]\n\n"
-MAX_LOGPROBS = 20
 # encode_prompt's probe: a long text is first tokenized only this many characters per context token, and refused
 # when that head is already past the context by more than the margin.
 PROBE_CHARS_PER_TOKEN = 8
@@ -80,15 +80,27 @@ class ServingContext:
         self.max_model_len = engine.config.model.max_model_len
         self.vocab_size = engine.config.model.vocab_size
         self.kv_capacity_tokens = engine.kv_capacity_tokens
-        self.defaults = engine.default_sampling_params()
-        self.limits = settings.limits
-        # A text of more characters than this cannot fit max_model_len tokens: it is refused without tokenizing.
-        self.max_prompt_chars = self.max_model_len * tokenizers.max_token_chars
         self.created = int(time.time())
         self.tool_parser = get_tool_parser(settings.tool_call_parser) if settings.tool_call_parser else None
         make_reasoning_parser(settings.reasoning_parser)  # a bad name fails at start-up, not per request
+        # The engine checks what it is given again (its add_request is an API of its own): with the same caps.
+        engine.request_limits = settings.limits
+        # Every check a request gets, and the engine request built from what passes (request_validation.py).
+        self.validator = RequestValidator(
+            served_model_names=settings.served_model_names,
+            model_aliases=settings.model_aliases,
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+            kv_capacity_tokens=self.kv_capacity_tokens,
+            max_sequences=async_engine.capacity,
+            max_token_chars=tokenizers.max_token_chars,
+            limits=settings.limits,
+            defaults=engine.default_sampling_params(),
+            tool_parser=self.tool_parser,
+            grammar_compiler=engine.grammar_compiler,
+        )
 
-    # -- validation ------------------------------------------------------------------------------
+    # -- parsing, tokenizing ----------------------------------------------------------------------
     @staticmethod
     def parse(model: type[M], body: bytes) -> M:
         return parse(model, body)
@@ -99,183 +111,50 @@ class ServingContext:
         return await parse_request(model, body, self._check_sizes)
 
     def _check_sizes(self, top: dict[str, msgspec.Raw]) -> None:
-        precheck(self, top)
-
-    def check_num_sequences(self, num_prompts: int, n: int) -> None:
-        """Before tokenizing anything: the request's sequences (prompts x n) must fit what the server holds."""
-        if num_prompts * n > self.async_engine.capacity:
-            raise APIError(
-                f"this request asks for {num_prompts * n} sequences ({num_prompts} prompts, n={n}) but the server "
-                f"holds at most {self.async_engine.capacity} (max_num_seqs + max_queue)",
-                400,
-                "n" if num_prompts == 1 else "prompt",
-            )
-
-    def check_model(self, name: str | None) -> str:
-        if name is None or name in self.settings.served_model_names:
-            return name or self.model_name
-        if name in self.settings.model_aliases:
-            return self.model_name
-        raise APIError(
-            f"The model `{name}` does not exist. Served: {', '.join(self.settings.served_model_names)}",
-            400,
-            "model",
-            "model_not_found",
-        )
-
-    def check_prompt_ids(self, ids: list[int], param: str = "prompt") -> None:
-        if not ids:
-            raise APIError("the prompt is empty (0 tokens)", 400, param)
-        if len(ids) >= self.max_model_len:  # before looking at each id: a long list is refused at once
-            raise self.too_long(f"your request has {len(ids)} input tokens", param)
-        lo, hi = min(ids), max(ids)  # C loops, not a Python one per id
-        if lo < 0 or hi >= self.vocab_size:
-            raise APIError(
-                f"token id {lo if lo < 0 else hi} is out of range: ids must be in [0, {self.vocab_size})", 400,
-                param
-            )
-
-    def too_long(self, what: str, param: str) -> APIError:
-        return APIError(
-            f"This model's maximum context length is {self.max_model_len} tokens. However, {what}. Please reduce "
-            f"the length of the input messages.",
-            400,
-            param,
-            "context_length_exceeded",
-        )
-
-    def check_prompt_chars(self, num_chars: int, param: str = "prompt") -> None:
-        """Refuse, without tokenizing, a text too long in characters to fit the context: no token of this
-        tokenizer spans more than ``max_token_chars`` characters."""
-        if num_chars > self.max_prompt_chars:
-            raise self.too_long(
-                f"your request has {num_chars} characters of input, more than the {self.max_prompt_chars} that "
-                f"{self.max_model_len} tokens of this tokenizer can hold (at most "
-                f"{self.tokenizers.max_token_chars} characters each)",
-                param,
-            )
+        precheck(self.validator, top)
 
     async def encode_prompt(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
         """Tokenize a prompt with work bounded by the context length, not by the body: a text beyond the
         character bound is refused outright, and a long one is first tokenized only as far as
         ``PROBE_CHARS_PER_TOKEN`` characters per context token, refused if that head alone overflows."""
-        self.check_prompt_chars(len(text), param)
+        v = self.validator
+        v.check_prompt_chars(len(text), param)
         probe = self.max_model_len * PROBE_CHARS_PER_TOKEN
         if len(text) > 2 * probe:
             head = await self.tokenizers.encode(text[:probe], add_special_tokens=add_special_tokens)
             # Tokens near the cut may merge differently in the whole text: leave a margin for them.
             if len(head) - PROBE_MARGIN_TOKENS >= self.max_model_len:
-                raise self.too_long(
+                raise v.too_long(
                     f"your request has more than {len(head) - PROBE_MARGIN_TOKENS} input tokens (its first "
                     f"{probe} characters alone are {len(head)} tokens)",
                     param,
                 )
         return await self.tokenizers.encode(text, add_special_tokens=add_special_tokens)
 
-    def resolve_max_tokens(
-        self, requested: int | None, prompt_len: int, param: str = "max_tokens", prompt_param: str = "prompt"
-    ) -> int:
-        """vLLM's strict rule: prompt + max_tokens must fit in max_model_len, else 400 with both numbers."""
-        limit = self.max_model_len
-        if prompt_len >= limit:
-            raise self.too_long(f"your request has {prompt_len} input tokens", prompt_param)
-        if requested is None:
-            # Whatever room is left, but never more than the whole KV pool can hold.
-            return max(1, min(limit, self.kv_capacity_tokens) - prompt_len)
-        if requested < 1:
-            raise APIError(f"{param} must be at least 1, got {requested}", 400, param)
-        if prompt_len + requested > limit:
-            raise APIError(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{prompt_len + requested} tokens ({prompt_len} in the messages, {requested} in the "
-                f"completion). Please reduce the length of the messages or completion.",
-                400,
-                param,
-                "context_length_exceeded",
-            )
-        return requested
-
-    def check_common(self, req: GenerationRequest) -> None:
-        """Checks that cost O(1) and come before any work on the request (tokenizing, compiling a grammar)."""
-        if req.best_of is not None and req.best_of != req.n:
-            raise APIError("best_of is not supported (use n)", 400, "best_of")
-        if not isinstance(req.n, int) or req.n < 1:
-            raise APIError(f"n must be an integer >= 1, got {req.n}", 400, "n")
-        stop = 1 if isinstance(req.stop, str) else len(req.stop or ())
+    async def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                          continue_final_message: bool = False,
+                          template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """Checked chat messages through the chat template, tokenized. The rendered text (tools and template
+        kwargs included) is refused past the character bound before it is tokenized; a template that fails on
+        the client's messages (or kwargs) is a 400 on ``messages``."""
         try:
-            check_counts(self.vocab_size, self.limits, n=req.n, stop=stop,
-                         stop_token_ids=len(req.stop_token_ids or ()), logit_bias=len(req.logit_bias or ()),
-                         allowed_token_ids=len(req.allowed_token_ids or ()), bad_words=len(req.bad_words or ()))
-        except ValueError as e:
-            raise APIError(str(e), 400, str(e).split(" ", 1)[0]) from None
-        if req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= MAX_LOGPROBS:
-            raise APIError(
-                f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {req.prompt_logprobs}",
-                400,
-                "prompt_logprobs",
+            return await self.tokenizers.apply_chat_template(
+                messages, add_generation_prompt, self.validator.max_prompt_chars,
+                continue_final_message=continue_final_message, **(template_kwargs or {})
             )
-
-    def sampling_params(
-        self,
-        req: GenerationRequest,
-        max_tokens: int,
-        logprobs: int | None,
-        prompt_logprobs: int | None,
-        structured_outputs: StructuredOutputsParams | dict | None = None,
-    ) -> SamplingParams:
-        d = self.defaults
-
-        def pick(value: Any, default: Any) -> Any:
-            return default if value is None else value
-
-        try:
-            params = SamplingParams(
-                n=req.n,
-                temperature=pick(req.temperature, d.temperature),
-                top_p=pick(req.top_p, d.top_p),
-                top_k=pick(req.top_k, d.top_k),
-                min_p=pick(req.min_p, d.min_p),
-                seed=req.seed,
-                presence_penalty=pick(req.presence_penalty, 0.0),
-                frequency_penalty=pick(req.frequency_penalty, 0.0),
-                repetition_penalty=pick(req.repetition_penalty, d.repetition_penalty),
-                max_tokens=max_tokens,
-                min_tokens=req.min_tokens,
-                stop=req.stop,
-                stop_token_ids=req.stop_token_ids,
-                include_stop_str_in_output=req.include_stop_str_in_output,
-                ignore_eos=req.ignore_eos,
-                logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs,
-                skip_special_tokens=req.skip_special_tokens,
-                logit_bias=req.logit_bias,
-                allowed_token_ids=req.allowed_token_ids,
-                bad_words=req.bad_words,
-                structured_outputs=structured_outputs,
-                kv_transfer_params=req.kv_transfer_params,
-            )
-            params.check_limits(self.vocab_size, self.limits)
-            return params
-        except (ValueError, TypeError) as e:
-            msg = str(e)
-            param = msg.split(" ", 1)[0] if msg else None
-            if param and "." in param:  # structured_outputs.json: keep the field path, drop punctuation
-                param = param.rstrip(":,")
-            raise APIError(msg, 400, param) from None
+        except APIError:
+            raise
+        except PromptTooLong as e:
+            self.validator.check_prompt_chars(e.num_chars, "messages")
+            raise
+        except Exception as e:  # template errors are the client's messages meeting the template
+            raise APIError(f"cannot apply the chat template: {e}", 400, "messages") from None
 
     # -- admission -------------------------------------------------------------------------------
     async def start(self, adds: list[AddRequest]) -> tuple[RequestStream, list[RequestUpdate]]:
         """Admit the engine requests and wait until the core has accepted (or rejected) each one, so a bad
         request is still a clean 4xx before any streaming starts. Returns the stream and any outputs that
         arrived meanwhile."""
-        seqs = sum(a.params.n for a in adds)
-        if seqs > self.async_engine.capacity:
-            raise APIError(
-                f"this request asks for {seqs} sequences but the server holds at most "
-                f"{self.async_engine.capacity} (max_num_seqs + max_queue)",
-                400,
-                "n",
-            )
         try:
             stream = self.async_engine.submit(adds)
         except EngineOverloaded as e:

@@ -10,16 +10,12 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from openinfer.server.errors import APIError
 from openinfer.server.messages import AddRequest, RequestUpdate
-from openinfer.server.protocol import ChatCompletionRequest, ChatMessage
-from openinfer.sampling_params import SamplingParams
-from openinfer.tokenizer import PromptTooLong
-from openinfer.server.chat_tools import ChoiceParser, ToolPlan, check_tools
-from openinfer.server.structured import compile_or_400, from_body
+from openinfer.server.protocol import ChatCompletionRequest
+from openinfer.server.chat_tools import ChoiceParser, ToolPlan
+from openinfer.server.request_validation import CheckedChat
 from openinfer.server.serving import (
     DONE,
-    MAX_LOGPROBS,
     ClientDisconnected,
     EngineStreamingResponse,
     ServingContext,
@@ -36,8 +32,6 @@ from openinfer.server.serving import (
     updates,
 )
 
-_ROLES = {"system", "developer", "user", "assistant", "tool"}
-
 
 @dataclass
 class _Choice:
@@ -46,36 +40,6 @@ class _Choice:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-
-
-def messages_to_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    if not messages:
-        raise APIError("messages must be a non-empty list", 400, "messages")
-    out = []
-    for i, m in enumerate(messages):
-        if m.role not in _ROLES:
-            raise APIError(
-                f"messages[{i}].role must be one of {sorted(_ROLES)}, got {m.role!r}",
-                400,
-                f"messages.{i}.role",
-            )
-        content = m.content
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if part.type != "text" or part.text is None:
-                    raise APIError(
-                        f"messages[{i}]: only text content parts are supported, got {part.type!r}",
-                        400,
-                        f"messages.{i}.content",
-                    )
-                texts.append(part.text)
-            content = "\n".join(texts)
-        d: dict[str, Any] = {**(m.model_extra or {}), "role": m.role, "content": content or ""}
-        if m.name is not None:
-            d["name"] = m.name
-        out.append(d)
-    return out
 
 
 async def _chat_logprobs(
@@ -103,25 +67,28 @@ async def _chat_logprobs(
 
 @dataclass
 class PreparedChat:
-    """A checked chat request, ready to admit: its tools plan, prompt ids and sampling params."""
+    """A checked chat request, ready to admit: its tools plan, messages and the engine request."""
 
+    model: str
     plan: ToolPlan | None
     messages: list[dict[str, Any]]
-    prompt_ids: list[int]
-    params: SamplingParams
+    add: AddRequest
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.add.prompt_token_ids
 
 
 async def create_chat_completion(ctx: ServingContext, request: Request, body: bytes) -> Response:
     arrival_s = time.monotonic()
     req = await ctx.parse_request(ChatCompletionRequest, body)
-    model = ctx.check_model(req.model)
-    prep = await prepare_chat(ctx, req)
-    plan, messages, ids, params = prep.plan, prep.messages, prep.prompt_ids, prep.params
     rid = ctx.new_id("chatcmpl")
+    prep = await prepare_chat(ctx, await ctx.validator.check_chat(req), rid, arrival_s)
+    model, plan, messages, ids = prep.model, prep.plan, prep.messages, prep.prompt_ids
     echo = ""
     if req.echo and messages[-1]["role"] == "assistant":
         echo = messages[-1]["content"] or ""
-    stream, buffered = await ctx.start([AddRequest(rid, ids, params, None, arrival_s)])
+    stream, buffered = await ctx.start([prep.add])
     created = int(time.time())
     top_n = req.top_logprobs or 0
     parsers = {i: ChoiceParser(ctx.tool_parser, plan, ctx.settings.reasoning_parser) for i in range(req.n)}
@@ -140,70 +107,14 @@ async def create_chat_completion(ctx: ServingContext, request: Request, body: by
     return Response(json_bytes(result), media_type="application/json")
 
 
-async def prepare_chat(ctx: ServingContext, req: ChatCompletionRequest) -> PreparedChat:
-    """Everything between parsing and admission, shared by /v1/chat/completions and /v1/messages: every client
-    mistake is a 400 here, before the engine sees the request."""
-    ctx.check_common(req)
-    plan = check_tools(req.tools, req.tool_choice, req.parallel_tool_calls, ctx.tool_parser)
-    constraint = from_body(req.structured_outputs, req.response_format)
-    if plan is not None and plan.constraint is not None:
-        if constraint is not None:
-            raise APIError(
-                "tool_choice 'required' or a named function cannot be combined with a response format",
-                400,
-                "tool_choice",
-            )
-        constraint = plan.constraint
-        await compile_or_400(ctx.engine.grammar_compiler, constraint, "tools")
-    else:
-        await compile_or_400(
-            ctx.engine.grammar_compiler,
-            constraint,
-            "structured_outputs" if req.structured_outputs is not None else "response_format",
-        )
-    if req.top_logprobs is not None:
-        if not req.logprobs:
-            raise APIError("top_logprobs requires logprobs=true", 400, "top_logprobs")
-        if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
-            raise APIError(
-                f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}", 400, "top_logprobs"
-            )
-    if req.continue_final_message and req.add_generation_prompt:
-        raise APIError(
-            "continue_final_message and add_generation_prompt cannot both be true",
-            400,
-            "continue_final_message",
-        )
-    messages = messages_to_dicts(req.messages)
-    # The template copies every message's text into the prompt: too many characters cannot fit the context,
-    # and are refused before the template and the tokenizer spend time on them.
-    ctx.check_prompt_chars(sum(len(m["content"]) if isinstance(m["content"], str) else 0 for m in messages),
-                           "messages")
-    template_kwargs = dict(req.chat_template_kwargs or {})
-    if plan is not None:
-        template_kwargs.setdefault("tools", plan.tools)
-    try:
-        ids = await ctx.tokenizers.apply_chat_template(
-            messages,
-            req.add_generation_prompt,
-            ctx.max_prompt_chars,  # tools and template kwargs count too: refused before tokenizing
-            continue_final_message=req.continue_final_message,
-            **template_kwargs,
-        )
-    except APIError:
-        raise
-    except PromptTooLong as e:
-        ctx.check_prompt_chars(e.num_chars, "messages")
-        raise
-    except Exception as e:  # template errors are the client's messages meeting the template
-        raise APIError(f"cannot apply the chat template: {e}", 400, "messages") from None
-    ctx.check_prompt_ids(ids, "messages")
-    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    max_tokens = ctx.resolve_max_tokens(requested, len(ids), param, "messages")
-    logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = ctx.sampling_params(req, max_tokens, logprobs, req.prompt_logprobs, constraint)
-    return PreparedChat(plan, messages, ids, params)
+async def prepare_chat(ctx: ServingContext, checked: CheckedChat, request_id: str,
+                       arrival_s: float | None = None) -> PreparedChat:
+    """A chat request checked by the validator (``check_chat``, or ``check_messages`` for /v1/messages) through
+    the chat template, and its engine request: every client mistake is a 400 by here, before the engine sees it."""
+    ids = await ctx.render_chat(checked.messages, checked.request.add_generation_prompt,
+                                checked.request.continue_final_message, checked.template_kwargs)
+    add = ctx.validator.engine_request(checked, request_id, ids, None, arrival_s)
+    return PreparedChat(checked.model, checked.plan, checked.messages, add)
 
 
 async def _collect(

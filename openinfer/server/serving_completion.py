@@ -9,13 +9,10 @@ from dataclasses import dataclass, field
 from starlette.requests import Request
 from starlette.responses import Response
 
-from openinfer.server.errors import APIError
-from openinfer.server.messages import AddRequest, RequestUpdate
+from openinfer.server.messages import RequestUpdate
 from openinfer.server.protocol import CompletionRequest
-from openinfer.server.structured import compile_or_400, from_body
 from openinfer.server.serving import (
     DONE,
-    MAX_LOGPROBS,
     ClientDisconnected,
     EngineStreamingResponse,
     ServingContext,
@@ -50,16 +47,6 @@ class _Choice:
     stop_reason: int | str | None = None
 
 
-def _normalize_prompts(prompt: str | list) -> list[str | list[int]]:
-    if isinstance(prompt, str):
-        return [prompt]
-    if not prompt:
-        raise APIError("prompt must not be empty", 400, "prompt")
-    if isinstance(prompt[0], int):
-        return [prompt]
-    return list(prompt)
-
-
 async def _completion_logprobs(
     ctx: ServingContext, ids: list[int], lps: list[dict[int, float] | None], offset: int
 ) -> tuple[dict, int]:
@@ -88,39 +75,18 @@ async def _completion_logprobs(
 async def create_completion(ctx: ServingContext, request: Request, body: bytes) -> Response:
     arrival_s = time.monotonic()
     req = await ctx.parse_request(CompletionRequest, body)
-    model = ctx.check_model(req.model)
-    ctx.check_common(req)
-    if req.suffix:
-        raise APIError("suffix is not supported", 400, "suffix")
-    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
-        raise APIError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}", 400, "logprobs")
-    raw_prompts = _normalize_prompts(req.prompt)
-    if req.kv_transfer_params is not None and len(raw_prompts) != 1:
-        raise APIError(f"kv_transfer_params moves one prompt's KV; this request has {len(raw_prompts)} prompts",
-                       400, "kv_transfer_params")
-    ctx.check_num_sequences(len(raw_prompts), req.n)  # before tokenizing any of them
-    constraint = from_body(req.structured_outputs, None)
-    await compile_or_400(ctx.engine.grammar_compiler, constraint)
+    checked = await ctx.validator.check_completion(req)
+    model = checked.model
     rid = ctx.new_id("cmpl")
     prompts: list[_Prompt] = []
-    for i, p in enumerate(raw_prompts):
-        if isinstance(p, str):
-            if not p:
-                raise APIError("prompt must be a non-empty string", 400, "prompt")
-            ids = await ctx.encode_prompt(p, add_special_tokens=req.add_special_tokens)
-            prompts.append(_Prompt(f"{rid}-{i}", p, ids, i * req.n))
-        else:
-            ctx.check_prompt_ids(p)
-            prompts.append(_Prompt(f"{rid}-{i}", None, list(p), i * req.n))
-    prompt_logprobs = req.prompt_logprobs
-    if req.echo and req.logprobs is not None and prompt_logprobs is None:
-        prompt_logprobs = req.logprobs  # echoed prompt tokens come with their logprobs too
     adds = []
-    for p in prompts:
-        ctx.check_prompt_ids(p.ids)
-        max_tokens = ctx.resolve_max_tokens(req.max_tokens, len(p.ids))
-        params = ctx.sampling_params(req, max_tokens, req.logprobs, prompt_logprobs, constraint)
-        adds.append(AddRequest(p.request_id, p.ids, params, p.text, arrival_s))
+    for i, p in enumerate(checked.prompts):
+        if isinstance(p, str):
+            text, ids = p, await ctx.encode_prompt(p, add_special_tokens=req.add_special_tokens)
+        else:
+            text, ids = None, list(p)
+        adds.append(ctx.validator.engine_request(checked, f"{rid}-{i}", ids, text, arrival_s))
+        prompts.append(_Prompt(f"{rid}-{i}", text, ids, i * req.n))
     echo_texts: dict[str, str] = {}
     if req.echo:
         for p in prompts:

@@ -2,9 +2,10 @@
 
 The request becomes a chat completion request (system, text, tool_use / tool_result blocks -> OpenAI messages;
 tools' ``input_schema`` -> ``parameters``; tool_choice auto / any / tool / none -> auto / required / named /
-none), checked and tokenized by the same ``prepare_chat``; the output goes through the same reasoning and
-tool-call parsers and comes back as content blocks (thinking, text, tool_use) - streamed as Anthropic's SSE
-events (message_start, content_block_start / _delta / _stop, message_delta, message_stop)."""
+none: ``request_validation.anthropic_to_chat``), checked by the same validator and tokenized by the same
+``prepare_chat``; the output goes through the same reasoning and tool-call parsers and comes back as content
+blocks (thinking, text, tool_use) - streamed as Anthropic's SSE events (message_start, content_block_start /
+_delta / _stop, message_delta, message_stop)."""
 
 from __future__ import annotations
 
@@ -21,8 +22,6 @@ from starlette.responses import Response
 from openinfer.server.body_precheck import precheck
 from openinfer.server.chat_tools import ChoiceDelta, ChoiceParser
 from openinfer.server.errors import APIError
-from openinfer.server.messages import AddRequest
-from openinfer.server.protocol import ChatCompletionRequest
 from openinfer.server.request_parsing import decode_json
 from openinfer.server.serving import (
     ClientDisconnected,
@@ -37,132 +36,17 @@ from openinfer.server.serving import (
 )
 from openinfer.server.serving_chat import prepare_chat
 
-_SAMPLING = ("temperature", "top_p", "top_k")
 
-
-def _fail(message: str, param: str) -> APIError:
-    return APIError(message, 400, param)
-
-
-def _text_of(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise _fail(f"{where} must be a string or a list of content blocks", where)
-    parts = []
-    for i, b in enumerate(content):
-        if not isinstance(b, dict) or b.get("type") != "text" or not isinstance(b.get("text"), str):
-            raise _fail(f"{where}.{i}: only text blocks are supported here", f"{where}.{i}")
-        parts.append(b["text"])
-    return "\n".join(parts)
-
-
-def to_chat_messages(system: Any, messages: Any) -> list[dict[str, Any]]:
-    if not isinstance(messages, list) or not messages:
-        raise _fail("messages must be a non-empty list", "messages")
-    out: list[dict[str, Any]] = []
-    if system is not None:
-        out.append({"role": "system", "content": _text_of(system, "system")})
-    for i, m in enumerate(messages):
-        where = f"messages.{i}"
-        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-            raise _fail(f"{where}.role must be 'user' or 'assistant'", f"{where}.role")
-        content = m.get("content")
-        if isinstance(content, str):
-            out.append({"role": m["role"], "content": content})
-            continue
-        if not isinstance(content, list):
-            raise _fail(f"{where}.content must be a string or a list of content blocks", f"{where}.content")
-        texts, calls = [], []
-        for j, b in enumerate(content):
-            kind = b.get("type") if isinstance(b, dict) else None
-            at = f"{where}.content.{j}"
-            if kind == "text" and isinstance(b.get("text"), str):
-                texts.append(b["text"])
-            elif kind == "tool_use" and m["role"] == "assistant":
-                if not isinstance(b.get("name"), str) or not isinstance(b.get("input", {}), dict):
-                    raise _fail(f"{at}: tool_use needs a name and an input object", at)
-                calls.append({"id": b.get("id") or f"toolu_{uuid.uuid4().hex[:24]}", "type": "function",
-                              "function": {"name": b["name"], "arguments": json.dumps(b.get("input", {}))}})
-            elif kind == "tool_result" and m["role"] == "user":
-                if not isinstance(b.get("tool_use_id"), str):
-                    raise _fail(f"{at}: tool_result needs tool_use_id", at)
-                result = b.get("content", "")
-                out.append({"role": "tool", "tool_call_id": b["tool_use_id"],
-                            "content": _text_of(result, f"{at}.content") if result else ""})
-            elif kind == "thinking" and m["role"] == "assistant":
-                continue  # earlier turns' thinking is not sent back to the model (as DeepSeek's encoders do)
-            else:
-                raise _fail(f"{at}: unsupported content block {kind!r} for role {m['role']!r}", at)
-        if texts or calls or not content:
-            msg: dict[str, Any] = {"role": m["role"], "content": "\n".join(texts)}
-            if calls:
-                msg["tool_calls"] = calls
-            out.append(msg)
-    return out
-
-
-def to_chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
-    if not isinstance(body, dict):
-        raise _fail("the body must be a JSON object", "body")
-    if not isinstance(body.get("max_tokens"), int) or isinstance(body.get("max_tokens"), bool):
-        raise _fail("max_tokens is required (an integer)", "max_tokens")
-    chat: dict[str, Any] = {
-        "model": body.get("model"),
-        "messages": to_chat_messages(body.get("system"), body.get("messages")),
-        "max_tokens": body["max_tokens"],
-        "stream": bool(body.get("stream", False)),
-    }
-    for k in _SAMPLING:
-        if body.get(k) is not None:
-            chat[k] = body[k]
-    if body.get("stop_sequences") is not None:
-        chat["stop"] = body["stop_sequences"]
-    tools = body.get("tools")
-    if tools is not None:
-        if not isinstance(tools, list):
-            raise _fail("tools must be a list", "tools")
-        chat["tools"] = []
-        for i, t in enumerate(tools):
-            if not isinstance(t, dict) or not isinstance(t.get("name"), str):
-                raise _fail(f"tools.{i} must be an object with a name", f"tools.{i}.name")
-            fn = {"name": t["name"], "parameters": t.get("input_schema") or {"type": "object"}}
-            if t.get("description") is not None:
-                fn["description"] = t["description"]
-            chat["tools"].append({"type": "function", "function": fn})
-    choice = body.get("tool_choice")
-    if choice is not None:
-        kind = choice.get("type") if isinstance(choice, dict) else None
-        if kind in ("auto", "none"):
-            chat["tool_choice"] = kind
-        elif kind == "any":
-            chat["tool_choice"] = "required"
-        elif kind == "tool" and isinstance(choice.get("name"), str):
-            chat["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
-        else:
-            raise _fail("tool_choice must be {type: auto | any | none} or {type: tool, name}", "tool_choice")
-        if choice.get("disable_parallel_tool_use"):
-            chat["parallel_tool_calls"] = False
+async def _parse_body(ctx: ServingContext, body: bytes) -> Any:
     try:
-        return ChatCompletionRequest.model_validate(chat)
-    except Exception as e:  # a wrong type in a mapped field: still the client's input
-        raise _fail(f"invalid request: {e}", "body") from None
-
-
-async def _parse_body(ctx: ServingContext, body: bytes) -> dict[str, Any]:
-    try:
-        return await decode_json(body or b"null", lambda top: precheck(ctx, top, anthropic=True))
+        return await decode_json(body or b"null", lambda top: precheck(ctx.validator, top, anthropic=True))
     except msgspec.DecodeError as e:
-        raise _fail(f"the body is not valid JSON ({e})", "body") from None
+        raise APIError(f"the body is not valid JSON ({e})", 400, "body") from None
 
 
 async def count_tokens(ctx: ServingContext, body: bytes) -> Response:
-    raw = await _parse_body(ctx, body)
-    if isinstance(raw, dict):
-        raw = {**raw, "max_tokens": 1}
-    req = to_chat_request(raw)
-    ctx.check_model(req.model)
-    prep = await prepare_chat(ctx, req.model_copy(update={"max_tokens": None}))
+    checked = await ctx.validator.check_messages(await _parse_body(ctx, body), count_only=True)
+    prep = await prepare_chat(ctx, checked, "count_tokens")
     return Response(msgspec.json.encode({"input_tokens": len(prep.prompt_ids)}), media_type="application/json")
 
 
@@ -183,11 +67,11 @@ def _tool_block(call: dict[str, Any]) -> dict[str, Any]:
 
 async def create_message(ctx: ServingContext, request: Request, body: bytes) -> Response:
     arrival_s = time.monotonic()
-    req = to_chat_request(await _parse_body(ctx, body))
-    model = ctx.check_model(req.model)
-    prep = await prepare_chat(ctx, req)
+    checked = await ctx.validator.check_messages(await _parse_body(ctx, body))
+    req, model = checked.request, checked.model
     rid = "msg_" + uuid.uuid4().hex[:24]
-    stream, buffered = await ctx.start([AddRequest(rid, prep.prompt_ids, prep.params, None, arrival_s)])
+    prep = await prepare_chat(ctx, checked, rid, arrival_s)
+    stream, buffered = await ctx.start([prep.add])
     parser = ChoiceParser(ctx.tool_parser, prep.plan, ctx.settings.reasoning_parser)
     if req.stream:
         return EngineStreamingResponse(_stream(model, rid, len(prep.prompt_ids), parser, stream, buffered), stream)
