@@ -301,6 +301,9 @@ def test_models_tokenize_detokenize_reset(server, llm):
 
 def test_health_and_metric_names(server):
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    for method in ("GET", "POST"):  # vLLM's / SageMaker's liveness route
+        r = httpx.request(method, server.url + "/ping")
+        assert r.status_code == 200 and r.json() == {"status": "ok"}
     ready = httpx.get(server.url + "/health/ready")
     assert ready.status_code == 200 and ready.json()["status"] == "ready"
     server.client().completions.create(model="tiny", prompt="metrics", max_tokens=3)

@@ -190,6 +190,9 @@ def build_app(engine: LLMEngine, settings: ServerSettings, chat_template: str | 
             return json_response(error_body(problem, 503), 503)
         return json_response({"status": "ok"})
 
+    # vLLM's and SageMaker's liveness route (GET and POST, as vLLM serves it): the same answer as /health
+    app.add_api_route("/ping", health, methods=["GET", "POST"])
+
     @app.get("/health/ready")
     async def ready() -> Response:
         s = async_engine.stats

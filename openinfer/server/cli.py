@@ -25,7 +25,7 @@ def add_parser(sub) -> None:
         "serve",
         help="serve an OpenAI-compatible HTTP API",
         description="OpenAI-compatible server: /v1/completions, /v1/chat/completions, /v1/models, "
-        "/health, /health/ready, /metrics, /tokenize, /detokenize, /reset_prefix_cache.",
+        "/health (and /ping), /health/ready, /metrics, /tokenize, /detokenize, /reset_prefix_cache.",
     )
     EngineArgs.add_cli_args(p)
     RequestLimits.add_cli_args(p)
