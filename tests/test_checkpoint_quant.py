@@ -138,6 +138,15 @@ def _awq_decode(qweight, qzeros, scales, group):
 
 
 def _run(path, kernels, monkeypatch, **kw):
+    """Greedy tokens and their logprobs, in fp32 whatever the host. dtype "auto" would be bf16 on a CPU with native
+    bf16 (AVX512-BF16 / AMX) and fp32 on an AVX2 host, and these tests' claims are fp32 ones: the resident bytes
+    equal the fp32 file's (bf16 would halve the dense embedding / LM head / norms: 66,816 of 436,736 bytes here);
+    the dequantised plain checkpoint holds exactly the packed model's weights ((q - z) s rounded to bf16 would not:
+    an fp16 scale has 11 significant bits); and kernels on / off differ only in fp32 summation order (~1e-6
+    relative), far inside the logprob bound and the top-2 logit margins. In bf16 every linear's and norm's output
+    is rounded to 8 bits, which moves this tiny model's logprobs by up to ~0.2 against fp32 on either path, and
+    its bf16 logits tie exactly (margin 0 or one bf16 step, 2^-6 here) at some greedy steps."""
+    kw.setdefault("dtype", "float32")
     with monkeypatch.context() as mp:
         mp.setenv("OPENINFER_CPU_KERNELS", "1" if kernels else "0")
         llm = LLM(model=str(path), num_kv_blocks=64, **kw)

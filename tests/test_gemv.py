@@ -122,27 +122,47 @@ def _greedy(path, monkeypatch, gemv, **kw):
         mp.setenv("OPENINFER_CPU_GEMV", "1" if gemv else "0")
         llm = LLM(model=str(path), num_kv_blocks=64, **kw)
         prompts = random_prompts(3, [5, 20, 9], vocab_size=100)
-        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)  # top-2: the margin
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     return outs
 
 
-@pytest.mark.parametrize("dtype,prepack", [("float32", "0"), ("bfloat16", "1")])
-def test_llama_greedy_same_with_gemv_on_and_off(tmp_path, monkeypatch, kernel_ops, dtype, prepack):
-    """fp32 in the low-latency mode (row-major weights) and bf16 off the panel layout (which a CPU without native bf16
-    takes by default, test_panel_gemm.py): the kernel changes only summation order."""
-    monkeypatch.setenv("OPENINFER_CPU_PREPACK", prepack)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_llama_greedy_same_with_gemv_on_and_off(tmp_path, monkeypatch, kernel_ops, dtype):
+    """Row-major weights (OPENINFER_CPU_PREPACK=0, OPENINFER_CPU_PANELS=0): fp32 in the low-latency mode, bf16 as a CPU
+    without native bf16 runs it with the panels off (its bf16 is never prepacked for oneDNN; a CPU with native bf16
+    prepacks bf16 unless OPENINFER_CPU_PREPACK=0, and the kernel then never runs). The kernel changes only summation
+    order.
+
+    Bounds. fp32: each output is an fp32 dot product in another order (~1e-6 relative), logprobs within 1e-4 and the
+    same tokens (this model's top-2 logprob margins are >= ~0.007). bf16: both paths accumulate in fp32 and round each
+    linear's output to bf16 once; they differ where the two fp32 sums straddle a rounding boundary, by one bf16 step
+    (2^-7 relative) on that element, and the later layers (bf16 activations, norms, attention) carry it to the
+    logits, which are bf16 themselves: one step is 2^-6 = 0.016 for a logit in [2, 4). Budget: 5e-2 on the chosen
+    token's logprob (~3 steps; 0.015 seen on the AVX-512 host, whose oneDNN runs the rows the kernel does not). With
+    every logprob within 5e-2 of the other path's, the argmax can differ only where the reference's top-2 margin is
+    under 2 x 5e-2; bf16 logits tie exactly (margin 0 or one step) at some greedy steps of this tiny model. So in bf16
+    the tokens must agree except at such a near-tie, and after the first position where they part (their contexts
+    differ from there) nothing is compared; every position before it is, logprobs included."""
+    monkeypatch.setenv("OPENINFER_CPU_PREPACK", "0")
     monkeypatch.setenv("OPENINFER_CPU_PANELS", "0")
     path = make_dense_checkpoint(tmp_path / "m", vocab_size=128, hidden_size=128, intermediate_size=256)
     calls = _spy(monkeypatch)
     fast = _greedy(path, monkeypatch, True, dtype=dtype)
     assert calls and all(calls)
+    calls.clear()
     ref = _greedy(path, monkeypatch, False, dtype=dtype)
+    assert calls == []  # the reference ran without the kernel
     lp_tol = 1e-4 if dtype == "float32" else 5e-2
     for a, b in zip(fast, ref):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for j, t in enumerate(a.outputs[0].token_ids):
-            assert abs(a.outputs[0].logprobs[j][t] - b.outputs[0].logprobs[j][t]) < lp_tol
+        ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
+        assert len(ta) == len(tb)
+        for j, (t, u) in enumerate(zip(ta, tb)):
+            if t != u:
+                top = sorted((float(v) for v in b.outputs[0].logprobs[j].values()), reverse=True)
+                assert dtype == "bfloat16" and top[0] - top[1] < 2 * lp_tol, (j, ta, tb, top[:2])
+                break
+            assert abs(a.outputs[0].logprobs[j][t] - b.outputs[0].logprobs[j][t]) < lp_tol, (j, ta)
 
 
 @pytest.mark.skipif(bool(__import__("os").environ.get("OPENINFER_KERNEL_CFLAGS")), reason="already a variant")
