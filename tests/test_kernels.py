@@ -234,6 +234,7 @@ def test_attention_falls_back_without_kernel(how, monkeypatch, caplog):
         assert len(warnings) == 1 and "no compiler today" in warnings[0]
 
 
+@pytest.mark.slow  # rebuilds the kernels for x86-64-v3 in a subprocess (AVX-512 hosts only)
 @pytest.mark.skipif(bool(__import__("os").environ.get("OPENINFER_KERNEL_CFLAGS")), reason="already a variant")
 def test_paged_decode_kernel_avx2_build(kernel_ops, avx2_variant, tmp_path):
     """The kernel is built with -march=native; CI may run on an AVX2-only CPU. Build it for x86-64-v3 (AVX2,
