@@ -43,3 +43,18 @@ def avx2_variant():
         pytest.skip("x86 only")
     if "avx512f" not in cpu_info()[1]:
         pytest.skip("no AVX-512 here: the native kernel build is the AVX2 build, already tested")
+
+
+def pytest_collection_modifyitems(config, items):
+    """On an xdist worker (CI's parallel pass, --dist loadfile), hand out the modules marked slow as a whole first:
+    they are the long multi-process ones (a minute or more each on 2 cores), and started last they leave one worker
+    running alone at the end. The order is the same on every worker (xdist requires it); a plain run keeps the file
+    order."""
+    if not hasattr(config, "workerinput"):
+        return
+
+    def heavy(item) -> bool:
+        marks = getattr(getattr(item, "module", None), "pytestmark", [])
+        return any(getattr(m, "name", None) == "slow" for m in (marks if isinstance(marks, list) else [marks]))
+
+    items.sort(key=lambda item: not heavy(item))  # stable: file and test order kept within each group

@@ -245,6 +245,7 @@ def _bench(server, tmp_path, *extra) -> tuple[int, dict]:
     return rc, json.loads((tmp_path / "r.json").read_text())
 
 
+@pytest.mark.slow  # a bench run against a server
 def test_replay_accounting_and_cache_hits_match_the_trace(server, tmp_path):
     cfg = SynthConfig(
         sessions=3,

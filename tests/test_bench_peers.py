@@ -25,6 +25,7 @@ def ckpt(tmp_path_factory) -> Path:
     return make_dense_checkpoint(tmp_path_factory.mktemp("peers"), "llama")
 
 
+@pytest.mark.slow  # a bench subprocess that runs HF and openinfer
 def test_peers_hf_and_missing_vllm(ckpt, tmp_path):
     out = tmp_path / "report"
     cmd = [sys.executable, "-m", "openinfer", "bench", "peers", "--model", str(ckpt), "--peers", "hf,vllm",

@@ -57,6 +57,7 @@ def check_summary(s: dict, engine: str, batch: int) -> None:
     assert s["cached_prompt_tokens"] == 0  # distinct prompts: a prefix-cache hit would inflate throughput
 
 
+@pytest.mark.slow  # bench subprocesses, each importing torch and building an engine
 def test_sweep_vs_hf_json(ckpt, tmp_path):
     d = run_bench(ckpt, tmp_path / "r.json", "--batch-sizes", "1,4", "--vs", "hf")
     assert d["schema"] == R.SCHEMA
@@ -79,6 +80,7 @@ def test_sweep_vs_hf_json(ckpt, tmp_path):
             assert math.isfinite(p["ratio_openinfer_over_hf"][k]) and p["ratio_openinfer_over_hf"][k] > 0
 
 
+@pytest.mark.slow  # bench subprocesses, each importing torch and building an engine
 @pytest.mark.slow  # three child processes, each importing torch and building an engine
 def test_fresh_process_merges_and_hf_max_batch(ckpt, tmp_path):
     d = run_bench(ckpt, tmp_path / "r.json", "--batch-sizes", "1,2", "--vs", "hf", "--hf-max-batch", "1",
@@ -163,6 +165,7 @@ def parse(*argv: str) -> argparse.Namespace:
     return p.parse_args(list(argv))
 
 
+@pytest.mark.slow  # bench subprocesses, each importing torch and building an engine
 def test_decode_mode_json_and_num_devices(ckpt, tmp_path):
     d = run_bench(ckpt, tmp_path / "r.json", "--mode", "decode", "--batch-sizes", "1,3", "--vs", "hf",
                   "--dtype", "float32", "--num-devices", "2",
@@ -267,6 +270,7 @@ def test_workload_limits_accepted_at_the_boundary():
     assert (args.input_len, args.output_len, args.decode_steps) == (20, 128, None)
 
 
+@pytest.mark.slow  # bench subprocesses, each importing torch and building an engine
 def test_speculative_run_reports_acceptance(ckpt, tmp_path):
     """--speculative-config runs for real: the JSON records the config and each point's drafts and acceptance (a
     draft identical to the target accepts every draft)."""

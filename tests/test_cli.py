@@ -25,6 +25,7 @@ def test_help_lists_commands():
     assert "generate" in out and "bench" in out
 
 
+@pytest.mark.slow  # an `openinfer generate` subprocess
 def test_generate_json(ckpt, tmp_path):
     prompts = tmp_path / "p.txt"
     prompts.write_text("hello world\nabc\n")

@@ -13,7 +13,7 @@ from helpers import load_script
 
 from openinfer import LLM, SamplingParams
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # 2-4 worker processes per test
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
 

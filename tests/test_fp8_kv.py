@@ -263,6 +263,7 @@ def test_fp8_attention_layer_sdpa_matches_reference(kernel_ops):
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow  # rebuilds the kernels for x86-64-v3 in a subprocess (AVX-512 hosts only)
 @pytest.mark.skipif(bool(__import__("os").environ.get("OPENINFER_KERNEL_CFLAGS")), reason="already a variant")
 def test_fp8_kernels_avx2_build(kernel_ops, avx2_variant):
     """The kernel tests above against the x86-64-v3 (AVX2, no AVX-512) build the other AVX2 tests use."""

@@ -12,6 +12,8 @@ import pytest
 from helpers import load_script
 from server_utils import ServerProcess, shared_checkpoint
 
+pytestmark = pytest.mark.slow  # schemathesis fuzzing a server process
+
 EXAMPLES = int(os.environ.get("OPENINFER_FUZZ_EXAMPLES", "40"))
 ARGS = ["--dtype", "float32", "--max-model-len", "256", "--num-kv-blocks", "256", "--served-model-name", "tiny",
         "--max-num-seqs", "4", "--max-queue", "8"]

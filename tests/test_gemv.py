@@ -165,6 +165,7 @@ def test_llama_greedy_same_with_gemv_on_and_off(tmp_path, monkeypatch, kernel_op
             assert abs(a.outputs[0].logprobs[j][t] - b.outputs[0].logprobs[j][t]) < lp_tol, (j, ta)
 
 
+@pytest.mark.slow  # rebuilds the kernels for x86-64-v3 in a subprocess (AVX-512 hosts only)
 @pytest.mark.skipif(bool(__import__("os").environ.get("OPENINFER_KERNEL_CFLAGS")), reason="already a variant")
 def test_gemv_avx2_build(kernel_ops, avx2_variant):
     """On an AVX-512 host the native build runs the 512-bit code: rerun the kernel tests on the x86-64-v3 build."""

@@ -182,6 +182,7 @@ def test_v4_model_same_with_and_without_kernels(kernel_ops, ckpt, dtype, monkeyp
             assert abs(a.outputs[0].logprobs[j][t] - b.outputs[0].logprobs[j][t]) < lp_tol
 
 
+@pytest.mark.slow  # rebuilds the kernels for x86-64-v3 in a subprocess (AVX-512 hosts only)
 @pytest.mark.skipif(bool(__import__("os").environ.get("OPENINFER_KERNEL_CFLAGS")), reason="already a variant")
 def test_kernels_avx2_build(kernel_ops, avx2_variant):
     """The extension is built with -march=native; CI may run on an AVX2-only CPU, where the 16-float vectors

@@ -23,6 +23,8 @@ from torch.utils import cpp_extension
 
 from openinfer.layers import cpu_ops
 
+pytestmark = pytest.mark.slow  # compiles every kernel source twice
+
 CXX = os.environ.get("CXX", "g++")
 ISA_MACRO = re.compile(r"__(AVX512|AMX)")
 LOCAL_INCLUDE = re.compile(r'^#include "([^"]+)"', re.M)

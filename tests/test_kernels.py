@@ -249,6 +249,7 @@ def test_a_broken_kernel_build_is_an_error_not_a_slow_path(monkeypatch):
     assert used and (fast - ref).abs().max() < 2e-5
 
 
+@pytest.mark.slow  # rebuilds the kernels for x86-64-v3 in a subprocess (AVX-512 hosts only)
 @pytest.mark.skipif(bool(__import__("os").environ.get("OPENINFER_KERNEL_CFLAGS")), reason="already a variant")
 def test_paged_decode_kernel_avx2_build(kernel_ops, avx2_variant, tmp_path):
     """The kernel is built with -march=native; CI may run on an AVX2-only CPU. Build it for x86-64-v3 (AVX2,

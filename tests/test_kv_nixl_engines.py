@@ -112,6 +112,7 @@ def test_unreachable_producer_falls_back_to_local_prefill(engines):
     assert cons.engine.core.kv.all_free()
 
 
+@pytest.mark.slow  # three DeepSeek engines per case; the dense pull stays fast
 @pytest.mark.parametrize("arch, send_type", [("deepseek_v3", "GET"), ("deepseek_v4", "GET"), ("deepseek_v3", "PUT"),
                                             ("deepseek_v4", "PUT")])
 def test_nixl_pull_deepseek_groups_token_identical(arch, send_type, tmp_path):
@@ -156,6 +157,7 @@ def test_nixl_pull_deepseek_groups_token_identical(arch, send_type, tmp_path):
         llm.engine.shutdown()
 
 
+@pytest.mark.slow  # three DeepSeek engines; the dense pull stays fast
 def test_nixl_pull_deepseek_v41_token_identical(tmp_path):
     """Every DeepSeek-V4.1 store goes through the connector: window rows (every layer's ``kv``, the C2 sources'
     ``comp``), the Engram token ids, and the full group's compressed entries and index keys, held only by the KV /

@@ -180,6 +180,7 @@ def test_mla_layer_decode_kernel_and_torch_path_match_reference(kernel_ops, monk
     torch.testing.assert_close(torch_path, ref, rtol=tol, atol=tol)
 
 
+@pytest.mark.slow  # rebuilds the kernels for x86-64-v3 in a subprocess (AVX-512 hosts only)
 @pytest.mark.skipif(bool(__import__("os").environ.get("OPENINFER_KERNEL_CFLAGS")), reason="already a variant")
 def test_mla_kernel_avx2_build(kernel_ops, avx2_variant):
     """The extension is built with -march=native; CI may run elsewhere. Run the DeepSeek kernel tests (this

@@ -154,6 +154,7 @@ def test_v3_greedy_same_with_kernels_on_and_off(tmp_path, monkeypatch, kernel_op
     assert calls and all(ok for _, _, ok in calls)  # the decode steps' experts ran in the kernel
 
 
+@pytest.mark.slow  # two DeepSeek-V4 engines per case; the V3 case stays fast
 @pytest.mark.parametrize("panels", ["0", "1"])
 def test_v4_greedy_same_with_kernels_on_and_off(tmp_path, monkeypatch, kernel_ops, panels):
     from helpers import load_script, random_prompts
@@ -164,6 +165,7 @@ def test_v4_greedy_same_with_kernels_on_and_off(tmp_path, monkeypatch, kernel_op
     assert any(limit is not None for _, limit, _ in calls)  # V4's swiglu clamp went through the kernel
 
 
+@pytest.mark.slow  # rebuilds the kernels for x86-64-v3 in a subprocess (AVX-512 hosts only)
 @pytest.mark.skipif(bool(__import__("os").environ.get("OPENINFER_KERNEL_CFLAGS")), reason="already a variant")
 def test_moe_gemv_avx2_build(kernel_ops, avx2_variant):
     """On an AVX-512 host the native build runs the 512-bit code: rerun the op tests on the x86-64-v3 build (the

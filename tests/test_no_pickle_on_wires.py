@@ -190,7 +190,8 @@ def test_the_detector_finds_pickles_and_passes_msgpack_and_json():
     assert not is_pickle(b"") and not is_pickle(b"data: [DONE]\n\n")
 
 
-@pytest.mark.parametrize("wire", sorted(WIRES))
+@pytest.mark.parametrize("wire", [pytest.param(w, marks=pytest.mark.slow) if w == "executor-step-messages" else w
+                                  for w in sorted(WIRES)])  # the executor wire starts worker processes
 def test_no_pickle_on_zmq(wire, ckpt, monkeypatch):
     cap = Capture(monkeypatch)
     WIRES[wire](ckpt)

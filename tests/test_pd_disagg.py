@@ -18,7 +18,7 @@ from server_utils import ServerProcess, free_port, shared_checkpoint
 
 from openinfer.server.metrics import PREFIX as P
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # server processes and the router per test
 pytest.importorskip("nixl")
 
 ROUTER = shutil.which("vllm-router") or os.path.join(os.path.dirname(sys.executable), "vllm-router")

@@ -8,7 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from test_deepseek_v3 import make_hf_v3
+
+pytestmark = pytest.mark.slow  # the profiler script in a subprocess, several modes
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "profile_decode_step.py"
 

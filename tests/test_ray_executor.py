@@ -12,7 +12,7 @@ from helpers import make_dense_checkpoint
 from openinfer import LLM, SamplingParams
 from openinfer.engine.core import EngineDeadError
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # a local Ray instance and its actors
 
 PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 44))]
 

@@ -71,8 +71,9 @@ def speculate(params: SamplingParams, k: int, report_draft_probs: bool, gen: tor
 
 
 @pytest.mark.parametrize("report_draft_probs", [True, False], ids=["draft-probs", "deterministic-draft"])
-@pytest.mark.parametrize("sampling", [dict(temperature=1.0), dict(temperature=0.8, top_k=3, top_p=0.9)],
-                         ids=["plain", "topk-topp"])
+@pytest.mark.parametrize("sampling", [pytest.param(dict(temperature=1.0), id="plain"),  # top-k/top-p: the slower half
+                                      pytest.param(dict(temperature=0.8, top_k=3, top_p=0.9), id="topk-topp",
+                                                   marks=pytest.mark.slow)])
 def test_emitted_tokens_follow_the_target_distribution(report_draft_probs, sampling):
     params = SamplingParams(max_tokens=LENGTH, **sampling)
     gen = torch.Generator().manual_seed(0)
@@ -84,6 +85,7 @@ def test_emitted_tokens_follow_the_target_distribution(report_draft_probs, sampl
     assert goodness_of_fit(samples, {s: 0.5 * expected[s] + 0.5 * wrong[s] for s in expected}) < 1e-6
 
 
+@pytest.mark.slow  # statistical: many samples
 def test_per_request_seeds_keep_the_distribution_and_repeat():
     params = [SamplingParams(max_tokens=LENGTH, temperature=0.9, top_k=4, seed=s) for s in range(3000)]
     gen = torch.Generator().manual_seed(0)  # the drafter's; the seeded requests never draw from it

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from server_utils import REPO, ServerProcess, free_port, shared_checkpoint
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # a deployment of worker processes and the router
 
 ARGS = ["--dtype", "float32", "--max-model-len", "1024", "--num-kv-blocks", "128", "--served-model-name", "tiny"]
 BODY = {"model": "tiny", "prompt": "route me", "max_tokens": 4, "temperature": 0}

@@ -19,7 +19,7 @@ from server_utils import REPO, free_port, shared_checkpoint
 
 from openinfer.entrypoints.router_cli import check_args, router_command
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # deployments of worker processes and the router
 
 WORKER_ARGS = "--dtype float32 --max-model-len 512 --num-kv-blocks 128 --served-model-name tiny"
 

@@ -24,6 +24,8 @@ from openinfer.server.connections import (
     default_max_connections,
 )
 
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # asserts timeouts to within 1 s
+
 KEY = "sk-conn"
 HEADER_S, IDLE_S, KEEP_ALIVE_S, CAP = 2.0, 1.5, 1.0, 400
 N_IDLE, N_SLOW = 200, 60

@@ -14,6 +14,8 @@ from server_utils import InProcessServer, ServerProcess, shared_checkpoint
 
 from openinfer.server.api import drain
 
+pytestmark = pytest.mark.slow  # a server process, drained
+
 ARGS = [
     "--dtype",
     "float32",

@@ -21,6 +21,8 @@ from server_utils import ServerProcess, shared_checkpoint
 
 from openinfer.engine.fault_inject import ENV, parse
 
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # fault-injected server processes; time bounds of a few seconds
+
 ARGS = ["--dtype", "float32", "--max-model-len", "1024", "--num-kv-blocks", "256", "--served-model-name", "tiny"]
 BODY = {"model": "tiny", "prompt": "health", "ignore_eos": True, "temperature": 0}
 

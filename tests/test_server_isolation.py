@@ -14,6 +14,8 @@ import httpx
 import pytest
 from server_utils import ServerProcess, shared_checkpoint
 
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # asserts small requests' latency < 1 s under huge ones
+
 MAX_MODEL_LEN = 1024
 ARGS = ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "512",
         "--served-model-name", "tiny", "--max-num-seqs", "8", "--max-queue", "8"]

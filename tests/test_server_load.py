@@ -11,6 +11,8 @@ import httpx
 import pytest
 from server_utils import ServerProcess, shared_checkpoint
 
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # a load test; asserts the blocks are freed within 1 s
+
 ARGS = [
     "--dtype",
     "float32",

@@ -17,6 +17,7 @@ ARGS = ["--dtype", "float32", "--max-model-len", "1024", "--num-kv-blocks", "256
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # a timed 5 s soak (load, cancels, poison requests) on a server process: no neighbours
 def test_soak_reports_nothing_lost_or_leaked(tmp_path_factory, tmp_path):
     ckpt = shared_checkpoint(tmp_path_factory)
     out = tmp_path / "soak.json"

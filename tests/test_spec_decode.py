@@ -154,6 +154,7 @@ def test_stops_penalties_and_logprobs_identical_with_and_without_drafts(llama):
     assert kv_manager(spec).all_free() and kv_manager(plain).all_free()
 
 
+@pytest.mark.slow  # statistical: many samples
 def test_sampling_keeps_its_distribution(llama):
     """Seeded requests sampled with and without drafts: their four tokens follow one distribution (a chi-square
     homogeneity test over the top-3 sequences), and the same test sees a sampler that is off (top-k 2 instead of

@@ -110,6 +110,7 @@ def _recorded_proposals(llm):
     return seen
 
 
+@pytest.mark.slow  # a whole-sequence recompute per step
 @pytest.mark.parametrize("path_kind", ["chunked-prefill", "preemption"])
 def test_engine_drafts_equal_a_whole_sequence_recompute(v41, path_kind):
     """For each proposal: the drafter over the target features recomputed from scratch for the request's tokens

@@ -19,7 +19,7 @@ from server_utils import ServerProcess
 from openinfer import LLM, SamplingParams
 from openinfer.engine.core import EngineDeadError
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # worker processes per test
 
 NEW_TOKENS = 8
 PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 44)), list(range(10, 30)) + [200, 201, 3], [77] * 17]

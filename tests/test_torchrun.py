@@ -15,7 +15,7 @@ from server_utils import free_port
 
 from openinfer import LLM, SamplingParams
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # torchrun launches of two ranks
 
 SCRIPT = Path(__file__).parent / "torchrun_generate.py"
 TORCHRUN = Path(sys.executable).parent / "torchrun"
