@@ -122,6 +122,7 @@ def test_the_engine_runs_every_step_with_its_own_selection(ckpt, monkeypatch, ca
 
 # -- the command line ------------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # two `openinfer generate` processes (~30-60 s on 2 cores)
 def test_a_broken_kernel_build_stops_generate_and_the_torch_backend_runs(tmp_path, ckpt):
     """Must-show: a build that cannot compile (-march=no-such-cpu, an empty cache) makes `openinfer generate` exit
     non-zero with one error line naming the kernel build, the compiler's error and the opt-out; with
