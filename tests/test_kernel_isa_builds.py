@@ -4,7 +4,7 @@ The kernels are built with -march=native, so on the AVX2 machines CI and most se
 ``#if __AVX512F__`` / ``__AMX_TILE__`` (the AMX decode-attention and MLA tiles, the AVX-512 gemv, VNNI in the W8A8
 kernel) is never compiled. It broke once that way: a helper the AMX MLA tile loop called was removed from
 mla_decode.cpp, every AMX host's kernel build then failed, and the engine fell back to its torch path there
-(cpu_ops logs a warning and carries on). This compiles the sources that carry such code for Sapphire Rapids
+(then with a warning; a failed build now stops start-up, layers/dispatch.py). This compiles the sources that carry such code for Sapphire Rapids
 (AVX-512 + AVX512-BF16 + AMX) with ``-fsyntax-only``: parsing and template instantiation, no code generation
 (~15 s on 2 cores; all sources would take ~1 minute, see _isa_sources). It cannot show the AMX code is right; the
 kernel tests do that where the CPU has AMX.
@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from torch.utils import cpp_extension
 
-from openinfer.layers import cpu_ops
+from openinfer.layers import kernel_build
 
 pytestmark = pytest.mark.slow  # compiles every kernel source twice
 
@@ -43,7 +43,7 @@ def _isa_sources() -> list:
         return bool(ISA_MACRO.search(text)) or any(
             mentions(path.parent / inc, seen) for inc in LOCAL_INCLUDE.findall(text))
 
-    return [src for src in cpu_ops._SOURCES if mentions(src, set())]
+    return [src for src in kernel_build._SOURCES if mentions(src, set())]
 
 
 def _flags(march: str) -> list[str]:
