@@ -46,15 +46,12 @@ def avx2_variant():
 
 
 def pytest_collection_modifyitems(config, items):
-    """On an xdist worker (CI's parallel pass, --dist loadfile), hand out the modules marked slow as a whole first:
-    they are the long multi-process ones (a minute or more each on 2 cores), and started last they leave one worker
-    running alone at the end. The order is the same on every worker (xdist requires it); a plain run keeps the file
-    order."""
+    """On an xdist worker (CI's parallel pass: --dist loadfile --no-loadscope-reorder), hand out first the files that
+    hold a test marked slow: they are the long ones (worker processes, deployments, subprocess builds), and one
+    started last leaves the other worker idle at the end. xdist's own reorder (most tests first) put the one-test
+    files (Ray, the ISA compile check) last. The order is the same on every worker, as xdist requires; a plain run
+    keeps the file order."""
     if not hasattr(config, "workerinput"):
         return
-
-    def heavy(item) -> bool:
-        marks = getattr(getattr(item, "module", None), "pytestmark", [])
-        return any(getattr(m, "name", None) == "slow" for m in (marks if isinstance(marks, list) else [marks]))
-
-    items.sort(key=lambda item: not heavy(item))  # stable: file and test order kept within each group
+    heavy = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in heavy)  # stable: file and test order kept within each group

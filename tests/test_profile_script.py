@@ -17,9 +17,12 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "profile_decode_step.
 
 
 def _run(path, *args: str, **env: str) -> str:
+    # PYTHONPATH: the script's own directory comes first on sys.path, so without it the script imports the openinfer
+    # that is installed (another checkout's, with a shared or editable install; and another kernel build)
+    pythonpath = os.pathsep.join(filter(None, [str(SCRIPT.parents[1]), os.environ.get("PYTHONPATH")]))
     r = subprocess.run([sys.executable, str(SCRIPT), "--model", str(path), "--batch", "2", "--context", "20",
                         "--threads", "1", "--top", "40", *args], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, **env}, check=False)
+                       env={**os.environ, "PYTHONPATH": pythonpath, **env}, check=False)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     return r.stdout
 
