@@ -502,7 +502,8 @@ def engine_config_to_json(config: EngineConfig) -> str:
     m = config.model
     return json.dumps({
         "model": {"path": m.path, "hf_config": m.hf_config, "dtype": str(m.dtype).removeprefix("torch."),
-                  "device": str(m.device), "max_model_len": m.max_model_len, "tokenizer_path": m.tokenizer_path},
+                  "device": str(m.device), "max_model_len": m.max_model_len, "tokenizer_path": m.tokenizer_path,
+                  "quantization": m.quantization},
         "cache": asdict(config.cache), "scheduler": asdict(config.scheduler), "parallel": asdict(config.parallel),
         "speculative": asdict(config.speculative) if config.speculative else None,
         "seed": config.seed, "attention_backend": config.attention_backend.value,
@@ -519,7 +520,7 @@ def engine_config_from_json(text: str) -> EngineConfig:
     m = d["model"]
     model = ModelConfig(path=m["path"], hf_config=m["hf_config"], dtype=getattr(torch, m["dtype"]),
                         device=torch.device(m["device"]), max_model_len=m["max_model_len"],
-                        tokenizer_path=m["tokenizer_path"])
+                        tokenizer_path=m["tokenizer_path"], quantization=m.get("quantization"))
     return EngineConfig(model=model, cache=CacheConfig(**d["cache"]), scheduler=SchedulerConfig(**d["scheduler"]),
                         parallel=ParallelConfig(**d["parallel"]),
                         speculative=SpeculativeConfig.parse(d.get("speculative")), seed=d["seed"],

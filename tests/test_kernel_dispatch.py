@@ -63,10 +63,12 @@ def test_kernel_backend_flag_and_its_checks(monkeypatch, ckpt):
 
 
 def test_kernel_config_reaches_worker_processes(ckpt):
-    """Workers of mp / Ray executors are started from the config's JSON: the kernel settings travel with it."""
-    cfg = EngineArgs(model=str(ckpt), kernel_backend="torch").create_engine_config()
+    """Workers of mp / Ray executors are started from the config's JSON: the kernel settings travel with it (and
+    --quantization, which the JSON used to drop: mp workers then loaded the weights unquantised)."""
+    cfg = EngineArgs(model=str(ckpt), kernel_backend="torch", quantization="int8").create_engine_config()
     cfg = EngineConfig(**{**cfg.__dict__, "kernel": KernelConfig(backend="torch", panels=False, cflags="-O2")})
-    assert engine_config_from_json(engine_config_to_json(cfg)).kernel == cfg.kernel
+    back = engine_config_from_json(engine_config_to_json(cfg))
+    assert back.kernel == cfg.kernel and back.model.quantization == "int8"
 
 
 # -- the decisions ---------------------------------------------------------------------------------------------
