@@ -74,9 +74,6 @@ class KernelSelection:
         return self.ops is not None
 
     # -- the decisions ------------------------------------------------------------------------------------------
-    def ops_for_device(self, device: torch.device):
-        return self.ops if device.type == "cpu" else None
-
     def panels(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Weights that are only multiplied go into the 16-column panel layout (``Linear``'s prepacking, MLA's
         absorbed W_UK / W_UV, fp32 routed experts): fp32, or bf16 on a CPU without native bf16 (with it oneDNN's

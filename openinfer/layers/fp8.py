@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from openinfer.layers import dispatch
 from openinfer.layers.quant_linear import QuantizedWeight, decoded_matmul
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -106,8 +107,6 @@ FP8_DEQUANT_ROWS = 64
 def packed_fp8_enabled() -> bool:
     """Whether FP8 linears stay packed (``KernelConfig.fp8_weights``; ``OPENINFER_FP8_WEIGHTS=dequantize``
     dequantises them at load, the old path)."""
-    from openinfer.layers import dispatch
-
     return dispatch.active().fp8_packed
 
 

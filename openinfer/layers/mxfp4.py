@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import torch
 
+from openinfer.layers import dispatch
 from openinfer.layers.fp8 import E8M0_DTYPE, scale_to_float
 from openinfer.layers.quant_linear import QuantizedWeight
 
@@ -59,8 +60,6 @@ _KERNEL_HALF = MXFP4_BLOCK // 2  # columns per nibble half of a packed block in 
 def packed_experts_enabled() -> bool:
     """``OPENINFER_MXFP4_EXPERTS=dequantize`` dequantises MXFP4 experts at load instead of keeping them packed
     (the path before packed experts existed: to measure against, or to bisect). Default ``packed``."""
-    from openinfer.layers import dispatch
-
     return dispatch.active().mxfp4_packed
 
 
