@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from openinfer.platform import cpu_has_fast_bf16, resolve_device
+from openinfer.gguf_file import find_gguf, gguf_config
 from openinfer.quantization_config import CheckpointQuantization, check_quantization, checkpoint_quantization
 
 if TYPE_CHECKING:  # torch is imported lazily so the scheduler's configs load without it
@@ -145,11 +146,14 @@ class ModelConfig:
         quantization: str | None = None,
     ) -> ModelConfig:
         p = Path(path)
+        gguf = find_gguf(p)
+        if gguf is not None:  # llama.cpp's single-file format: config from its metadata (gguf_file.py)
+            return cls._from_gguf(gguf, dtype, device, max_model_len, tokenizer, quantization)
         if not p.is_dir():
-            raise ValueError(f"model path {str(path)!r} does not exist or is not a directory")
+            raise ValueError(f"model path {str(path)!r} does not exist or is not a directory (nor a .gguf file)")
         cfg_file = p / "config.json"
         if not cfg_file.is_file():
-            raise ValueError(f"model path {str(path)!r} has no config.json")
+            raise ValueError(f"model path {str(path)!r} has no config.json (nor a .gguf file)")
         try:
             hf_config = json.loads(cfg_file.read_text())
         except json.JSONDecodeError as e:
@@ -163,6 +167,21 @@ class ModelConfig:
         # Where the checkpoint lives, for models that read more than config.json (DeepSeek-V4.1's Engram builds
         # its compressed vocabulary from tokenizer.json).
         hf_config = {**hf_config, "_checkpoint_dir": str(p)}
+        return cls._build(p, hf_config, dtype, device, max_model_len, tokenizer, quantization)
+
+    @classmethod
+    def _from_gguf(cls, file: Path, dtype, device, max_model_len, tokenizer, quantization) -> ModelConfig:
+        hf_config = gguf_config(file)
+        if quantization is not None:
+            raise ValueError(f"quantization={quantization!r} does not apply to a GGUF file: its weights run in the "
+                             "file's own quantized types")
+        if dtype == "auto" and resolve_device(device).type == "cpu":
+            dtype = "float32"  # as llama.cpp runs GGUF activations; the packed kernels take fp32 inputs either way
+        return cls._build(file, hf_config, dtype, device, max_model_len, tokenizer, None)
+
+    @classmethod
+    def _build(cls, p: Path, hf_config: dict[str, Any], dtype, device, max_model_len, tokenizer,
+               quantization) -> ModelConfig:
         dev = resolve_device(device)
         limit = int(hf_config.get("max_position_embeddings", 2048))
         if max_model_len is None:
@@ -182,6 +201,11 @@ class ModelConfig:
             tokenizer_path=str(tokenizer or p),
             quantization=check_quantization(quantization, hf_config),
         )
+
+    @property
+    def gguf_file(self) -> str | None:
+        """The GGUF file the weights come from (None: an HF-format folder)."""
+        return self.hf_config.get("_gguf_file")
 
 
 # fp8_e5m2 (vLLM's other fp8) is not offered: e4m3's extra mantissa bit is what a scale-1.0 cache wants.

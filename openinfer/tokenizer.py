@@ -6,15 +6,27 @@ import os
 from pathlib import Path
 from typing import Any
 
+from openinfer.gguf_file import GGUFError, find_gguf, open_gguf
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 
 def load_tokenizer(path: str, chat_template: str | None = None):
+    """From an HF-format folder, or from a GGUF file's vocabulary and chat template (``tokenizer.ggml.*``), which
+    transformers' GGUF converter turns into the same fast tokenizer llama.cpp's vocabulary describes (BPE / gpt2
+    with the pre-tokenizer the file names, SentencePiece / llama)."""
     from transformers import AutoTokenizer
 
+    gguf = find_gguf(path)
     try:
-        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        if gguf is not None:
+            open_gguf(gguf)  # a corrupt file: our one-line error, not the converter's
+            tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
+        else:
+            tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except GGUFError:
+        raise
     except Exception as e:
         raise ValueError(f"cannot load a tokenizer from {path!r}: {e}") from None
     if chat_template is not None:

@@ -27,6 +27,8 @@ def _load_vocab_shard(param: torch.Tensor, loaded, vocab_size: int, start: int) 
 
 
 class VocabParallelEmbedding(nn.Module):
+    _quant = None  # a GGUF file's quantized table (``load_quantized``)
+
     def __init__(self, vocab_size: int, hidden_size: int, tp: GroupCoordinator | None = None) -> None:
         super().__init__()
         self.tp = tp or get_tp_group()
@@ -40,7 +42,23 @@ class VocabParallelEmbedding(nn.Module):
     def weight_loader(self, param: torch.Tensor, loaded, part=None) -> None:
         _load_vocab_shard(param, loaded, self.vocab_size, self.start)
 
+    @torch.no_grad()
+    def load_quantized(self, qw, part: int | None = None) -> None:
+        """A GGUF file's block-quantized table (``layers/gguf_quant.GGUFWeight``) kept packed: a lookup dequantises
+        only the rows it reads. ``weight`` becomes an empty placeholder."""
+        if self.tp.world_size != 1:
+            raise ValueError("a quantized token embedding is not split over tensor-parallel ranks; run it with "
+                             "tensor_parallel_size 1")
+        if tuple(qw.shape) != (self.vocab_size, self.weight.shape[1]):
+            raise ValueError(f"vocabulary table has shape {tuple(qw.shape)}, the model expects "
+                             f"({self.vocab_size}, {self.weight.shape[1]})")
+        qw.dtype = self.weight.dtype
+        self._quant = qw
+        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self._quant is not None:
+            return self._quant.rows(input_ids.reshape(-1)).to(self._quant.dtype).view(*input_ids.shape, -1)
         if self.tp.world_size == 1:
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.start

@@ -20,6 +20,7 @@ from openinfer.layers import cpu_ops, decode_blocks
 from openinfer.layers.activation import SiluAndMul
 from openinfer.layers.attention import Attention, bind_layer_caches, free_layer_caches, paged_attention_spec
 from openinfer.layers.linear import Linear
+from openinfer.layers.gguf_quant import GGUFWeight
 from openinfer.layers.norm import RMSNorm
 from openinfer.layers.quant_linear import QuantizedWeight
 from openinfer.layers.parallel_linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -216,9 +217,11 @@ class LlamaForCausalLM(CausalLM):
             if param is None:
                 raise WeightLoadError(f"checkpoint tensor {name!r} does not belong to this model")
             loader = getattr(param, "weight_loader", None)
-            if isinstance(tensor, QuantizedWeight):  # a low-bit checkpoint's linear (layers/checkpoint_quant.py)
+            if isinstance(tensor, (QuantizedWeight, GGUFWeight)):  # a low-bit checkpoint's linear, packed
                 module = self.get_submodule(pname.rpartition(".")[0])
-                if not isinstance(module, Linear):
+                # a GGUF file's token embedding may be quantized too (looked up row by row)
+                embedding = isinstance(tensor, GGUFWeight) and isinstance(module, VocabParallelEmbedding)
+                if not isinstance(module, Linear) and not embedding:
                     raise WeightLoadError(f"checkpoint tensor {name!r} is quantised but {pname!r} is not a linear "
                                           "weight (embeddings and a tied or untied LM head stay dense)")
                 try:
@@ -243,6 +246,9 @@ class LlamaForCausalLM(CausalLM):
         missing = expected - loaded
         if missing:
             raise WeightLoadError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:5]}")
+        embed = self.model.embed_tokens
+        if self.tie_word_embeddings and embed._quant is not None:  # the head multiplies by the same packed table
+            self.lm_head.load_quantized(embed._quant)
         return loaded
 
 

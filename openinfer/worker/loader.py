@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 
 from openinfer.config import AttentionBackend, ModelConfig
+from openinfer.models.gguf_weights import iterate_gguf_weights
 from openinfer.models.interface import CausalLM, MTPLayer
 from openinfer.models.registry import resolve_model_class, resolve_mtp_class
 from openinfer.layers.checkpoint_quant import QuantizedTensorGrouper
@@ -59,8 +60,10 @@ def iterate_weights(path: str | Path) -> Iterator[tuple[str, CheckpointTensor]]:
 
 
 def checkpoint_weights(mc: ModelConfig) -> Iterator[tuple[str, object]]:
-    """``iterate_weights``, with a low-bit checkpoint's linears (compressed-tensors, GPTQ) gathered into
+    """``iterate_weights`` (or a GGUF file's tensors), with a low-bit checkpoint's linears (compressed-tensors, GPTQ) gathered into
     ``QuantizedWeight``\\ s that stay packed (layers/checkpoint_quant.py)."""
+    if mc.gguf_file is not None:  # llama.cpp's format: quantized tensors stay packed (models/gguf_weights.py)
+        return iterate_gguf_weights(mc.hf_config, mc.dtype)
     cq = mc.checkpoint_quantization
     if cq is None:
         return iterate_weights(mc.path)
