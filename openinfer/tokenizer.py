@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from openinfer.gguf_file import GGUFError, find_gguf, open_gguf
+from openinfer.gguf_file import GGUFError, field, find_gguf, open_gguf
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
@@ -21,8 +21,9 @@ def load_tokenizer(path: str, chat_template: str | None = None):
     gguf = find_gguf(path)
     try:
         if gguf is not None:
-            open_gguf(gguf)  # a corrupt file: our one-line error, not the converter's
+            reader = open_gguf(gguf)  # a corrupt file: our one-line error, not the converter's
             tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
+            as_llama_cpp_splits(tok, reader)
         else:
             tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except GGUFError:
@@ -33,6 +34,28 @@ def load_tokenizer(path: str, chat_template: str | None = None):
         p = Path(chat_template)
         tok.chat_template = p.read_text() if p.is_file() else chat_template
     return tok
+
+
+def as_llama_cpp_splits(tok, reader) -> None:
+    """Where transformers' GGUF converter and llama.cpp split text differently, take llama.cpp's way (the file
+    was made for it; tests/test_gguf_tokenizer.py checks both on 1,000 strings against llama.cpp's own ids):
+    - SentencePiece (``llama``) vocabularies with ``add_space_prefix``: llama.cpp puts one space before every
+      piece of text that starts the input or follows a special token, even when the text starts with spaces
+      (``"  a"`` -> "▁▁▁a"); the converter's ``Metaspace(prepend_scheme="first")`` skips text that starts with
+      one. A normaliser that always prepends, applied per piece between special tokens, is llama.cpp's rule.
+    - BPE pre-tokenizer types the converter has no regex for, from llama.cpp's ``llama-vocab.cpp``: ``smollm``
+      isolates every digit before the GPT-2 split."""
+    from tokenizers import normalizers, pre_tokenizers
+
+    model = field(reader, "tokenizer.ggml.model")
+    backend = tok.backend_tokenizer
+    if model == "llama" and field(reader, "tokenizer.ggml.add_space_prefix", True):
+        backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"),
+                                                   normalizers.Replace(" ", "\u2581")])
+        backend.pre_tokenizer = None
+    elif model == "gpt2" and field(reader, "tokenizer.ggml.pre") == "smollm":
+        backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                         pre_tokenizers.ByteLevel(add_prefix_space=False)])
 
 
 def eos_token_ids(tokenizer, model_path: str) -> frozenset[int]:

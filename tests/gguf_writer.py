@@ -38,6 +38,47 @@ def vocab() -> list[str]:
     return byte_tokens() + [m.replace(" ", "") for m in MERGES] + SPECIALS
 
 
+def spm_vocab(merges: int = 600) -> tuple[list[str], list[float], list[int]]:
+    """A SentencePiece-style (``llama`` tokenizer model) vocabulary, deterministic: <unk> <s> </s>, the 256 byte
+    fallbacks <0xNN>, every character of the Factbook text (spaces as "▁"), then ``merges`` BPE merges learned on
+    that text, each scored -order so the earlier merge wins. Returns (tokens, scores, token types)."""
+    import collections
+
+    import gguf
+
+    text = (Path(__file__).parent / "data" / "factbook_backgrounds.txt").read_text()
+    words = collections.Counter("▁" + w for w in text.split())
+    chars = sorted({c for w in words for c in w})
+    seqs = {w: list(w) for w in words}
+    learned: list[str] = []
+    for _ in range(merges):
+        pairs: collections.Counter = collections.Counter()
+        for w, n in words.items():
+            s = seqs[w]
+            for a, b in zip(s, s[1:]):
+                pairs[a, b] += n
+        if not pairs:
+            break
+        (a, b), _n = max(pairs.items(), key=lambda kv: (kv[1], kv[0]))
+        learned.append(a + b)
+        for w in words:
+            s, out, i = seqs[w], [], 0
+            while i < len(s):
+                if i + 1 < len(s) and s[i] == a and s[i + 1] == b:
+                    out.append(a + b)
+                    i += 2
+                else:
+                    out.append(s[i])
+                    i += 1
+            seqs[w] = out
+    T = gguf.TokenType
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + chars + learned
+    scores = [0.0, 0.0, 0.0] + [0.0] * 256 + [-1e4 - i for i in range(len(chars))] + [-float(i) for i in
+                                                                                     range(len(learned))]
+    types = [T.UNKNOWN, T.CONTROL, T.CONTROL] + [T.BYTE] * 256 + [T.NORMAL] * (len(chars) + len(learned))
+    return tokens, scores, [int(t) for t in types]
+
+
 def llama_permute(w: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's converter's q / k permutation (HF rotate-half order -> interleaved pairs)."""
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -91,9 +132,10 @@ def _encode(name: str, w: np.ndarray, qtype: str, rng: np.random.Generator, head
 def write_gguf(dir_path: str | Path, arch: str = "llama", qtype: str = "Q8_0", types: dict[str, str] | None = None,
                seed: int = 0, tie: bool = True, hidden: int = 64, intermediate: int = 128, layers: int = 2,
                heads: int = 4, kv_heads: int = 2, head_dim: int | None = None,
-               omit_tokenizer: bool = False) -> tuple[Path, Path]:
+               omit_tokenizer: bool = False, tokenizer: str = "bpe") -> tuple[Path, Path]:
     """Write ``model.gguf`` (plus ``hf/``, the HF checkpoint of the same weights) under ``dir_path``; returns
-    (the GGUF file, the HF folder). ``types`` overrides the type per GGUF tensor kind (``attn_v``, ``ffn_down``,
+    (the GGUF file, the HF folder). ``tokenizer``: "bpe" (byte-level, ``gpt2``) or "spm" (``spm_vocab``, the
+    ``llama`` SentencePiece model). ``types`` overrides the type per GGUF tensor kind (``attn_v``, ``ffn_down``,
     ``token_embd`` ...), as a Q4_K_M file mixes Q4_K and Q6_K. Norms are F32, as llama.cpp keeps them."""
     import gguf
     import transformers
@@ -101,7 +143,7 @@ def write_gguf(dir_path: str | Path, arch: str = "llama", qtype: str = "Q8_0", t
     dir_path = Path(dir_path)
     dir_path.mkdir(parents=True, exist_ok=True)
     types = types or {}
-    toks = vocab()
+    toks = vocab() if tokenizer == "bpe" else spm_vocab()[0]
     head_dim = head_dim or hidden // heads
     cls_cfg, cls_model = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
                           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
@@ -135,7 +177,18 @@ def write_gguf(dir_path: str | Path, arch: str = "llama", qtype: str = "Q8_0", t
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_vocab_size(len(toks))
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
-    if not omit_tokenizer:
+    if not omit_tokenizer and tokenizer == "spm":
+        toks, scores, token_types = spm_vocab()
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(toks)
+        writer.add_token_scores(scores)
+        writer.add_token_types(token_types)
+        writer.add_unk_token_id(0)
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+        writer.add_add_bos_token(True)
+        writer.add_add_space_prefix(True)
+    elif not omit_tokenizer:
         writer.add_tokenizer_model("gpt2")
         writer.add_tokenizer_pre("default")
         writer.add_token_list(toks)
