@@ -23,7 +23,7 @@ import pytest
 import torch
 from gguf import quants as gq
 
-from openinfer.layers.gguf_quant import GGUF_TYPES, GGUFWeight, GGUFWeightParts, dequantize_reference, type_info
+from openinfer.layers.gguf_quant import GGUF_DEQUANT_ROWS, GGUF_TYPES, GGUFWeight, GGUFWeightParts, dequantize_reference, type_info
 from openinfer.layers.linear import Linear
 
 U = 2.0 ** -24
@@ -93,7 +93,8 @@ def _check(qtype: str, n: int, k: int, ms: tuple[int, ...], seed: int = 0) -> No
 
 SHAPES_32 = [(1, 32), (5, 32), (7, 64), (13, 96), (37, 576)]  # K: one block, several; N odd
 SHAPES_256 = [(1, 256), (5, 256), (7, 512), (13, 768)]
-M_VALUES = (1, 3, 7, 17, 70)  # 17 and 70 take the decoded-rows + GEMM path (GGUF_DEQUANT_ROWS)
+M_VALUES = (1, 2, 3, 7, 17, 33, 70)  # 1-17: the register tile (4 rows a pass, every remainder); 33, 70: decoded
+# rows + GEMM (GGUF_DEQUANT_ROWS)
 
 
 def _shapes(qtype: str):
@@ -117,6 +118,7 @@ def test_dequantize_matches_gguf_bit_for_bit(kernel_ops, qtype):
 
 @pytest.mark.parametrize("qtype", GGUF_TYPES)
 def test_kernel_within_fp32_rounding_of_gguf(kernel_ops, qtype):
+    assert 17 < GGUF_DEQUANT_ROWS <= 33  # both paths covered
     for i, (n, k) in enumerate(_shapes(qtype)):
         _check(qtype, n, k, M_VALUES, seed=i)
 

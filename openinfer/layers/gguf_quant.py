@@ -30,8 +30,11 @@ from openinfer.layers.quant_linear import decoded_matmul
 
 GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 # From this many activation rows on, decode row chunks to fp32 and run torch's GEMM (the register tile re-decodes
-# every block for each 4 activation rows). scripts/gguf_gemm_speed.py --m 8 16 32 64 measures the crossover.
-GGUF_DEQUANT_ROWS = 16
+# every block for each 4 activation rows). ``scripts/gguf_gemm_speed.py --threads 1 --m 16 24 32 --crossover``
+# (1 thread, AVX-512 EPYC shared with other jobs, so +-30 %), ms kernel / decoded + GEMM, 4096 x 4096: M = 16 Q4_0
+# 11.0 / 19.8, Q8_0 12.5 / 15.3, Q6_K 16.7 / 40.2; M = 24 Q4_0 16.6 / 22.9, Q6_K 21.4 / 27.7; M = 32 Q4_0 54.4 /
+# 47.3, Q4_1 58.2 / 52.1, Q5_1 68.4 / 57.2 (49152 x 576 Q4_1: 129.8 / 93.4).
+GGUF_DEQUANT_ROWS = 32
 
 
 @functools.cache
