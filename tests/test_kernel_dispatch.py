@@ -92,6 +92,9 @@ def test_one_place_decides_each_weight_path(fast_bf16):
     kinds = dict(on.implementations(torch.float32))
     assert kinds["linear float32"].startswith("C++ 16-column panel GEMM")
     assert dict(off.implementations(torch.float32))["attention (paged)"].startswith("gather + SDPA")
+    gguf_kind = "linear GGUF Q4_0/1, Q5_0/1, Q8_0, Q4/5/6_K"
+    assert kinds[gguf_kind].startswith("C++ GGUF block kernels")
+    assert dict(off.implementations(torch.float32))[gguf_kind].startswith("torch reference")
     assert not on.panels(torch.device("meta"), torch.float32)  # not the CPU: torch
 
 

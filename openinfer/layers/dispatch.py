@@ -129,6 +129,9 @@ class KernelSelection:
             (f"linear {dname}", dense),
             ("linear int8 / int4 / w8a8 / w4a8", f"C++ low-bit kernels{isa}" if k else
              "torch reference (dequantised per call)"),
+            ("linear GGUF Q4_0/1, Q5_0/1, Q8_0, Q4/5/6_K",
+             f"C++ GGUF block kernels{isa}, packed (prefill: decoded row chunks + GEMM)" if k else
+             "torch reference, packed (dequantised per call)"),
             ("linear fp8 (block)", "dequantised at load (dense path)" if not self.fp8_packed else
              f"C++ fp8 kernel{isa}, packed" if k else "torch reference, packed (dequantised per call)"),
             ("attention (paged)", (attn_kernel if k else "gather + SDPA") + "; prefill: SDPA"),

@@ -1,0 +1,246 @@
+"""GGUF block-quantized linear weights kept in the file's block format and executed packed (issue 40).
+
+``GGUFWeight`` holds one ``[N, K]`` weight as the raw bytes of its rows, exactly as a GGUF file stores them (uint8
+``[N, K / block * type_size]``, ``gguf.GGML_QUANT_SIZES``), for the types the common Q4_K_M / Q5_K_M / Q6_K / Q8_0
+files and SmolLM2's Q4_1 hold: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K. It offers ``Linear`` what
+``QuantizedWeight`` does (``Linear.load_quantized`` takes it as it is): ``matmul``, ``to_dense``, ``nbytes``, ``cat``.
+
+``matmul`` runs ``cpu_kernels/gguf_gemm.cpp`` on the CPU: the blocks decoded in registers, fp32 activations, fp32
+accumulation, so the result is dequantise-then-matmul up to fp32 summation order; from ``GGUF_DEQUANT_ROWS``
+activation rows on (prefill) row chunks are decoded to fp32 by the kernel and multiplied by torch's GEMM
+(``quant_linear.decoded_matmul``). Where the kernels are off (torch backend, no compiler, a GPU tensor) the torch
+reference below decodes the blocks with torch ops (any device) and multiplies in fp32. Both decoders give
+``gguf.quants.dequantize``'s values to the bit: every format's w = q * s + o has an exact product q * s (an fp16
+scale's 11 bits times at most 6 + 6 bits of integers), so one rounding happens, the one gguf's numpy makes (Q6_K,
+whose d * sc * q can need 25 bits, rounds that product once, as gguf's (d * sc) * q does).
+
+Not reused: the int4 kernel (``lowbit_gemm.cpp``) would take Q4_0 after moving nibbles at load, but it needs fp32
+group scales (4 bytes per 32 weights next to Q4_0's 2) and a copy of the matrix in its own layout; Q4_1 needs a
+zero-point correction matmul per call on top. One kernel reading the file's bytes serves every type the same way.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from openinfer.layers import cpu_ops
+from openinfer.layers.quant_linear import decoded_matmul
+
+GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+# From this many activation rows on, decode row chunks to fp32 and run torch's GEMM (the register tile re-decodes
+# every block for each 4 activation rows). ``scripts/gguf_gemm_speed.py --threads 1 --m 16 24 32 --crossover``
+# (1 thread, AVX-512 EPYC shared with other jobs, so +-30 %), ms kernel / decoded + GEMM, 4096 x 4096: M = 16 Q4_0
+# 11.0 / 19.8, Q8_0 12.5 / 15.3, Q6_K 16.7 / 40.2; M = 24 Q4_0 16.6 / 22.9, Q6_K 21.4 / 27.7; M = 32 Q4_0 54.4 /
+# 47.3, Q4_1 58.2 / 52.1, Q5_1 68.4 / 57.2 (49152 x 576 Q4_1: 129.8 / 93.4).
+GGUF_DEQUANT_ROWS = 32
+
+
+@functools.cache
+def type_info(qtype: str) -> tuple[int, int, int]:
+    """(GGMLQuantizationType value, weights per block, bytes per block) of a supported type name."""
+    if qtype not in GGUF_TYPES:
+        raise ValueError(f"GGUF tensor type {qtype!r} is not supported packed; supported: {', '.join(GGUF_TYPES)}")
+    import gguf  # llama.cpp's reader; imported when a GGUF weight is made (it costs ~0.2 s)
+
+    t = gguf.GGMLQuantizationType[qtype]
+    block, size = gguf.GGML_QUANT_SIZES[t]
+    return int(t.value), block, size
+
+
+class GGUFWeight:
+    """One linear weight ``[N, K]`` in a GGUF block format; ``matmul(x, bias)`` = x W^T + bias in x's dtype."""
+
+    method = "gguf"
+
+    def __init__(self, qtype: str, data: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype) -> None:
+        code, block, size = type_info(qtype)
+        n, k = (int(s) for s in shape)
+        row_bytes = k // block * size
+        if n <= 0 or k <= 0 or k % block:
+            raise ValueError(f"GGUF {qtype} weight of shape ({n}, {k}): K must be a positive multiple of the "
+                             f"block size {block}")
+        if data.dtype != torch.uint8 or data.dim() != 2 or tuple(data.shape) != (n, row_bytes):
+            raise ValueError(f"GGUF {qtype} weight of shape ({n}, {k}) needs uint8 data [{n}, {row_bytes}] "
+                             f"({row_bytes} bytes per row: {k // block} blocks of {size}), got {data.dtype} "
+                             f"{tuple(data.shape)}")
+        self.qtype = qtype
+        self.code = code
+        self.block = block
+        self.data = data.contiguous()
+        self.shape = torch.Size((n, k))
+        self.dtype = dtype  # what the dense weight comes back as (Linear.load_quantized sets the model's)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    def _decode_into(self, out: torch.Tensor, rows: torch.Tensor) -> None:
+        ops = cpu_ops.ops_for(rows, out)
+        if ops is not None:
+            ops.gguf_dequantize(out, rows, self.code)
+        else:
+            out.copy_(dequantize_reference(rows, self.qtype, self.shape[1]))
+
+    def dequantize(self) -> torch.Tensor:
+        """W as fp32 ``[N, K]`` (gguf.quants.dequantize's values)."""
+        return self.rows(None)
+
+    def to_dense(self) -> torch.Tensor:
+        return self.dequantize().to(self.dtype)
+
+    def rows(self, index: torch.Tensor | None) -> torch.Tensor:
+        """fp32 ``[len(index), K]``: only those rows dequantised (an embedding lookup on a quantized token table);
+        every row for None."""
+        data = self.data if index is None else self.data.index_select(0, index.to(self.data.device).reshape(-1))
+        out = torch.empty(data.shape[0], self.shape[1], dtype=torch.float32, device=data.device)
+        if data.shape[0]:
+            self._decode_into(out, data)
+        return out
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        n, k = self.shape
+        x2 = x.reshape(-1, k)
+        ops = cpu_ops.ops_for(x2, self.data)
+        if ops is None:  # the torch reference: decoded for this call, fp32 matmul
+            y = F.linear(x2.float(), self.dequantize(), None if bias is None else bias.float())
+            return y.to(x.dtype).reshape(*x.shape[:-1], n)
+        xf = x2.float().contiguous()
+        b = None if bias is None else bias.float().contiguous()
+        if xf.shape[0] >= GGUF_DEQUANT_ROWS:
+            y = decoded_matmul(xf, n, lambda out, n0, n1: ops.gguf_dequantize(out, self.data[n0:n1], self.code))
+            if b is not None:
+                y += b
+        else:
+            y = torch.empty(xf.shape[0], n, dtype=torch.float32)
+            ops.gguf_linear(y, xf, self.data, self.code, b)
+        return y.to(x.dtype).reshape(*x.shape[:-1], n)
+
+    @classmethod
+    def cat(cls, parts: list[GGUFWeight]) -> GGUFWeight | GGUFWeightParts:
+        """Row-wise concatenation (fused q/k/v, gate/up): one weight when every part has the same type, else the
+        parts kept side by side (Q4_K_M files mix Q4_K and Q6_K within a layer), each run by its own kernel."""
+        k = parts[0].shape[1]
+        if any(p.shape[1] != k for p in parts):
+            raise ValueError(f"cannot fuse GGUF weights with different K: {[tuple(p.shape) for p in parts]}")
+        if len(parts) == 1:
+            return parts[0]
+        n = sum(p.shape[0] for p in parts)
+        if all(isinstance(p, GGUFWeight) and p.qtype == parts[0].qtype for p in parts):
+            return cls(parts[0].qtype, torch.cat([p.data for p in parts]), (n, k), parts[0].dtype)
+        flat: list[GGUFWeight] = []
+        for p in parts:
+            flat += p.parts if isinstance(p, GGUFWeightParts) else [p]
+        return GGUFWeightParts(flat, parts[0].dtype)
+
+
+class GGUFWeightParts:
+    """A fused weight whose row blocks have different GGUF types: ``matmul`` runs each block and concatenates the
+    outputs (one extra copy of the [M, N] result per call)."""
+
+    method = "gguf"
+
+    def __init__(self, parts: list[GGUFWeight], dtype: torch.dtype) -> None:
+        self.parts = parts
+        self.shape = torch.Size((sum(p.shape[0] for p in parts), parts[0].shape[1]))
+        self.dtype = dtype
+        self.qtype = "+".join(p.qtype for p in parts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+    def to_dense(self) -> torch.Tensor:
+        return self.dequantize().to(self.dtype)
+
+    def rows(self, index: torch.Tensor | None) -> torch.Tensor:
+        return self.dequantize() if index is None else self.dequantize().index_select(0, index.reshape(-1))
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = torch.cat([p.matmul(x, None) for p in self.parts], dim=-1)
+        return y if bias is None else y + bias.to(y.dtype)
+
+    @classmethod
+    def cat(cls, parts: list) -> GGUFWeight | GGUFWeightParts:
+        return GGUFWeight.cat(parts)
+
+
+# -- the torch reference decoders ----------------------------------------------------------------------------------
+
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    """Two little-endian bytes ([..., 2] uint8) as fp16's value in fp32, [...]."""
+    return b.contiguous().view(torch.float16).squeeze(-1).float()
+
+
+def _bits(b: torch.Tensor, count: int) -> torch.Tensor:
+    """[..., nbytes] uint8 -> [..., count] int32 of its bits, little-endian (bit i of byte i // 8)."""
+    shifts = torch.arange(8, device=b.device, dtype=torch.int32)
+    bits = (b.to(torch.int32)[..., :, None] >> shifts) & 1
+    return bits.reshape(*b.shape[:-1], b.shape[-1] * 8)[..., :count]
+
+
+def _nibbles32(qs: torch.Tensor) -> torch.Tensor:
+    """[..., 16] bytes -> [..., 32] int32: low nibbles are elements 0..15, high nibbles 16..31."""
+    q = qs.to(torch.int32)
+    return torch.cat([q & 0xF, q >> 4], dim=-1)
+
+
+def _scale_min_k4(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., 12] -> the 8 six-bit scales and mins of a Q4_K / Q5_K super-block, int32 [..., 8] each."""
+    s = s.to(torch.int32)
+    d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = torch.cat([d & 63, (md & 0xF) | ((d >> 6) << 4)], dim=-1)
+    mn = torch.cat([m & 63, (md >> 4) | ((m >> 6) << 4)], dim=-1)
+    return sc, mn
+
+
+def dequantize_reference(data: torch.Tensor, qtype: str, k: int) -> torch.Tensor:
+    """fp32 ``[N, k]`` from GGUF rows ``data`` (uint8 ``[N, row_bytes]``) in torch ops, on data's device: w = q * s + o
+    per group, gguf.quants.dequantize's values to the bit (the module docstring says why)."""
+    _, block, size = type_info(qtype)
+    n = data.shape[0]
+    b = data.reshape(n, k // block, size)
+    if qtype == "Q8_0":
+        q, s, o = b[..., 2:].view(torch.int8).to(torch.int32)[..., None, :], _f16(b[..., 0:2])[..., None], None
+    elif qtype in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+        has_min, five = qtype.endswith("_1"), qtype.startswith("Q5")
+        p = 4 if has_min else 2
+        q = _nibbles32(b[..., p + (4 if five else 0):])
+        if five:
+            q = q | (_bits(b[..., p:p + 4], 32) << 4)
+        if not has_min:
+            q = q - (16 if five else 8)
+        q, s = q[..., None, :], _f16(b[..., 0:2])[..., None]
+        o = _f16(b[..., 2:4])[..., None] if has_min else None
+    elif qtype in ("Q4_K", "Q5_K"):
+        d, dmin = _f16(b[..., 0:2])[..., None], _f16(b[..., 2:4])[..., None]
+        sc, mn = _scale_min_k4(b[..., 4:16])
+        qs = b[..., 16 + (32 if qtype == "Q5_K" else 0):].to(torch.int32).reshape(n, -1, 4, 32)
+        q = torch.stack([qs & 0xF, qs >> 4], dim=-2).reshape(n, -1, 8, 32)  # sub-block 2c: low nibbles of run c
+        if qtype == "Q5_K":
+            qh = b[..., 16:48].to(torch.int32)[..., None, :]  # bit j of byte i: element i of sub-block j
+            q = q | (((qh >> torch.arange(8, device=b.device, dtype=torch.int32)[:, None]) & 1) << 4)
+        s, o = d * sc.float(), -(dmin * mn.float())
+    elif qtype == "Q6_K":
+        ql = b[..., 0:128].to(torch.int32).reshape(n, -1, 2, 1, 64)
+        ql = torch.cat([ql & 0xF, ql >> 4], dim=-2).reshape(n, -1, 8, 32)
+        qh = b[..., 128:192].to(torch.int32).reshape(n, -1, 2, 1, 32)
+        qh = ((qh >> (2 * torch.arange(4, device=b.device, dtype=torch.int32))[:, None]) & 3).reshape(n, -1, 8, 32)
+        q = ((ql | (qh << 4)) - 32).reshape(n, -1, 16, 16)
+        s, o = _f16(b[..., 208:210])[..., None] * b[..., 192:208].view(torch.int8).float(), None
+    else:
+        raise ValueError(f"GGUF tensor type {qtype!r} has no reference decoder")
+    w = q.float() * s[..., None]
+    if o is not None:
+        w = w + o[..., None]
+    return w.reshape(n, k)
