@@ -52,12 +52,13 @@ def test_gguf_matches_transformers_on_the_same_weights(case, tmp_path):
         ours = [got.logprobs[j][t] for j, t in enumerate(toks)]
         assert np.allclose(ours, lps, atol=2e-3), (ours, lps)
     # every linear (and the embedding) holds its packed blocks: nothing was dequantised at load
-    from openinfer.layers.gguf_quant import GGUFWeight
+    from openinfer.layers.gguf_quant import GGUFWeight, GGUFWeightParts
     from openinfer.layers.linear import Linear
 
     model = engine_model(llm)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    assert linears and all(isinstance(m._quant, GGUFWeight) and m.weight.numel() == 0 for m in linears)
+    packed = (GGUFWeight, GGUFWeightParts)  # parts: a fused projection whose pieces have different types
+    assert linears and all(isinstance(m._quant, packed) and m.weight.numel() == 0 for m in linears)
     assert isinstance(model.model.embed_tokens._quant, GGUFWeight)
 
 

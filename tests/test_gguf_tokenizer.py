@@ -39,6 +39,7 @@ def gguf_file(name: str, tmp_path_factory) -> str:
     return str(write_gguf(tmp_path_factory.mktemp("spm"), "llama", "Q8_0", tokenizer="spm")[0])
 
 
+@pytest.mark.slow  # 2 x 1,000 strings through two tokenizers, and a 600-merge vocabulary learned
 @pytest.mark.parametrize("name", ["smollm2", "spm"])
 def test_ids_equal_llama_cpp_and_transformers(name, tmp_path_factory):
     from transformers import AutoTokenizer
