@@ -65,3 +65,82 @@ def test_candidate_restricted_topk_matches_deepinfer(bs):
     ops.restore_candidate_indices_inplace_ref(idx, cand, bs)
     got = select_topk(scores, visible, k, candidate_mask(blocks, width, bs))
     assert [set(r) - {-1} for r in got.tolist()] == [set(r) - {-1} for r in idx.tolist()]
+
+
+def _compressor(ratio: int, hidden: int, dim: int, seed: int):
+    from openinfer.models.deepseek_v41.compression import Compressor
+    comp = Compressor(hidden, dim, ratio, 1e-6)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in comp.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
+    return comp
+
+
+@pytest.mark.parametrize("ratio", [1, 2])
+def test_compression_matches_deepinfer_prefill_chunks_and_decode(ratio):
+    """Two sequences, each prefilled in two chunks (odd lengths: a C2 pair straddles the chunks and lives in
+    DeepInfer's state cache) and then decoded token by token: every entry DeepInfer's
+    compress_and_update_state_{prefill,decode}_ref emits, normed with its norm_ref, equals openinfer's pooled
+    entry of the same window (openinfer's whole-sequence pooling; DeepInfer rounds the pooled latent to bf16)."""
+    ops = oracles.op("compress", "compress_and_update_state_prefill_ref", "compress_and_update_state_decode_ref")
+    norm_ref = oracles.op("norm", "norm_ref").norm_ref
+    hidden, dim, state_size = 24, 16, 8
+    comp = _compressor(ratio, hidden, dim, seed=ratio)
+    g = torch.Generator().manual_seed(7)
+    lengths, chunks = [13, 10], [[5, 4], [3, 6]]  # then decode to the full length
+    h = [torch.randn(n, hidden, generator=g) for n in lengths]
+    with torch.no_grad():
+        rows = [comp.rows(x) for x in h]
+        want = [comp.pool(r[:n // ratio * ratio].view(n // ratio, ratio, -1)) for r, n in zip(rows, lengths)]
+    kv_gate = [r.split([dim, dim], -1) if ratio == 2 else (r, torch.zeros_like(r)) for r in rows]
+    state = torch.randn(2, state_size, 2, dim)  # garbage where nothing was stored: must not be read
+    got: list[list[torch.Tensor]] = [[], []]
+    done = [0, 0]
+    for c in range(2):  # prefill chunk c of both sequences in one batch
+        qlens = [chunks[s][c] for s in range(2)]
+        sl = [slice(done[s], done[s] + qlens[s]) for s in range(2)]
+        score = torch.cat([kv_gate[s][1][sl[s]] for s in range(2)]).float()
+        latent = torch.cat([kv_gate[s][0][sl[s]] for s in range(2)]).float()
+        klens = [done[s] + qlens[s] for s in range(2)]
+        n_comp = [klens[s] // ratio - done[s] // ratio for s in range(2)]
+        cu = lambda xs: torch.tensor([0, *torch.tensor(xs).cumsum(0).tolist()], dtype=torch.int32)  # noqa: E731
+        out = ops.compress_and_update_state_prefill_ref(
+            score, latent, state, torch.tensor([0, 1], dtype=torch.int32), torch.zeros(sum(n_comp), dtype=torch.int32),
+            cu(qlens), cu(klens), cu(n_comp), ratio)
+        for s, part in enumerate(out.split(n_comp)):
+            got[s].extend(part)
+        done = klens
+    for s in range(2):  # decode one token at a time
+        for pos in range(done[s], lengths[s]):
+            out = ops.compress_and_update_state_decode_ref(
+                kv_gate[s][1][pos:pos + 1].float(), kv_gate[s][0][pos:pos + 1].float(), state,
+                torch.tensor([s], dtype=torch.int32), torch.tensor([pos + 1], dtype=torch.int32), 1, ratio)
+            if (pos + 1) % ratio == 0:
+                got[s].append(out[0])
+    for s in range(2):
+        entries = norm_ref(torch.stack(got[s]), comp.kv_norm.weight.bfloat16(), comp.kv_norm.eps).float()
+        assert entries.shape == want[s].shape
+        torch.testing.assert_close(want[s], entries, atol=3e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_deepinfer(with_residual):
+    """openinfer's RMSNorm (V4.1 keeps norm weights in fp32; the fused residual form too) against norm_ref on bf16
+    activations: equal within one bf16 rounding (norm_ref rounds the normalised x before the weight product,
+    openinfer rounds once after it; DeepInfer's own kernel test allows the same)."""
+    from openinfer.layers.norm import RMSNorm
+    norm_ref = oracles.op("norm", "norm_ref").norm_ref
+    g = torch.Generator().manual_seed(3)
+    norm = RMSNorm(256, 1e-6, torch.float32)
+    with torch.no_grad():
+        norm.weight.copy_((torch.randn(256, generator=g) * 0.5 + 1).bfloat16().float())
+    x = torch.randn(33, 256, generator=g).bfloat16() * 3
+    res = torch.randn(33, 256, generator=g).bfloat16() if with_residual else None
+    want = norm_ref(x, norm.weight.bfloat16(), norm.eps, res)
+    got = norm(x.clone(), None if res is None else res.clone())
+    if with_residual:
+        torch.testing.assert_close(got[1], want[1])
+        got, want = got[0], want[0]
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1.6e-2)
