@@ -123,6 +123,9 @@ class DeepseekV41Config:
         if len(ratios) != n + nextn:
             raise ValueError(f"compress_ratios has {len(ratios)} entries, expected num_hidden_layers + "
                              f"num_nextn_predict_layers = {n} + {nextn} = {n + nextn}")
+        # DeepInfer builds every DSpark block as a sliding-window layer whatever its compress_ratios entry says
+        # (hugging_face/config.py _dflash_spec): those entries are read as 0.
+        ratios = ratios[:n] + (0,) * nextn
         bad = sorted({r for r in ratios if r not in COMPRESS_RATIOS})
         if bad:
             raise ValueError(f"compress_ratios holds {bad}: DeepSeek-V4.1 compresses with ratio 1 (C1) or 2 (C2) "
@@ -142,7 +145,10 @@ class DeepseekV41Config:
         heads, o_groups = int(need("num_attention_heads")), int(need("o_groups"))
         if heads % o_groups:
             raise ValueError(f"o_groups={o_groups} must divide num_attention_heads={heads}")
-        main_rope, compress_rope = _rope_configs(cfg, rope_dim)
+        if cfg.get("hc_shifted", True) is not True:
+            raise ValueError(f"hc_shifted={cfg['hc_shifted']!r} is not supported: only the shifted mHC (DeepInfer's "
+                             "default, what DeepSeek-V4.1 ships; no hc_head tensors) is implemented")
+        main_rope, compress_rope = _rope_configs(_yarn_typed(cfg), rope_dim)
         limit = cfg.get("swiglu_limit")
         if int(cfg.get("num_hash_layers") or 0):
             raise ValueError("num_hash_layers: DeepSeek-V4.1 has no hash-routed MoE layers")
@@ -173,6 +179,15 @@ class DeepseekV41Config:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             fp8_block=fp8_block, expert_dtype=expert_dtype,
         )
+
+
+def _yarn_typed(cfg: dict[str, Any]) -> dict[str, Any]:
+    """DeepInfer applies YaRN to the compressed layers whenever ``rope_scaling`` is set, with or without a
+    ``type`` key (hugging_face/config.py _compress_spec); V4's reader takes a type-less one for plain RoPE."""
+    scaling = cfg.get("rope_scaling")
+    if isinstance(scaling, dict) and scaling and "type" not in scaling and "rope_type" not in scaling:
+        return {**cfg, "rope_scaling": {**scaling, "type": "yarn"}}
+    return cfg
 
 
 def _positive(cfg: dict[str, Any], key: str) -> int:

@@ -8,11 +8,12 @@ routed experts, and the Engram tables in FP8 with one UE8M0 scale per 32 values 
 MXFP4 experts stay packed where their experts module keeps them (V4's rule); the FP8 linears and tables are
 dequantised at load.
 ``mtp.*`` (the DSpark draft blocks) builds ``model.mtp`` on first sight; a checkpoint without them loads, and
-drafting is unavailable (said once).
+drafting is unavailable (said once). ``mtp.N.embed`` / ``mtp.N.head`` copies are skipped, as DeepInfer skips them.
 """
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterable
 
 import torch
@@ -24,6 +25,9 @@ from openinfer.models.weights import WeightLoadError, copy_into
 
 logger = logging.getLogger(__name__)
 ENGRAM_TABLE = "engram.embed.weight"
+# The DSpark blocks read the backbone's embedding and head; DeepInfer skips per-block copies (names.py hf_to_model
+# maps them to nothing: "tied, HF stores only one copy, in the backbone").
+TIED_MTP_COPY = re.compile(r"^(model\.)?mtp\.\d+\.(embed|head)\.(weight|scale)$")
 
 
 class _V41Dequantizer(Dequantizer):
@@ -44,6 +48,8 @@ def load_v41_weights(model, weights: Iterable[tuple[str, torch.Tensor]]) -> set[
                                   lambda n: canonical_name(n)[0] in targets,
                                   keep_packed=lambda n: _keeps_packed(model, n, linears=False))
     for raw_name, raw_tensor in weights:
+        if TIED_MTP_COPY.match(raw_name):
+            continue
         for name, tensor in dequantizer.feed(raw_name, raw_tensor):
             pname, shard = canonical_name(name)
             if pname.startswith("mtp.") and model.mtp is None:

@@ -1,0 +1,109 @@
+"""DeepSeek-V4.1 config / checkpoint fields read as DeepInfer 0.1.0 reads them (hugging_face/config.py, names.py):
+DSpark blocks' compress_ratios entries ignored, a type-less rope_scaling is YaRN, ``hc_shifted: false`` refused
+naming the field, per-block ``mtp.N.embed / head`` copies skipped, and every tensor name the tiny checkpoint writer
+produces maps where DeepInfer's names.py maps it."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from openinfer.models.deepseek_v41.config import DeepseekV41Config
+from openinfer.models.deepseek_v41.model import DeepseekV41ForCausalLM
+from tests import deepinfer_oracles as oracles
+from tests.test_deepseek_v41 import _generator
+
+
+def _text(**overrides) -> dict:
+    gen = _generator()
+    text = {**gen.COMMON, **gen.SIZES["tiny"], **overrides}
+    text.pop("engram_compressed_vocab_size")  # needs a checkpoint directory's tokenizer.json
+    return text
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return _generator().make_checkpoint(tmp_path_factory.mktemp("v41c") / "tiny", "tiny", seed=0)
+
+
+def _model(path) -> DeepseekV41ForCausalLM:
+    cfg = json.loads((path / "config.json").read_text())
+    return DeepseekV41ForCausalLM({**cfg, "_checkpoint_dir": str(path)})
+
+
+def _tensors(path):
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        for name in f.keys():
+            yield name, f.get_tensor(name)
+
+
+@pytest.mark.parametrize("entry", [1, 2, 4])
+def test_dspark_compress_ratio_entries_are_ignored(entry):
+    """DeepInfer builds every DSpark block sliding-window only, whatever its compress_ratios entry
+    (_dflash_spec); openinfer crashed building the block (or refused 4)."""
+    text = _text()
+    text["compress_ratios"] = text["compress_ratios"][:-1] + [entry]
+    model = DeepseekV41ForCausalLM(text)
+    n = model.config.num_hidden_layers
+    assert model.config.compress_ratios[n:] == (0,)
+    drafter = model.build_mtp()
+    assert drafter is model.mtp and len(drafter) == 1
+
+
+def test_rope_scaling_without_type_is_yarn():
+    """DeepInfer applies YaRN to compressed layers whenever rope_scaling is set (_compress_spec)."""
+    typed = DeepseekV41Config.from_hf(_text())
+    scaling = {k: v for k, v in _text()["rope_scaling"].items() if k != "type"}
+    untyped = DeepseekV41Config.from_hf(_text(rope_scaling=scaling))
+    assert untyped.compress_rope == typed.compress_rope
+    assert untyped.compress_rope.factor == 4.0
+    assert untyped.main_rope == typed.main_rope  # sliding-window layers keep plain RoPE
+
+
+def test_hc_shifted_false_is_refused_naming_the_field():
+    assert DeepseekV41Config.from_hf(_text(hc_shifted=True)).hc_mult == 4
+    with pytest.raises(ValueError, match="hc_shifted=False"):
+        DeepseekV41Config.from_hf(_text(hc_shifted=False))
+
+
+def test_mtp_embed_and_head_copies_are_skipped(ckpt):
+    """DeepInfer's names.py maps mtp.N.embed / head to nothing (tied to the backbone's) and its loader skips them;
+    openinfer rejected them as not belonging to the model."""
+    names = oracles.names_module()
+    assert names.hf_to_model("mtp.0.embed.weight", n_layer=8) is None
+    assert names.hf_to_model("mtp.0.head.weight", n_layer=8) is None
+    model = _model(ckpt)
+    extra = [("mtp.0.embed.weight", torch.randn(256, 128).bfloat16()),
+             ("mtp.0.head.weight", torch.randn(256, 128).bfloat16())]
+    model.load_weights([*_tensors(ckpt), *extra])
+    with safe_open(str(ckpt / "model.safetensors"), "pt") as f:  # the backbone's copies stay in use
+        torch.testing.assert_close(model.lm_head.weight, f.get_tensor("head.weight").float())
+
+
+def test_checkpoint_names_are_deepinfers(ckpt):
+    """Every tensor the tiny checkpoint writer produces maps, under DeepInfer's names.py, to a known internal
+    parameter (a listed suffix, or a routed expert's w1/w2/w3), and each FP8 weight's scale is named by its
+    scale_name; the names openinfer's loader accepts are exactly those."""
+    names = oracles.names_module()
+    known = {*names._HF_TO_MODEL_SUFFIX, *names._HF_TO_EMBED_SUFFIX, *names._HF_TO_HEAD_SUFFIX,
+             *names._HF_TO_MTP_EXTRA}
+    expert = re.compile(r"^ffn\.experts\.\d+\.w[123]\.weight$")
+    n_layer = json.loads((ckpt / "config.json").read_text())["text_config"]["num_hidden_layers"]
+    with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
+        all_names = set(f.keys())
+    weights = {n for n in all_names if not n.endswith(".scale")}
+    for n in sorted(all_names - weights):
+        owner = n.removesuffix(".scale") + ".weight"
+        assert owner in weights and names.scale_name(owner) == n, n
+    unknown = []
+    for n in sorted(weights):
+        assert names.hf_to_model(n, n_layer=n_layer) is not None, n
+        suffix = re.sub(r"^(layers|mtp)\.\d+\.", "", n)
+        if suffix not in known and not expert.match(suffix):
+            unknown.append(n)
+    assert unknown == []
+    # The scoring bias of image tokens (bias_vl) is in both.
+    assert "layers.2.ffn.gate.bias_vl" in weights
