@@ -144,3 +144,67 @@ def test_rms_norm_matches_deepinfer(with_residual):
         got, want = got[0], want[0]
     assert got.dtype == want.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1.6e-2)
+
+
+def _drafter():
+    from openinfer.models.deepseek_v41.model import DeepseekV41ForCausalLM
+    from tests.test_deepseek_v41 import _generator
+    gen = _generator()
+    text = {**gen.COMMON, **gen.SIZES["tiny"]}
+    text.pop("engram_compressed_vocab_size")
+    model = DeepseekV41ForCausalLM(text)
+    drafter = model.build_mtp()
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    return model, drafter
+
+
+def test_dspark_confidence_and_markov_match_deepinfer():
+    """Per draft position: confidence = confidence_head_fused_ref(hidden before the norm, the Markov embedding
+    of the previous token) at DeepInfer's default temperature 1.0; the Markov correction adds markov_w2(w1)."""
+    ref = oracles.op("dflash", "confidence_head_fused_ref").confidence_head_fused_ref
+    model, drafter = _drafter()
+    last = drafter[-1]
+    g = torch.Generator().manual_seed(12)
+    hidden = torch.randn(5, model.config.hidden_size, generator=g)
+    logits = torch.randn(5, model.config.vocab_size, generator=g)
+    prev = torch.randint(0, model.config.vocab_size, (5,), generator=g)
+    step, conf = drafter.corrected(hidden, logits, prev)
+    w1 = last.markov_head.embed.weight[prev]
+    want = ref(hidden, last.confidence_head.proj.weight.t().contiguous(), 1.0, w1)
+    torch.testing.assert_close(conf, want, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(step, logits + w1 @ last.markov_head.head.weight.t())
+
+
+def test_dspark_target_features_match_deepinfer():
+    """The drafter's context input: per target layer, the mHC streams averaged (dflash_input_store_ref), the
+    layers side by side."""
+    from openinfer.models.deepseek_v41.dspark import target_features
+    ref = oracles.op("dflash", "dflash_input_store_ref").dflash_input_store_ref
+    g = torch.Generator().manual_seed(13)
+    streams = [torch.randn(7, 4, 32, generator=g).bfloat16() for _ in range(3)]
+    buf = torch.zeros(7, 3 * 32, dtype=torch.bfloat16)
+    for i, X in enumerate(streams):
+        ref(X, buf[:, i * 32:(i + 1) * 32])
+    assert torch.equal(target_features(streams), buf)
+
+
+def test_dspark_draft_positions_match_deepinfer():
+    """Draft inputs sit at a+1 .. a+S and each attends the window a-W+1 .. a then the block's own keys, -1 before
+    the sequence start: get_fused_dflash_get_input_ref's positions and kv_index (slots = positions here: one big
+    SWA block, offset 0)."""
+    from openinfer.models.deepseek_v41.dspark import draft_positions
+    ref = oracles.op("get_kv_index", "get_fused_dflash_get_input_ref").get_fused_dflash_get_input_ref
+    window, s = 8, 4
+    accepted = torch.tensor([0, 3, 7, 8, 40])
+    ctx_pos, draft_pos = draft_positions(accepted, window, s)
+    # DeepInfer's inputs: one token per request (ftp = its row), positions = accepted, slot = position.
+    pos = accepted.int()
+    _, positions_out, _, _, _, kv_index = ref(pos.clone(), pos, torch.arange(5, dtype=torch.int32),
+                                               torch.zeros(5, dtype=torch.int32), 1 << 20, s, window)
+    assert positions_out.view(5, s).tolist() == draft_pos.tolist()
+    keys = torch.cat([ctx_pos, draft_pos], dim=1)
+    want = kv_index.view(5, s, -1)[:, 0, :window + s]  # every draft row of a request reads the same keys
+    assert keys.tolist() == want.tolist()
