@@ -208,3 +208,44 @@ def test_dspark_draft_positions_match_deepinfer():
     keys = torch.cat([ctx_pos, draft_pos], dim=1)
     want = kv_index.view(5, s, -1)[:, 0, :window + s]  # every draft row of a request reads the same keys
     assert keys.tolist() == want.tolist()
+
+
+def _deepinfer_swa_pivots(seqs: list[tuple[int, int]], window: int) -> torch.Tensor:
+    """DeepInfer's kv_swa_full_index_pivots for sequences (seqlen_k, seqlen_q), no zero-state recompute: a
+    transliteration of csrc/engine/input_metadata/prepare_tensor_input_v4.cpp (the host side builds them). The
+    gathered buffer holds, per sequence, the window tokens before its chunk (rows i*W ..), then every chunk token."""
+    pivots, i_q, n_seq = [], 0, len(seqs)
+    for i, (k_len, q_len) in enumerate(seqs):
+        q_start, sec2_start = k_len - q_len, n_seq * window + i_q
+        for j in range(q_len):
+            lo = max(q_start + j - window + 1, 0)
+            start_slot = min(lo, q_start) - (q_start - window)
+            k_lo = max(0, lo - q_start)
+            pivots.append([i * window + start_slot, window - start_slot, sec2_start + k_lo, j - k_lo + 1])
+            i_q += 1
+    return torch.tensor(pivots, dtype=torch.int32)
+
+
+def test_sliding_window_matches_deepinfer():
+    """The keys a query's sliding window reads: expand_swa_index_ref over DeepInfer's pivots, mapped from the
+    gathered buffer back to token positions, equals openinfer's window (p - W + 1 .. p, none before 0)."""
+    from openinfer.models.deepseek_v41.attention import window_positions
+    ref = oracles.op("swa_index", "expand_swa_index_ref").expand_swa_index_ref
+    window = 8
+    seqs = [(5, 5), (20, 7), (9, 1), (13, 12), (30, 3)]  # (tokens so far incl. the chunk, chunk length)
+    index = ref(_deepinfer_swa_pivots(seqs, window), window)
+    # Gathered row -> token position.
+    rows = {}
+    for i, (k_len, q_len) in enumerate(seqs):
+        for slot in range(window):
+            rows[i * window + slot] = k_len - q_len - window + slot
+    base = len(seqs) * window
+    for k_len, q_len in seqs:
+        for j in range(q_len):
+            rows[base] = k_len - q_len + j
+            base += 1
+    positions = torch.tensor([k - q + j for k, q in seqs for j in range(q)])
+    win, valid = window_positions(positions, window)
+    for t in range(len(positions)):
+        want = sorted(rows[int(r)] for r in index[t] if r >= 0)
+        assert sorted(win[t][valid[t]].tolist()) == want, t
