@@ -107,3 +107,65 @@ def test_checkpoint_names_are_deepinfers(ckpt):
     assert unknown == []
     # The scoring bias of image tokens (bias_vl) is in both.
     assert "layers.2.ffn.gate.bias_vl" in weights
+
+
+@pytest.fixture(scope="module")
+def vl_ckpt(tmp_path_factory):
+    """The same text weights (same seed, written first) plus DeepInfer's vision layout at a test width."""
+    return _generator().make_checkpoint(tmp_path_factory.mktemp("v41vl") / "tiny", "tiny", seed=0, vision="tiny")
+
+
+def test_vision_layout_is_deepinfers():
+    """The writer's full-size vision tower is DeepInfer's fixed ViT (vision_encoder/vit.py constants), and every
+    vision name maps under names.py into DeepInfer's vision_pipeline tree."""
+    gen = _generator()
+    vit = oracles.load("deepinfer/model_executor/models/vision_encoder/vit.py", "EMBED_DIM", "DEPTH", "NUM_HEADS",
+                       "MLP_RATIO", "MULTIPLE_OF", "PATCH_SIZE")
+    full = gen.VISION["deepinfer"]
+    mlp = vit.MULTIPLE_OF * -(-int(vit.EMBED_DIM * vit.MLP_RATIO) // vit.MULTIPLE_OF)
+    assert (full["hidden_size"], full["depth"], full["num_attention_heads"], full["patch_size"], full["mlp_hidden"]) \
+        == (vit.EMBED_DIM, vit.DEPTH, vit.NUM_HEADS, vit.PATCH_SIZE, mlp)
+    names = oracles.names_module()
+    specs = gen.vision_specs(gen.VISION["tiny"], 128)
+    mapped = {names.hf_to_model(n, n_layer=8) for n in specs}
+    block = {f"vision_pipeline.aligner.visual_encoder.blocks.{i}.{leaf}" for i in range(2)
+             for leaf in ("norm1.weight", "norm2.weight", "attn.qkv.weight", "attn.qkv.bias", "attn.proj.weight",
+                          "attn.proj.bias", "mlp.linear1.weight", "mlp.linear2.weight")}
+    assert mapped == block | {
+        "vision_pipeline.aligner.visual_encoder.patch_embed.proj.weight",
+        "vision_pipeline.aligner.visual_encoder.patch_embed.proj.bias",
+        "vision_pipeline.aligner.visual_encoder.fc_norm.weight",
+        *(f"vision_pipeline.aligner.aligner.layers.{i}.{k}" for i in (0, 2) for k in ("weight", "bias")),
+        *(f"module.module.0.params.image_{k}" for k in ("start", "end", "newline"))}
+
+
+def test_checkpoint_with_the_vision_tower_serves_text(ckpt, vl_ckpt):
+    """DeepInfer's released layout (vision_config, vision.* / aligner.* / image_* tensors) loads; openinfer does
+    not build the tower and serves text with exactly the tokens of the text-only checkpoint."""
+    from openinfer import LLM, SamplingParams
+    cfg = json.loads((vl_ckpt / "config.json").read_text())
+    assert cfg["vision_config"]["hidden_size"] == 32
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5, 9, 33, 7, 81, 12, 40]}, {"prompt_token_ids": list(range(20, 45))}]
+    outs = []
+    for path in (ckpt, vl_ckpt):
+        llm = LLM(str(path), dtype="float32", max_model_len=64, num_kv_blocks=16)
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)])
+        del llm
+    assert outs[0] == outs[1]
+
+
+def test_bad_vision_tensors_fail_naming_them(vl_ckpt):
+    from openinfer.models.weights import WeightLoadError
+    model = _model(vl_ckpt)
+    with pytest.raises(WeightLoadError, match=r"'image_start' has shape \(7,\)"):
+        model.load_weights([("image_start", torch.zeros(7))])
+    with pytest.raises(WeightLoadError, match="vision.blocks.0.attn.qkv.weight"):  # not DeepInfer's HF name
+        model.load_weights([("vision.blocks.0.attn.qkv.weight", torch.zeros(96, 32))])
+    cfg = json.loads((vl_ckpt / "config.json").read_text())
+    del cfg["vision_config"]
+    text_only = DeepseekV41ForCausalLM({**cfg, "_checkpoint_dir": str(vl_ckpt)})
+    with pytest.raises(WeightLoadError, match="no vision_config"):
+        text_only.load_weights([("vision.norm.weight", torch.zeros(32))])
+    with pytest.raises(ValueError, match="vision_config.downsample_ratio must be a positive int"):
+        DeepseekV41Config.from_hf({**_text(), "vision_config": {"hidden_size": 32}})

@@ -51,6 +51,16 @@ class DSparkConfig:
 
 
 @dataclass(frozen=True)
+class VisionConfig:
+    """The fields of ``vision_config`` DeepInfer reads (hugging_face/config.py ``_build_vision``: the projector's
+    input width and downsample; the ViT's shape is fixed in its vision_encoder/vit.py). openinfer does not build
+    the vision tower: a checkpoint with it serves text, its vision tensors checked by name and skipped
+    (loading.py)."""
+    hidden_size: int
+    downsample_ratio: int
+
+
+@dataclass(frozen=True)
 class DeepseekV41Config:
     vocab_size: int
     hidden_size: int
@@ -88,6 +98,7 @@ class DeepseekV41Config:
     tie_word_embeddings: bool = False
     fp8_block: tuple[int, int] | None = None
     expert_dtype: str | None = None
+    vision: VisionConfig | None = None
 
     @property
     def router(self) -> RouterConfig:
@@ -104,9 +115,7 @@ class DeepseekV41Config:
         the raw file."""
         if isinstance(cfg.get("text_config"), dict):
             cfg = {**{k: v for k, v in cfg.items() if k != "text_config"}, **cfg["text_config"]}
-        if cfg.get("vision_config"):
-            raise ValueError("vision_config: DeepSeek-V4.1's vision tower is not supported yet (text only); "
-                             "remove vision_config from config.json to serve the language model")
+        vision = _vision(cfg.get("vision_config"))
 
         def need(key: str) -> Any:
             if cfg.get(key) is None:
@@ -177,8 +186,17 @@ class DeepseekV41Config:
             num_nextn_predict_layers=nextn, engram=_engram(cfg, n, vocab),
             dspark=_dspark(cfg, n) if nextn else None,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            fp8_block=fp8_block, expert_dtype=expert_dtype,
+            fp8_block=fp8_block, expert_dtype=expert_dtype, vision=vision,
         )
+
+
+def _vision(vc: Any) -> VisionConfig | None:
+    if vc is None:
+        return None
+    if not isinstance(vc, dict):
+        raise ValueError(f"vision_config must be an object, got {type(vc).__name__}")
+    return VisionConfig(hidden_size=_positive(vc, "hidden_size", "vision_config."),
+                        downsample_ratio=_positive(vc, "downsample_ratio", "vision_config."))
 
 
 def _yarn_typed(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -190,10 +208,10 @@ def _yarn_typed(cfg: dict[str, Any]) -> dict[str, Any]:
     return cfg
 
 
-def _positive(cfg: dict[str, Any], key: str) -> int:
+def _positive(cfg: dict[str, Any], key: str, where: str = "") -> int:
     v = cfg.get(key)
     if not isinstance(v, int) or v <= 0:
-        raise ValueError(f"{key} must be a positive int, got {v!r}")
+        raise ValueError(f"{where}{key} must be a positive int, got {v!r}")
     return v
 
 
