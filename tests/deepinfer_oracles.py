@@ -18,7 +18,9 @@ from __future__ import annotations
 import ast
 import hashlib
 import io
+import os
 import tarfile
+import tempfile
 import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
@@ -56,8 +58,16 @@ def source_root() -> Path:
     digest = hashlib.sha256(blob).hexdigest()
     if digest != SDIST_SHA256:
         pytest.skip(f"DeepInfer {VERSION} oracles: sdist sha256 {digest} != pinned {SDIST_SHA256}")
-    with tarfile.open(fileobj=io.BytesIO(blob), mode="r:gz") as tar:
-        tar.extractall(CACHE.parent, filter="data")
+    # Unpacked beside the cache and renamed into place: parallel test workers never see half a tree.
+    CACHE.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=CACHE.parent) as tmp:
+        with tarfile.open(fileobj=io.BytesIO(blob), mode="r:gz") as tar:
+            tar.extractall(tmp, filter="data")
+        try:
+            os.rename(Path(tmp) / f"deepinfer-{VERSION}", CACHE)
+        except OSError:
+            if not (CACHE / "deepinfer").is_dir():  # not another worker's finished copy
+                raise
     _root = CACHE
     return _root
 

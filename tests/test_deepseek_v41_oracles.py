@@ -249,3 +249,16 @@ def test_sliding_window_matches_deepinfer():
     for t in range(len(positions)):
         want = sorted(rows[int(r)] for r in index[t] if r >= 0)
         assert sorted(win[t][valid[t]].tolist()) == want, t
+
+
+def test_oracle_loader_refuses_cuda_code_and_skips_without_a_source(monkeypatch, tmp_path):
+    """An oracle that needs DeepInfer's compiled ops is refused (only plain-torch functions run); with neither the
+    shared copy nor the PyPI sdist reachable the oracle tests skip, naming what is missing."""
+    with pytest.raises(RuntimeError, match="not plain torch"):
+        oracles.op("candidate_blocks", "candidate_block_max")  # the tilelang kernel's wrapper
+    monkeypatch.setattr(oracles, "_root", None)
+    monkeypatch.setattr(oracles, "SHARED", tmp_path / "none")
+    monkeypatch.setattr(oracles, "CACHE", tmp_path / "cache")
+    monkeypatch.setattr(oracles, "SDIST_URL", "http://127.0.0.1:9/deepinfer-0.1.0.tar.gz")
+    with pytest.raises(pytest.skip.Exception, match="could not be fetched"):
+        oracles.source_root()
