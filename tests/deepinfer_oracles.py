@@ -36,7 +36,7 @@ CACHE = Path.home() / ".cache" / "openinfer" / f"deepinfer-{VERSION}"
 OPS = "deepinfer/model_executor/layers/tilelang_ops"
 # Imports an extracted function may need; anything else (deepinfer, tilelang, deep_gemm, pytest) is refused.
 PLAIN_MODULES = {"torch", "math", "re", "typing", "collections", "dataclasses", "functools", "itertools", "numpy",
-                 "__future__"}
+                 "json", "pathlib", "__future__"}
 
 _root: Path | None = None
 
@@ -126,19 +126,21 @@ def _needed(node: ast.stmt, defs: dict[str, ast.stmt], path: str) -> list[ast.st
     return order
 
 
-def load(relpath: str, *names: str) -> SimpleNamespace:
-    """Functions (or module constants) ``names`` of DeepInfer module ``relpath`` (relative to the sdist root), runnable on CPU torch."""
+def load(relpath: str, *names: str, provide: dict | None = None) -> SimpleNamespace:
+    """Functions (or classes, module constants) ``names`` of DeepInfer module ``relpath`` (relative to the sdist root),
+    runnable on CPU torch. ``provide``: names the module imports from DeepInfer itself, given by the caller (each
+    also an oracle, e.g. ``AttrDict`` loaded from deepinfer/attrdict.py)."""
     path = source_root() / relpath
     tree = ast.parse(path.read_text(), str(path))
-    defs = _top_level(tree)
+    defs = {k: v for k, v in _top_level(tree).items() if k not in (provide or {})}
     body: list[ast.stmt] = []
     for name in names:
-        if not isinstance(defs.get(name), (ast.FunctionDef, ast.Assign, ast.AnnAssign)):
-            raise RuntimeError(f"{relpath} defines no function or constant {name!r} (DeepInfer {VERSION})")
+        if not isinstance(defs.get(name), (ast.FunctionDef, ast.ClassDef, ast.Assign, ast.AnnAssign)):
+            raise RuntimeError(f"{relpath} defines no function, class or constant {name!r} (DeepInfer {VERSION})")
         for stmt in _needed(defs[name], defs, relpath):
             if stmt not in body:
                 body.append(stmt)
-    namespace: dict = {"__name__": f"deepinfer_oracle:{relpath}"}
+    namespace: dict = {"__name__": f"deepinfer_oracle:{relpath}", **(provide or {})}
     exec(compile(ast.Module(body=body, type_ignores=[]), str(path), "exec"), namespace)
     return SimpleNamespace(**{n: namespace[n] for n in names})
 

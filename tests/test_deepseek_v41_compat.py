@@ -169,3 +169,36 @@ def test_bad_vision_tensors_fail_naming_them(vl_ckpt):
         text_only.load_weights([("vision.norm.weight", torch.zeros(32))])
     with pytest.raises(ValueError, match="vision_config.downsample_ratio must be a positive int"):
         DeepseekV41Config.from_hf({**_text(), "vision_config": {"hidden_size": 32}})
+
+
+def test_config_json_has_every_key_deepinfer_reads(vl_ckpt):
+    """The writer's config.json (with vision_config) goes through DeepInfer's own config builders
+    (hugging_face/config.py: support checks, sharing topology, attention specs, MoE, DSpark, Engram, vision), and
+    holds every key its load_hf_model_config reads directly (found in its source)."""
+    import ast
+    attrdict = oracles.load("deepinfer/attrdict.py", "AttrDict").AttrDict
+    rel = "deepinfer/hugging_face/config.py"
+    di = oracles.load(rel, "_assert_supported", "_shared_layer_cfg", "_build_attn_module_list", "_build_moe",
+                      "_build_dflash_cfg", "_build_engram", "_build_vision", "_n_prefill_layer",
+                      provide={"AttrDict": attrdict})
+    hf = json.loads((vl_ckpt / "config.json").read_text())
+    text = hf["text_config"]
+    di._assert_supported(hf)
+    shared = di._shared_layer_cfg(text)
+    specs = di._build_attn_module_list(text, shared)
+    n = text["num_hidden_layers"]
+    assert [0 if s.cfg.get("sparse_stage") == 0 else s.cfg.kv_compress_ratio for s in specs[:n]] == \
+        text["compress_ratios"][:n]
+    assert di._n_prefill_layer(text) == 5
+    assert di._build_moe(text).n_routed_experts == text["n_routed_experts"]
+    assert di._build_dflash_cfg(hf).dspark_block_size == text["dspark_block_size"]
+    assert di._build_engram(hf, vl_ckpt).engram_layer_ids == text["engram_layer_ids"]
+    assert di._build_vision(hf)[1].params.input_dim == hf["vision_config"]["hidden_size"]
+    source = ast.parse((oracles.source_root() / rel).read_text())
+    fn = next(f for f in source.body if isinstance(f, ast.FunctionDef) and f.name == "load_hf_model_config")
+    scopes = {"hf": hf, "text": text, "quant": hf["quantization_config"]}
+    read = {(node.value.id, node.slice.value) for node in ast.walk(fn)
+            if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id in scopes
+            and isinstance(node.slice, ast.Constant)}
+    assert len(read) > 20  # the scan found the reads (29 in 0.1.0)
+    assert sorted(f"{scope}[{key!r}]" for scope, key in read if key not in scopes[scope]) == []
