@@ -62,6 +62,14 @@ SIZES: dict[str, dict[str, Any]] = {
                       "beta_slow": 1},
     ),
 }
+# The vision tower (vision_config + vision.* / aligner.* / image_* tensors): DeepInfer's ViT shape is fixed in
+# vision_encoder/vit.py (patch 14, width 1024, 32 blocks, 16 heads, MLP 2.7x rounded up to 128; aligner
+# downsample_mlp_gelu of depth 2); "tiny" keeps its names at a test-sized width.
+VISION: dict[str, dict[str, int]] = {
+    "deepinfer": dict(hidden_size=1024, depth=32, mlp_hidden=2816, patch_size=14, downsample_ratio=3,
+                      num_attention_heads=16),
+    "tiny": dict(hidden_size=32, depth=2, mlp_hidden=64, patch_size=14, downsample_ratio=2, num_attention_heads=2),
+}
 COMMON = dict(hidden_act="silu", attention_bias=False, attention_dropout=0.0, num_key_value_heads=1,
               scoring_func="sqrtsoftplus", topk_method="noaux_tc", norm_topk_prob=True, routed_scaling_factor=1.5,
               swiglu_limit=10.0, hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, rms_norm_eps=1e-6,
@@ -126,6 +134,24 @@ def tensor_specs(text: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], str]]
     return specs
 
 
+def vision_specs(vision: dict[str, int], text_hidden: int) -> dict[str, tuple[tuple[int, ...], str]]:
+    """DeepInfer HF names of the vision tower (names.py maps them into vision_pipeline.aligner.*), bf16."""
+    e, m, p, ds = vision["hidden_size"], vision["mlp_hidden"], vision["patch_size"], vision["downsample_ratio"]
+    specs: dict[str, tuple[tuple[int, ...], str]] = {
+        "vision.patch_embed.proj.weight": ((e, 3 * p * p), "bf16"), "vision.patch_embed.proj.bias": ((e,), "bf16"),
+        "vision.norm.weight": ((e,), "norm"),
+        "aligner.w1.weight": ((text_hidden, e * ds * ds), "bf16"), "aligner.w1.bias": ((text_hidden,), "bf16"),
+        "aligner.w2.weight": ((text_hidden, text_hidden), "bf16"), "aligner.w2.bias": ((text_hidden,), "bf16"),
+        **{f"image_{k}": ((text_hidden,), "bf16") for k in ("start", "end", "newline")}}
+    for i in range(vision["depth"]):
+        b = f"vision.blocks.{i}."
+        specs.update({b + "norm1.weight": ((e,), "norm"), b + "norm2.weight": ((e,), "norm"),
+                      b + "attn.wqkv.weight": ((3 * e, e), "bf16"), b + "attn.wqkv.bias": ((3 * e,), "bf16"),
+                      b + "attn.wo.weight": ((e, e), "bf16"), b + "attn.wo.bias": ((e,), "bf16"),
+                      b + "mlp.w1.weight": ((2 * m, e), "bf16"), b + "mlp.w2.weight": ((e, m), "bf16")})
+    return specs
+
+
 def _block_specs(text: dict[str, Any], p: str, e: int, r: int, kv_src: bool, idx_src: bool, idxk_src: bool,
                  engram_rows: int | None) -> dict[str, tuple[tuple[int, ...], str]]:
     """One decoder block's tensors (a main layer or a DSpark block), as DeepInfer's builder creates them."""
@@ -167,9 +193,10 @@ def _block_specs(text: dict[str, Any], p: str, e: int, r: int, kv_src: bool, idx
 
 
 def make_checkpoint(out: str | Path, size: str = "tiny", seed: int = 0, std: float | None = None,
-                    quantize: bool = True, **overrides: Any) -> Path:
+                    quantize: bool = True, vision: str | None = None, **overrides: Any) -> Path:
     """Write config.json, model.safetensors and a char tokenizer to ``out``; ``overrides`` replace text_config
-    fields. ``quantize=False`` writes every tensor in fp32 without quantization_config (openinfer also loads that)."""
+    fields. ``quantize=False`` writes every tensor in fp32 without quantization_config (openinfer also loads that).
+    ``vision`` (a VISION size) adds DeepInfer's vision layout: vision_config and the vision / image_* tensors."""
     from safetensors.torch import save_file
 
     text = {**COMMON, **SIZES[size], **overrides}
@@ -180,7 +207,10 @@ def make_checkpoint(out: str | Path, size: str = "tiny", seed: int = 0, std: flo
         return torch.randn(shape, generator=gen) * s + mean
 
     tensors: dict[str, torch.Tensor] = {}
-    for name, (shape, kind) in tensor_specs(text).items():
+    specs = tensor_specs(text)
+    if vision is not None:
+        specs.update(vision_specs(VISION[vision], text["hidden_size"]))
+    for name, (shape, kind) in specs.items():
         if kind == "norm":
             t = randn(shape, 0.1, 1.0)
         elif kind == "hc_fn":
@@ -215,6 +245,11 @@ def make_checkpoint(out: str | Path, size: str = "tiny", seed: int = 0, std: flo
            "text_config": text}
     if quantize:
         cfg["quantization_config"] = dict(QUANTIZATION)
+    if vision is not None:
+        v = VISION[vision]
+        cfg["vision_config"] = {"hidden_size": v["hidden_size"], "downsample_ratio": v["downsample_ratio"],
+                                "num_hidden_layers": v["depth"], "num_attention_heads": v["num_attention_heads"],
+                                "patch_size": v["patch_size"], "intermediate_size": v["mlp_hidden"]}
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     write_char_tokenizer(out, text["vocab_size"])
     return out
@@ -226,8 +261,10 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-quantize", action="store_true", help="fp32 tensors, no quantization_config")
+    ap.add_argument("--vision", choices=sorted(VISION), default=None,
+                    help="also write the vision tower (vision_config, vision.* / aligner.* / image_* tensors)")
     args = ap.parse_args()
-    path = make_checkpoint(args.out, args.size, args.seed, quantize=not args.no_quantize)
+    path = make_checkpoint(args.out, args.size, args.seed, quantize=not args.no_quantize, vision=args.vision)
     print(f"wrote {args.size} DeepSeek-V4.1 checkpoint to {path}")
 
 

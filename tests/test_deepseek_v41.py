@@ -237,20 +237,6 @@ def test_yoco_consumer_window_kv_comes_from_its_own_hidden(ckpt):
     assert (got - transcribed(h5)).abs().max() > 1e-3
 
 
-def test_vision_tower_is_refused_naming_the_field(ckpt, tmp_path):
-    """DeepInfer's config.json carries ``vision_config`` at the top level (hugging_face/config.py ``_build_vision``);
-    openinfer serves the text model only and refuses it with a message naming the field."""
-    import shutil
-
-    dst = tmp_path / "vl"
-    shutil.copytree(ckpt, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg["vision_config"] = {"hidden_size": 1024, "downsample_ratio": 2}
-    (dst / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="vision_config: DeepSeek-V4.1's vision tower is not supported"):
-        LLM(str(dst), dtype="float32", max_model_len=64, num_kv_blocks=8)
-
-
 @pytest.mark.parametrize("chunk", [None, 8])
 def test_yoco_shortened_prefill_changes_nothing(ckpt, monkeypatch, chunk):
     """Past the YOCO boundary a prefill computes only the rows the sampled tokens and later steps' windows need

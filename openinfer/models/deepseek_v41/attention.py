@@ -48,6 +48,13 @@ class StepState:
     full_step: StepIndex | None = None
 
 
+def window_positions(positions: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Query positions [T] -> (the sliding window's key positions [T, window]: p - window + 1 .. p, valid [T, window]:
+    not before the sequence start)."""
+    win = positions[:, None] - (window - 1) + torch.arange(window, device=positions.device)
+    return win, win >= 0
+
+
 class Attention(nn.Module, KVStoreOwner):
     def __init__(self, cfg: DeepseekV41Config, layer: int) -> None:
         super().__init__()
@@ -200,9 +207,8 @@ class Attention(nn.Module, KVStoreOwner):
     def _attend(self, q: torch.Tensor, step: StepIndex, chosen: torch.Tensor | None,
                 state: StepState) -> torch.Tensor:
         pos, seq = step.positions, step.token_seq[:, None]
-        win_pos = pos[:, None] - (self.window - 1) + torch.arange(self.window, device=pos.device)
+        win_pos, valid = window_positions(pos, self.window)
         keys = self.cache.flat("kv")[step.token_slots(seq, win_pos)]
-        valid = win_pos >= 0
         if chosen is not None and chosen.shape[1]:
             src = state.caches[self.kv_source]
             slots = step.entry_slots(seq, chosen, self.ratio, src.entry_cap)

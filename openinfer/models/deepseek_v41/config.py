@@ -51,6 +51,16 @@ class DSparkConfig:
 
 
 @dataclass(frozen=True)
+class VisionConfig:
+    """The fields of ``vision_config`` DeepInfer reads (hugging_face/config.py ``_build_vision``: the projector's
+    input width and downsample; the ViT's shape is fixed in its vision_encoder/vit.py). openinfer does not build
+    the vision tower: a checkpoint with it serves text, its vision tensors checked by name and skipped
+    (loading.py)."""
+    hidden_size: int
+    downsample_ratio: int
+
+
+@dataclass(frozen=True)
 class DeepseekV41Config:
     vocab_size: int
     hidden_size: int
@@ -88,6 +98,7 @@ class DeepseekV41Config:
     tie_word_embeddings: bool = False
     fp8_block: tuple[int, int] | None = None
     expert_dtype: str | None = None
+    vision: VisionConfig | None = None
 
     @property
     def router(self) -> RouterConfig:
@@ -104,9 +115,7 @@ class DeepseekV41Config:
         the raw file."""
         if isinstance(cfg.get("text_config"), dict):
             cfg = {**{k: v for k, v in cfg.items() if k != "text_config"}, **cfg["text_config"]}
-        if cfg.get("vision_config"):
-            raise ValueError("vision_config: DeepSeek-V4.1's vision tower is not supported yet (text only); "
-                             "remove vision_config from config.json to serve the language model")
+        vision = _vision(cfg.get("vision_config"))
 
         def need(key: str) -> Any:
             if cfg.get(key) is None:
@@ -123,6 +132,9 @@ class DeepseekV41Config:
         if len(ratios) != n + nextn:
             raise ValueError(f"compress_ratios has {len(ratios)} entries, expected num_hidden_layers + "
                              f"num_nextn_predict_layers = {n} + {nextn} = {n + nextn}")
+        # DeepInfer builds every DSpark block as a sliding-window layer whatever its compress_ratios entry says
+        # (hugging_face/config.py _dflash_spec): those entries are read as 0.
+        ratios = ratios[:n] + (0,) * nextn
         bad = sorted({r for r in ratios if r not in COMPRESS_RATIOS})
         if bad:
             raise ValueError(f"compress_ratios holds {bad}: DeepSeek-V4.1 compresses with ratio 1 (C1) or 2 (C2) "
@@ -142,7 +154,10 @@ class DeepseekV41Config:
         heads, o_groups = int(need("num_attention_heads")), int(need("o_groups"))
         if heads % o_groups:
             raise ValueError(f"o_groups={o_groups} must divide num_attention_heads={heads}")
-        main_rope, compress_rope = _rope_configs(cfg, rope_dim)
+        if cfg.get("hc_shifted", True) is not True:
+            raise ValueError(f"hc_shifted={cfg['hc_shifted']!r} is not supported: only the shifted mHC (DeepInfer's "
+                             "default, what DeepSeek-V4.1 ships; no hc_head tensors) is implemented")
+        main_rope, compress_rope = _rope_configs(_yarn_typed(cfg), rope_dim)
         limit = cfg.get("swiglu_limit")
         if int(cfg.get("num_hash_layers") or 0):
             raise ValueError("num_hash_layers: DeepSeek-V4.1 has no hash-routed MoE layers")
@@ -171,14 +186,32 @@ class DeepseekV41Config:
             num_nextn_predict_layers=nextn, engram=_engram(cfg, n, vocab),
             dspark=_dspark(cfg, n) if nextn else None,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            fp8_block=fp8_block, expert_dtype=expert_dtype,
+            fp8_block=fp8_block, expert_dtype=expert_dtype, vision=vision,
         )
 
 
-def _positive(cfg: dict[str, Any], key: str) -> int:
+def _vision(vc: Any) -> VisionConfig | None:
+    if vc is None:
+        return None
+    if not isinstance(vc, dict):
+        raise ValueError(f"vision_config must be an object, got {type(vc).__name__}")
+    return VisionConfig(hidden_size=_positive(vc, "hidden_size", "vision_config."),
+                        downsample_ratio=_positive(vc, "downsample_ratio", "vision_config."))
+
+
+def _yarn_typed(cfg: dict[str, Any]) -> dict[str, Any]:
+    """DeepInfer applies YaRN to the compressed layers whenever ``rope_scaling`` is set, with or without a
+    ``type`` key (hugging_face/config.py _compress_spec); V4's reader takes a type-less one for plain RoPE."""
+    scaling = cfg.get("rope_scaling")
+    if isinstance(scaling, dict) and scaling and "type" not in scaling and "rope_type" not in scaling:
+        return {**cfg, "rope_scaling": {**scaling, "type": "yarn"}}
+    return cfg
+
+
+def _positive(cfg: dict[str, Any], key: str, where: str = "") -> int:
     v = cfg.get(key)
     if not isinstance(v, int) or v <= 0:
-        raise ValueError(f"{key} must be a positive int, got {v!r}")
+        raise ValueError(f"{where}{key} must be a positive int, got {v!r}")
     return v
 
 

@@ -36,6 +36,14 @@ def target_features(streams: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([X.float().mean(dim=1).to(X.dtype) for X in streams], dim=-1)
 
 
+def draft_positions(accepted: torch.Tensor, window: int, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accepted positions a [B] -> (context positions [B, window]: a-window+1 .. a, -1 before the sequence start;
+    draft positions [B, s]: a+1 .. a+s). The block's keys are the context's then its own, DeepInfer's kv_index
+    layout (get_fused_dflash_get_input: window + block positions from a - window + 1)."""
+    ctx = accepted[:, None] + torch.arange(-window + 1, 1, device=accepted.device)
+    return ctx.masked_fill(ctx < 0, -1), accepted[:, None] + 1 + torch.arange(s, device=accepted.device)
+
+
 class DraftAttention(Attention):
     """Sliding-window attention (main RoPE) over the projected context keys plus the draft block's own keys."""
 
@@ -145,7 +153,7 @@ class DSparkDrafter(nn.ModuleList):
         cfg, ds = self.cfg, self.cfg.dspark
         b = golden.shape[0]
         valid = ctx_pos >= 0
-        draft_pos = ctx_pos[:, -1:] + 1 + torch.arange(s, device=golden.device)
+        draft_pos = draft_positions(ctx_pos[:, -1], 0, s)[1]
         ids = torch.full((b, s), ds.noise_token_id, dtype=torch.long, device=golden.device)
         ids[:, 0] = golden
         x = embed(ids.reshape(-1))

@@ -5,8 +5,9 @@
   I[t, w]  = sum_h weights_proj(x_t)_h * n_h^-0.5 * ReLU(q^I_{t,h} . K^I_w) * d_I^-0.5,  w < (t+1)//m
   top-k    = the index_topk highest visible scores; ties -> lowest entry (stable sort), -1 pads
 Candidate blocks: the candidate source layer also groups its entries in blocks of ``candidate_block_size`` and
-keeps, per query, the ``candidate_topk_blocks`` blocks with the highest max score; later index layers (of the same
-ratio) only score entries inside those blocks. The positive scale factors do not change any ranking; they are kept
+keeps, per query, the ``candidate_topk_blocks`` blocks with the highest max score, the newest visible block always
+among them (DeepInfer scores it +inf); later index layers (of the same ratio) only score entries inside those
+blocks. The positive scale factors do not change any ranking; they are kept
 so scores match V4's indexer.
 Layers that are not an index source reuse their source's top-k; layers that are not an index-K source read the
 index keys their source stored.
@@ -66,15 +67,20 @@ def select_topk(scores: torch.Tensor, visible: torch.Tensor, k: int,
 
 def candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, block_size: int,
                      num_blocks: int) -> torch.Tensor:
-    """Per query, the ``num_blocks`` blocks of ``block_size`` entries with the highest max visible score
-    -> [T, num_blocks] block ids, -1 pads."""
+    """Per query, the newest visible block and the ``num_blocks - 1`` other blocks of ``block_size`` entries with the
+    highest max visible score -> [T, num_blocks] block ids, -1 pads."""
     t, w = scores.shape
     nb = -(-w // block_size)
     valid = torch.arange(w, device=scores.device) < visible[:, None]
     padded = torch.full((t, nb * block_size), float("-inf"), device=scores.device)
     padded[:, :w] = scores.masked_fill(~valid, float("-inf"))
     block_max = padded.view(t, nb, block_size).amax(dim=-1)
-    block_valid = torch.arange(nb, device=scores.device) < -(-visible[:, None] // block_size)
+    n_valid = -(-visible // block_size)
+    block_valid = torch.arange(nb, device=scores.device) < n_valid[:, None]
+    # The newest block (the one holding the query's latest entries) is always a candidate: DeepInfer scores it +inf
+    # (tilelang_ops/candidate_blocks.py candidate_block_max), whatever its max.
+    newest = (n_valid - 1).clamp_min(0)[:, None]
+    block_max.scatter_(1, newest, torch.where(n_valid[:, None] > 0, float("inf"), block_max.gather(1, newest)))
     ranked = _ranked(block_max, block_valid, min(num_blocks, nb))
     if ranked.shape[1] < num_blocks:
         ranked = torch.cat([ranked, ranked.new_full((t, num_blocks - ranked.shape[1]), -1)], dim=1)

@@ -8,11 +8,14 @@ routed experts, and the Engram tables in FP8 with one UE8M0 scale per 32 values 
 MXFP4 experts stay packed where their experts module keeps them (V4's rule); the FP8 linears and tables are
 dequantised at load.
 ``mtp.*`` (the DSpark draft blocks) builds ``model.mtp`` on first sight; a checkpoint without them loads, and
-drafting is unavailable (said once).
+drafting is unavailable (said once). ``mtp.N.embed`` / ``mtp.N.head`` copies are skipped, as DeepInfer skips them.
+The vision tower (``vision.*``, ``aligner.*``, ``image_start / end / newline``; config ``vision_config``) is not
+built: its tensors are checked against DeepInfer's names and skipped, so the released layout serves text.
 """
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterable
 
 import torch
@@ -24,6 +27,29 @@ from openinfer.models.weights import WeightLoadError, copy_into
 
 logger = logging.getLogger(__name__)
 ENGRAM_TABLE = "engram.embed.weight"
+# The DSpark blocks read the backbone's embedding and head; DeepInfer skips per-block copies (names.py hf_to_model
+# maps them to nothing: "tied, HF stores only one copy, in the backbone").
+TIED_MTP_COPY = re.compile(r"^(model\.)?mtp\.\d+\.(embed|head)\.(weight|scale)$")
+# The vision tower's tensors under DeepInfer's HF names (names.py _VISION_PREFIX / _VISION_RENAME over
+# vision_encoder/vit.py and mlp_projector.py) and the image marker embeddings (containers.py MultimodalEmbedding).
+VISION_TENSOR = re.compile(r"^(model\.)?(vision\.(patch_embed\.proj\.(weight|bias)|norm\.weight"
+                           r"|blocks\.\d+\.(norm1\.weight|norm2\.weight|attn\.(wqkv|wo)\.(weight|bias)"
+                           r"|mlp\.(w1|w2)\.weight))|aligner\.(w1|w2)\.(weight|bias))$")
+IMAGE_MARKERS = ("image_start", "image_end", "image_newline")
+
+
+def _vision_tensor(model, name: str, tensor: torch.Tensor) -> bool:
+    """A tensor of the vision tower, which openinfer does not build (text-only serving): checked and skipped."""
+    plain = name.removeprefix("model.")
+    if plain not in IMAGE_MARKERS and not VISION_TENSOR.match(plain):
+        return False
+    if model.config.vision is None:
+        raise WeightLoadError(f"checkpoint tensor {name!r} belongs to the vision tower, but config.json has no "
+                              "vision_config")
+    if plain in IMAGE_MARKERS and tuple(tensor.shape) != (model.config.hidden_size,):
+        raise WeightLoadError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected "
+                              f"({model.config.hidden_size},): one embedding of the text width")
+    return True
 
 
 class _V41Dequantizer(Dequantizer):
@@ -43,7 +69,13 @@ def load_v41_weights(model, weights: Iterable[tuple[str, torch.Tensor]]) -> set[
     dequantizer = _V41Dequantizer(model.config.fp8_block, model.config.expert_dtype,
                                   lambda n: canonical_name(n)[0] in targets,
                                   keep_packed=lambda n: _keeps_packed(model, n, linears=False))
+    vision_skipped = 0
     for raw_name, raw_tensor in weights:
+        if TIED_MTP_COPY.match(raw_name):
+            continue
+        if _vision_tensor(model, raw_name, raw_tensor):
+            vision_skipped += 1
+            continue
         for name, tensor in dequantizer.feed(raw_name, raw_tensor):
             pname, shard = canonical_name(name)
             if pname.startswith("mtp.") and model.mtp is None:
@@ -69,6 +101,9 @@ def load_v41_weights(model, weights: Iterable[tuple[str, torch.Tensor]]) -> set[
     missing = sorted(_expected(model, targets) - loaded)
     if missing:
         raise WeightLoadError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
+    if vision_skipped:
+        logger.info("DeepSeek-V4.1 vision tower not built (text-only serving; image input is not implemented): "
+                    "%d vision tensors skipped", vision_skipped)
     if model.mtp is None and model.config.num_nextn_predict_layers:
         logger.info("checkpoint has no DSpark weights (mtp.*): the model runs, drafting is unavailable")
     return loaded

@@ -155,13 +155,21 @@ def _choose(model, i: int, q_res, h, cos, sin, seq: _Sequence) -> list[list[int]
             pool = [w for w in pool if w // bs in seq.candidates[t]]
         chosen.append(sorted(pool, key=lambda w: (-scores[w], w))[:cfg.index_topk])
         if topo.candidate_source == i:
-            blocks = {}
-            for w in range(visible):
-                blocks[w // bs] = max(blocks.get(w // bs, float("-inf")), scores[w])
-            cands.append(set(sorted(blocks, key=lambda b: (-blocks[b], b))[:topo.candidate_topk_blocks]))
+            cands.append(candidate_set(scores, visible, bs, topo.candidate_topk_blocks))
     if topo.candidate_source == i:
         seq.candidates = cands
     return chosen
+
+
+def candidate_set(scores: list[float], visible: int, block_size: int, k: int) -> set[int]:
+    """The k blocks with the highest max score among the first ``visible`` entries; the newest block always
+    (DeepInfer's candidate_block_max scores it +inf)."""
+    blocks: dict[int, float] = {}
+    for w in range(visible):
+        blocks[w // block_size] = max(blocks.get(w // block_size, float("-inf")), scores[w])
+    if blocks:
+        blocks[(visible - 1) // block_size] = float("inf")
+    return set(sorted(blocks, key=lambda b: (-blocks[b], b))[:k])
 
 
 @torch.no_grad()

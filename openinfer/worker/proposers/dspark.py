@@ -26,6 +26,7 @@ import torch
 
 from openinfer.config import EngineConfig
 from openinfer.kv_cache_interface import KVGroupSpec
+from openinfer.models.deepseek_v41.dspark import draft_positions
 from openinfer.models.interface import DSparkTarget
 from openinfer.worker.proposers import ProposeInputs
 from openinfer.worker.proposers.drafting import DraftingModel
@@ -104,10 +105,9 @@ class DSparkProposer(DraftingModel):
         states = [r.state for r in step.sampled if len(r.state.token_ids) < self.max_model_len]
         if not states:
             return {}
-        back = torch.arange(-self.window + 1, 1, device=self.device)
-        ctx_pos = torch.stack([len(st.token_ids) - 2 + back for st in states])  # [B, W], last column a = L - 2
+        accepted = torch.tensor([len(st.token_ids) - 2 for st in states], device=self.device)  # a = L - 2
+        ctx_pos, _ = draft_positions(accepted, self.window, self.k)
         keys = torch.stack([store[slots(st.block_ids[g], p.clamp(min=0))] for st, p in zip(states, ctx_pos)])
-        ctx_pos = ctx_pos.masked_fill(ctx_pos < 0, -1)
         golden = torch.tensor([st.token_ids[-1] for st in states], dtype=torch.long, device=self.device)
         tokens, confidence = self.target.propose_over_keys(keys, ctx_pos, golden, block_size=self.k)
         self.last_confidence = {st.req_id: c for st, c in zip(states, confidence.tolist())}
