@@ -177,7 +177,15 @@ def build_app(engine: LLMEngine, settings: ServerSettings, chat_template: str | 
                 "created": ctx.created,
                 "owned_by": "openinfer",
                 "root": name,  # vLLM shows the checkpoint path here; a client has no use for the server's paths
+                "parent": None,
                 "max_model_len": ctx.max_model_len,
+                # vLLM's ModelPermission, with vLLM's values (what a client may do with the model)
+                "permission": [{
+                    "id": f"modelperm-{name}", "object": "model_permission", "created": ctx.created,
+                    "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                    "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                    "organization": "*", "group": None, "is_blocking": False,
+                }],
             }
             for name in settings.served_model_names
         ]

@@ -57,6 +57,8 @@ class GenerationRequest(_Strict):
     structured_outputs: dict[str, Any] | None = None
     # disaggregated prefill/decode: vLLM's KV connector parameters (returned in the response as well)
     kv_transfer_params: dict[str, Any] | None = None
+    # vLLM's request priority: lower is served first under --scheduling-policy priority (else only 0 is allowed)
+    priority: int = 0
 
 
 class CompletionRequest(GenerationRequest):
@@ -191,7 +193,9 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "openinfer"
     root: str
+    parent: str | None = None
     max_model_len: int
+    permission: list[dict[str, Any]] = Field(default_factory=list)  # vLLM's ModelPermission objects
 
 
 class ModelList(BaseModel):

@@ -169,7 +169,7 @@ class RequestValidator:
             params = dataclasses.replace(checked.params, max_tokens=max_tokens)
         except (ValueError, TypeError) as e:
             raise _sampling_error(e) from None
-        return AddRequest(request_id, prompt_ids, params, prompt, arrival_s)
+        return AddRequest(request_id, prompt_ids, params, prompt, arrival_s, checked.request.priority)
 
     # -- the checks -------------------------------------------------------------------------------------------
     def check_model(self, name: str | None) -> str:
