@@ -465,3 +465,18 @@ def split_llm_kwargs(kwargs: dict[str, Any], own_fields: set[str]) -> dict[str, 
         else:
             raise ValueError(REFUSED.format(flag=key, why=f.why))
     return out
+
+
+def markdown_table() -> str:
+    """The table as docs/vllm_compat.md shows it (the doc's test compares the two, so they cannot drift):
+    ``python -c "from openinfer.vllm_compat import markdown_table; print(markdown_table())"``."""
+    rows = ["| vLLM flag | `LLM()` keyword | openinfer |", "|---|---|---|"]
+    for f in _TABLE:
+        names = ", ".join(f"`{n}`" for n in (f.name, *f.short))
+        keyword = f"`{f.keyword}`" if f.scope == "engine" and not f.name.startswith("--no-") else "(serve only)"
+        what = {"same": "the same setting",
+                "alias": f"mapped: {f.why}",
+                "noop": f"accepted, logged no-op: {f.why}",
+                "refuse": f"refused: {f.why}" + (f" (accepted: {', '.join(f.ok)})" if f.ok else "")}[f.kind]
+        rows.append(f"| {names} | {keyword} | {what} |")
+    return "\n".join(rows)

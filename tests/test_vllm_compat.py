@@ -262,3 +262,10 @@ def test_deepseek_v4_reasoning_parser_follows_the_thinking_mode():
     parser = make_reasoning_parser("deepseek_v4", {"thinking": True})  # the prompt ends inside <think>
     assert parser.feed("plan</think>answer") == ("plan", "answer")
     assert make_reasoning_parser("deepseek_v4", {"enable_thinking": True}) is not None
+
+
+def test_the_docs_table_is_the_codes():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "vllm_compat.md").read_text()
+    assert vllm_compat.markdown_table() in doc, "regenerate docs/vllm_compat.md's table (the command is there)"

@@ -72,7 +72,8 @@ def add_parser(sub) -> None:
         "--reasoning-parser",
         default=None,
         help="split thinking out of the answer into reasoning_content: deepseek_r1 / deepseek_v3 (the output "
-        "starts inside <think>), qwen3 / think (only when the output opens <think>)",
+        "starts inside <think>), deepseek_v4 (inside <think> in thinking mode: chat_template_kwargs thinking / "
+        "enable_thinking; whole otherwise), qwen3 / think (only when the output opens <think>)",
     )
     g.add_argument(
         "--metrics-prefix",
