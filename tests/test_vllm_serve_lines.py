@@ -78,8 +78,13 @@ def test_deepseek_v4_recipe_line(tmp_path_factory):
         assert "blocks of 256" in log  # the KV cache line: --block-size took effect
         check_vllm_routes(s, 1024)
         msgs = [{"role": "user", "content": "hi"}]
-        thinking = chat(s.url, msgs, chat_template_kwargs={"thinking": True}, priority=-1)
+        thinking = chat(s.url, msgs, chat_template_kwargs={"thinking": True}, priority=-1, return_token_ids=True)
         assert thinking.status_code == 200, thinking.text
+        # vLLM's chat /tokenize fields: the same prompt the chat route renders, thinking mode included
+        tok = httpx.post(s.url + "/tokenize", json={"model": "tiny", "messages": msgs,
+                                                    "chat_template_kwargs": {"thinking": True}}, timeout=10).json()
+        plain_tok = httpx.post(s.url + "/tokenize", json={"model": "tiny", "messages": msgs}, timeout=10).json()
+        assert tok["tokens"] == thinking.json()["prompt_token_ids"] != plain_tok["tokens"]
         # thinking mode: the prompt ends inside <think>, so the output is reasoning until </think>
         message = thinking.json()["choices"][0]["message"]
         assert message.get("reasoning_content") and not message.get("content")

@@ -237,7 +237,10 @@ def build_app(engine: LLMEngine, settings: ServerSettings, chat_template: str | 
         if req.messages is not None:
             messages = validator.chat_messages(req.messages)
             validator.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
-            ids = await ctx.render_chat(messages, req.add_generation_prompt)
+            kwargs = dict(req.chat_template_kwargs or {})
+            if req.tools is not None:
+                kwargs["tools"] = req.tools
+            ids = await ctx.render_chat(messages, req.add_generation_prompt, req.continue_final_message, kwargs)
         else:
             ids = await ctx.encode_prompt(req.prompt, add_special_tokens=req.add_special_tokens)
         out = {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
