@@ -124,11 +124,11 @@ def test_model_group():
 
 
 def test_server_group():
-    args, _, _ = serve("--host", "0.0.0.0", "--port", "9001", "--api-key", "k", "--uvicorn-log-level", "info",
+    args, _, _ = serve("--host", "0.0.0.0", "--port", "9001", "--api-key", "k1", "k2", "--uvicorn-log-level", "info",
                        "--reasoning-parser", "deepseek_v4", "--tool-call-parser", "deepseek_v4",
                        "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',
                        "--kv-transfer-config", '{"kv_connector": "NixlConnector", "kv_role": "kv_both"}')
-    assert (args.host, args.port, args.api_key, args.uvicorn_log_level) == ("0.0.0.0", 9001, "k", "info")
+    assert (args.host, args.port, args.api_key, args.uvicorn_log_level) == ("0.0.0.0", 9001, ["k1", "k2"], "info")
     assert (args.reasoning_parser, args.tool_call_parser) == ("deepseek_v4", "deepseek_v4")
     assert '"ngram"' in args.speculative_config and "NixlConnector" in args.kv_transfer_config
 
@@ -269,3 +269,28 @@ def test_the_docs_table_is_the_codes():
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "vllm_compat.md").read_text()
     assert vllm_compat.markdown_table() in doc, "regenerate docs/vllm_compat.md's table (the command is there)"
+
+
+def test_any_of_several_api_keys_is_accepted():
+    """vLLM's --api-key takes several keys (rotation): any one of them opens the API, none other does."""
+    import asyncio
+
+    from openinfer.server.api import GuardMiddleware
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    def status(guard, token: str) -> int:
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "path": "/v1/models", "headers": [(b"authorization", f"Bearer {token}".encode())]}
+        asyncio.run(guard(scope, None, send))
+        return sent[0]["status"]
+
+    guard = GuardMiddleware(app, ["k1", "k2"], 1 << 20)
+    assert [status(guard, t) for t in ("k1", "k2", "k3", "")] == [200, 200, 401, 401]
+    assert [status(GuardMiddleware(app, "k1", 1 << 20), t) for t in ("k1", "k2")] == [200, 401]

@@ -38,8 +38,9 @@ def add_parser(sub) -> None:
     g.add_argument("--port", type=int, default=8000)
     g.add_argument(
         "--api-key",
-        default=envs.API_KEY,
-        help="require 'Authorization: Bearer KEY' (default: $OPENINFER_API_KEY)",
+        nargs="+",
+        default=[envs.API_KEY] if envs.API_KEY else None,
+        help="require 'Authorization: Bearer KEY', any one of these keys (default: $OPENINFER_API_KEY)",
     )
     g.add_argument(
         "--served-model-name",
