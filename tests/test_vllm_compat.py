@@ -294,3 +294,27 @@ def test_any_of_several_api_keys_is_accepted():
     guard = GuardMiddleware(app, ["k1", "k2"], 1 << 20)
     assert [status(guard, t) for t in ("k1", "k2", "k3", "")] == [200, 200, 401, 401]
     assert [status(GuardMiddleware(app, "k1", 1 << 20), t) for t in ("k1", "k2")] == [200, 401]
+
+
+def test_llm_chat_takes_vllms_template_kwargs_and_tools(tmp_path):
+    """LLM.chat(chat_template_kwargs=..., tools=...) renders what the server renders for the same request."""
+    from helpers import make_dense_checkpoint
+
+    from openinfer import LLM
+    from openinfer.chat_encoding.deepseek_v4 import encode_messages
+
+    ckpt = make_dense_checkpoint(tmp_path / "m", "llama", max_position_embeddings=2048)
+    llm = LLM(str(ckpt), dtype="float32", max_model_len=2048, num_kv_blocks=256, tokenizer_mode="deepseek_v4",
+              kernel_backend="torch", trust_remote_code=True)
+    msgs = [{"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    params = SamplingParams(max_tokens=1)
+    tok = llm.get_tokenizer()
+    thinking = llm.chat(msgs, params, use_tqdm=False, chat_template_kwargs={"thinking": True})[0]
+    assert thinking.prompt_token_ids == tok.encode(encode_messages(msgs, thinking_mode="thinking"),
+                                                   add_special_tokens=False)
+    plain = llm.chat(msgs, params, use_tqdm=False)[0]
+    assert plain.prompt_token_ids == tok.encode(encode_messages(msgs), add_special_tokens=False)
+    assert thinking.prompt_token_ids != plain.prompt_token_ids
+    with_tools = llm.chat(msgs, params, use_tqdm=False, tools=tools)[0]
+    assert len(with_tools.prompt_token_ids) > len(plain.prompt_token_ids)  # the tools' schema is in the prompt

@@ -86,15 +86,21 @@ class LLM:
         add_generation_prompt: bool = True,
         lora_request: Any = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
+        """vLLM's ``chat``: ``chat_template_kwargs`` (e.g. ``{"thinking": True}``) and ``tools`` reach the chat
+        template (or DeepSeek's encoder with ``tokenizer_mode``)."""
         _refuse_lora(lora_request)
+        template_kwargs = dict(chat_template_kwargs or {})
+        if tools is not None:
+            template_kwargs["tools"] = tools
         if not messages:
             raise ValueError("messages must be a non-empty list")
         conversations = [messages] if isinstance(messages[0], dict) else messages
         prompts = [
             {"prompt_token_ids": apply_chat_template(self.engine.tokenizer, conv, add_generation_prompt,
                                                      chat_template, self.engine.config.tokenizer_mode,
-                                                     **(chat_template_kwargs or {}))}
+                                                     **template_kwargs)}
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
