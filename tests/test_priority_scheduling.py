@@ -4,7 +4,7 @@ never preempts to get in. The scheduler alone (no torch), then the whole engine 
 from __future__ import annotations
 
 import pytest
-from test_scheduler import add, run_step
+from test_scheduler import run_step
 
 from openinfer.config import SchedulerConfig
 from openinfer.engine.kv_cache_manager import KVCacheManager
