@@ -23,6 +23,8 @@ TABLE: list[VllmFlag] = [
          negatable=True),
     same("--dtype"),
     same("--seed"),
+    same("--device"),
+    same("--attention-backend"),
     refuse("--hf-config-path", "the config is read from the --model folder"),
     refuse("--allowed-local-media-path", _NO_MM),
     refuse("--allowed-media-domains", _NO_MM),
@@ -187,6 +189,8 @@ TABLE: list[VllmFlag] = [
     noop("--disable-log-requests", "openinfer never logs request contents", scope="engine"),
     # -- the OpenAI server (FrontendArgs) ----------------------------------------------------------------------
     same("--host", scope="server"),
+    noop("--disable-frontend-multiprocessing", "the API server and the engine share one process", scope="server",
+         negatable=True),
     same("--port", scope="server"),
     refuse("--uds", "the server listens on TCP (--host / --port)", scope="server"),
     same("--uvicorn-log-level", scope="server"),
