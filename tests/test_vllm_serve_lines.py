@@ -6,10 +6,7 @@ tests/test_vllm_compat.py checks each flag group's parsing in process."""
 from __future__ import annotations
 
 import httpx
-import pytest
 from server_utils import ServerProcess, shared_checkpoint
-
-pytestmark = pytest.mark.slow  # two server processes
 
 NOOP = "accepted for vLLM compatibility, changes nothing here"
 
