@@ -57,7 +57,7 @@ class _Refuse(_Noop):
 
     def __call__(self, parser, namespace, values, option_string=None):
         value = values[0] if isinstance(values, list) and values else values
-        if self.flag.ok and value is not None and str(value) in self.flag.ok:
+        if self.flag.accepts(value):
             super().__call__(parser, namespace, values, option_string)
             return
         parser.error(REFUSED.format(flag=option_string, why=self.flag.why))
@@ -126,7 +126,7 @@ def split_llm_kwargs(kwargs: dict[str, Any], own_fields: set[str]) -> dict[str, 
         elif f.kind == "alias":
             out[f.dest] = f.convert(value)
         elif f.kind == "noop" or (f.kind == "refuse" and (value is False or value is None
-                                                          or str(value) in f.ok)):
+                                                          or f.accepts(value))):
             logger.info("LLM(%s=%r): accepted for vLLM compatibility, changes nothing here (%s)", key, value,
                         f.why or "openinfer's behaviour already")
         else:

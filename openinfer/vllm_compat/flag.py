@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,6 +52,21 @@ class VllmFlag:
     @property
     def keyword(self) -> str:
         return self.name.removeprefix("--").replace("-", "_")
+
+    def accepts(self, value: Any) -> bool:
+        """A refused flag's value that asks for openinfer's behaviour anyway: one listed in ``ok``, or (for a
+        per-modality limit such as ``--limit-mm-per-prompt '{"image": 0}'``) zero items of everything."""
+        if value is None or isinstance(value, list):
+            return False
+        if str(value) in self.ok:
+            return True
+        if self.name == "--limit-mm-per-prompt":
+            try:
+                limits = json.loads(value) if isinstance(value, str) else value
+            except ValueError:
+                return False
+            return isinstance(limits, dict) and all(v == 0 for v in limits.values())
+        return False
 
 
 def same(name: str, scope: str = "engine", short: tuple[str, ...] = ()) -> VllmFlag:

@@ -126,7 +126,7 @@ TABLE: list[VllmFlag] = [
     refuse("--kv-offloading-size", _NOT_YET_KV_TIER),
     refuse("--kv-offloading-backend", _NOT_YET_KV_TIER),
     # -- MultiModalConfig --------------------------------------------------------------------------------------
-    refuse("--limit-mm-per-prompt", _NO_MM),
+    refuse("--limit-mm-per-prompt", _NO_MM, ok=('{"image": 0}',)),  # any all-zero limits are accepted
     refuse("--enable-mm-embeds", _NO_MM, takes_value=False, negatable=True),
     refuse("--media-io-kwargs", _NO_MM),
     refuse("--mm-processor-kwargs", _NO_MM),
