@@ -25,7 +25,7 @@ class LLM:
     ``TypeError`` naming it."""
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        # vLLM's keywords (vllm_compat.py): mapped, accepted as a logged no-op, or refused by name
+        # vLLM's keywords (openinfer/vllm_compat): mapped, accepted as a logged no-op, or refused by name
         kwargs = vllm_compat.split_llm_kwargs(kwargs, {f.name for f in fields(EngineArgs)})
         self.engine_args = EngineArgs.from_kwargs("LLM()", model=model, **kwargs)
         self.engine = build_engine(self.engine_args)
