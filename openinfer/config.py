@@ -220,6 +220,10 @@ class CacheConfig:
     kv_cache_memory_gb: float | None = None
     # Fraction of free device memory used when kv_cache_memory_gb is unset.
     memory_utilization: float = 0.9
+    # vLLM's --gpu-memory-utilization: the share of the device's whole memory this instance may use (weights,
+    # activations and KV cache together); the KV cache gets what is left of it after warm-up. Overrides
+    # memory_utilization when set (worker.kv_budget_for_utilization).
+    gpu_memory_utilization: float | None = None
     # Exact block count (tests use it to force preemption); overrides the memory-based size.
     num_kv_blocks: int | None = None
     # What the cache stores (vLLM's names): "auto" = the model's dtype; "fp8" / "fp8_e4m3" = float8_e4m3fn with
@@ -234,6 +238,8 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if not 0 < self.memory_utilization <= 1:
             raise ValueError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -245,6 +251,9 @@ class CacheConfig:
         return self.kv_cache_dtype != "auto"
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """The step's shape. ``max_model_len`` is not here: its one home is ``ModelConfig`` (each ``Request``
@@ -254,8 +263,14 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     # KV slots allocated past each scheduled request's tokens: a drafting model writes its chain of drafts there.
     num_lookahead_tokens: int = 0
+    # vLLM's --scheduling-policy: "fcfs" (arrival order) or "priority" (lower ``priority`` value first, ties by
+    # arrival; preemption takes the lowest priority running request first).
+    policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {self.policy!r}")
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be > 0, got {self.max_num_seqs}")
         if self.max_num_batched_tokens <= 0:
@@ -501,8 +516,14 @@ class EngineConfig:
     tokenizer_mode: str = "auto"  # auto (the chat template) | deepseek_v4 (chat_encoding/deepseek_v4.py)
     kv_transfer: KVTransferConfig | None = None
     kernel: KernelConfig = field(default_factory=KernelConfig)
+    # Where the default sampling settings come from (vLLM's --generation-config): "auto" = the checkpoint's
+    # generation_config.json, "vllm" = none (SamplingParams' own defaults), else a folder holding one.
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.generation_config not in ("auto", "vllm") and not os.path.isdir(self.generation_config):
+            raise ValueError(f"generation_config={self.generation_config!r}: give auto, vllm or a folder holding a "
+                             f"generation_config.json")
         if not isinstance(self.attention_backend, AttentionBackend):
             raise ValueError(f"attention_backend must be an AttentionBackend, got {self.attention_backend!r} "
                              f"(AttentionBackend.parse reads 'auto', 'sdpa', 'reference')")
@@ -533,7 +554,7 @@ def engine_config_to_json(config: EngineConfig) -> str:
         "seed": config.seed, "attention_backend": config.attention_backend.value,
         "structured_outputs_backend": config.structured_outputs_backend, "tokenizer_mode": config.tokenizer_mode,
         "kv_transfer": asdict(config.kv_transfer) if config.kv_transfer else None,
-        "kernel": asdict(config.kernel),
+        "kernel": asdict(config.kernel), "generation_config": config.generation_config,
     })
 
 
@@ -552,4 +573,5 @@ def engine_config_from_json(text: str) -> EngineConfig:
                         structured_outputs_backend=d.get("structured_outputs_backend", "auto"),
                         tokenizer_mode=d.get("tokenizer_mode", "auto"),
                         kv_transfer=KVTransferConfig.parse(d.get("kv_transfer")),
-                        kernel=KernelConfig(**d["kernel"]) if d.get("kernel") else KernelConfig())
+                        kernel=KernelConfig(**d["kernel"]) if d.get("kernel") else KernelConfig(),
+                        generation_config=d.get("generation_config", "auto"))

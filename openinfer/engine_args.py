@@ -18,8 +18,12 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
+from openinfer import vllm_compat
+
 if TYPE_CHECKING:
     from openinfer.config import EngineConfig
+
+_HUMAN_READABLE_INTS = ("max_model_len", "max_num_batched_tokens")
 
 
 def _arg(default: Any, help: str) -> Any:
@@ -41,12 +45,19 @@ class EngineArgs:
     max_num_seqs: int = _arg(256, "most requests running at once")
     max_num_batched_tokens: int | None = _arg(None, "token budget of one engine step "
                                                     "(default: max(2048, min(max_model_len, 8192)))")
+    scheduling_policy: str = _arg("fcfs", "fcfs (arrival order) | priority (a request's lower priority value "
+                                          "first, ties by arrival; preemption takes the lowest priority first)")
     block_size: int = _arg(16, "tokens per KV-cache block (a power of two)")
     enable_prefix_caching: bool = _arg(True, "reuse the KV blocks of a shared prompt prefix")
     kv_cache_memory_gb: float | None = _arg(None, "KV-cache size in GiB (default: --memory-utilization of "
                                                   "the memory free after warm-up; on CPU at most 4 GiB)")
     memory_utilization: float = _arg(0.9, "fraction of free memory the KV cache may take when "
                                           "--kv-cache-memory-gb is unset, in (0, 1]")
+    gpu_memory_utilization: float | None = _arg(None, "vLLM's meaning: the share of the device's whole memory "
+                                                      "this instance may use (weights + activations + KV cache), in "
+                                                      "(0, 1]; the KV cache gets the rest after warm-up (on CPU: of "
+                                                      "the host's RAM, capped at what the batch can use). Overrides "
+                                                      "--memory-utilization")
     num_kv_blocks: int | None = _arg(None, "exact KV block count (overrides the memory-based size)")
     kv_cache_dtype: str = _arg("auto", "what the KV cache stores: auto (the model's dtype) | fp8 / fp8_e4m3 "
                                        "(float8_e4m3fn, scale 1.0: half of bf16's bytes) | fp8_ds_mla "
@@ -86,6 +97,9 @@ class EngineArgs:
                                                 "(roles: kv_producer, kv_consumer, kv_both)")
     chat_template: str | None = _arg(None, "a jinja2 chat template, as a string or a file "
                                            "(default: the tokenizer's)")
+    generation_config: str = _arg("auto", "default sampling settings: auto (the checkpoint's "
+                                          "generation_config.json) | vllm (none: SamplingParams' defaults) | a "
+                                          "folder holding a generation_config.json")
 
     # -- Python API -----------------------------------------------------------------------------------------
     @classmethod
@@ -124,13 +138,17 @@ class EngineArgs:
         hints = typing.get_type_hints(cls)
         for f in fields(cls):
             kind = _scalar_type(hints[f.name])
+            if f.name in _HUMAN_READABLE_INTS:
+                kind = vllm_compat.human_readable_int  # vLLM's: 32k = 32000, 32K = 32768
             how: dict[str, Any] = {"action": argparse.BooleanOptionalAction} if kind is bool else {"type": kind}
-            action = group.add_argument("--" + f.name.replace("_", "-"), default=f.default,
+            flag = "--" + f.name.replace("_", "-")
+            action = group.add_argument(*vllm_compat.short_forms(flag), flag, dest=f.name, default=f.default,
                                         help=f.metadata["help"], **how)
             # %(default)s, not the field's default: a command may change it with parser.set_defaults. (Some
             # Pythons' BooleanOptionalAction append it already.)
             if f.default is not None and "%(default)" not in action.help:
                 action.help += " (default: %(default)s)"
+        vllm_compat.add_vllm_flags(parser, ("engine",))  # vLLM's other engine flags: mapped, no-ops or refused
         return group
 
     @classmethod
@@ -180,6 +198,7 @@ class EngineArgs:
                     resolve_mtp_class(model.architecture)  # the architecture has an MTP layer openinfer can run
         cache = CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
                             kv_cache_memory_gb=self.kv_cache_memory_gb, memory_utilization=self.memory_utilization,
+                            gpu_memory_utilization=self.gpu_memory_utilization,
                             num_kv_blocks=self.num_kv_blocks, kv_cache_dtype=self.kv_cache_dtype)
         if cache.fp8_kv:
             _check_kv_cache_dtype(cache.kv_cache_dtype, model.architecture, speculative)
@@ -188,7 +207,8 @@ class EngineArgs:
             cache=cache,
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
-                                      num_lookahead_tokens=speculative.num_lookahead_tokens if speculative else 0),
+                                      num_lookahead_tokens=speculative.num_lookahead_tokens if speculative else 0,
+                                      policy=self.scheduling_policy),
             parallel=parallel,
             speculative=speculative,
             seed=self.seed,
@@ -197,6 +217,7 @@ class EngineArgs:
             tokenizer_mode=self.tokenizer_mode,
             kv_transfer=KVTransferConfig.parse(self.kv_transfer_config),
             kernel=KernelConfig.from_env(self.kernel_backend),
+            generation_config=self.generation_config,
         )
 
 

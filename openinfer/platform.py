@@ -75,6 +75,34 @@ def available_memory_bytes(device: torch.device) -> int:
     return 8 << 30
 
 
+def total_memory_bytes(device: torch.device) -> int:
+    """The device's whole memory (CUDA), or the host's MemTotal (CPU; 8 GiB when /proc/meminfo is unreadable)."""
+    if device.type == "cuda":
+        import torch
+
+        _, total = torch.cuda.mem_get_info(device)
+        return int(total)
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+def peak_memory_in_use_bytes(device: torch.device) -> int:
+    """What this process has used at its peak so far: torch's peak reservation on a GPU (weights and the
+    warm-up's activations), the peak resident set on CPU."""
+    if device.type == "cuda":
+        import torch
+
+        return int(torch.cuda.max_memory_reserved(device))
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # KiB on Linux
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for queued device work (a no-op on CPU, where every op has finished when it returns)."""
     if device.type == "cuda":

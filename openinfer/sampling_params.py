@@ -257,3 +257,39 @@ class SamplingParams:
         from dataclasses import replace
 
         return replace(self, **changes)
+
+
+# vLLM's SamplingParams fields openinfer lacks, with vLLM's default: passing the default asks for exactly what
+# openinfer does (accepted), anything else is refused by name - never silently ignored.
+_VLLM_ONLY_FIELDS: dict[str, tuple[object, str]] = {
+    "best_of": (None, "use n"),
+    "detokenize": (True, "outputs are always detokenized"),
+    "spaces_between_special_tokens": (True, "special tokens are decoded with spaces between them"),
+    "logits_processors": (None, "custom logits processors are not supported"),
+    "truncate_prompt_tokens": (None, "a prompt longer than max_model_len is refused, not truncated"),
+    "guided_decoding": (None, "use structured_outputs (vLLM deprecated guided_decoding too)"),
+    "extra_args": (None, "only {'kv_transfer_params': ...} is understood"),
+    "flat_logprobs": (False, "logprobs are one dict per token"),
+    "skip_reading_prefix_cache": (None, "prefix caching is the engine's setting (enable_prefix_caching)"),
+}
+
+_dataclass_init = SamplingParams.__init__
+
+
+def _init_refusing_vllm_fields(self, *args: Any, **kwargs: Any) -> None:
+    extra = kwargs.get("extra_args")
+    if isinstance(extra, dict) and set(extra) <= {"kv_transfer_params"}:  # where vLLM carries them
+        kwargs.pop("extra_args")
+        if "kv_transfer_params" in extra:
+            kwargs.setdefault("kv_transfer_params", extra["kv_transfer_params"])
+    for name, (default, why) in _VLLM_ONLY_FIELDS.items():
+        if name in kwargs:
+            value = kwargs.pop(name)
+            if value != default or type(value) is not type(default):
+                raise ValueError(f"supported by vLLM, not by openinfer: SamplingParams.{name}={_short_repr(value)} "
+                                 f"({why})")
+    _dataclass_init(self, *args, **kwargs)
+
+
+_init_refusing_vllm_fields.__doc__ = _dataclass_init.__doc__
+SamplingParams.__init__ = _init_refusing_vllm_fields  # type: ignore[method-assign]

@@ -168,7 +168,8 @@ def valid_values(ckpt_copy: Path) -> dict[str, typing.Any]:
                 enable_eplb=True, num_redundant_experts=2, eplb_step_interval=10,
                 speculative_config='{"method": "ngram", "num_speculative_tokens": 2}',
                 structured_outputs_backend="llguidance", tokenizer_mode="deepseek_v4",
-                kv_transfer_config='{"kv_connector": "NixlConnector", "kv_role": "kv_both"}')
+                kv_transfer_config='{"kv_connector": "NixlConnector", "kv_role": "kv_both"}',
+                gpu_memory_utilization=0.5, scheduling_policy="priority", generation_config="vllm")
 
 
 COMPANIONS = {name: {"enable_expert_parallel": True} for name in

@@ -147,6 +147,32 @@ def test_an_assistant_message_without_content_needs_tool_calls(validator):
     assert chat(validator, messages=[*MSG, {"role": "user", "content": ""}]).messages[1]["content"] == ""
 
 
+@pytest.mark.parametrize("message, param, code", [
+    ({"role": "tool", "content": "ok"}, "messages.1.tool_call_id", "missing_required_parameter"),
+    ({"role": "tool", "content": "ok", "tool_call_id": 7}, "messages.1.tool_call_id", "invalid_type"),
+    ({"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+     "messages.1.tool_calls.0.id", "missing_required_parameter"),
+    ({"role": "assistant", "tool_calls": [{"id": "c", "type": "x", "function": {"name": "f", "arguments": "{}"}}]},
+     "messages.1.tool_calls.0.type", "invalid_value"),
+    ({"role": "assistant", "tool_calls": [{"id": "c", "type": "function"}]},
+     "messages.1.tool_calls.0.function", "missing_required_parameter"),
+    ({"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": "f"}]},
+     "messages.1.tool_calls.0.function", "invalid_type"),
+    ({"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {"arguments": "{}"}}]},
+     "messages.1.tool_calls.0.function.name", "missing_required_parameter"),
+    ({"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f"}}]},
+     "messages.1.tool_calls.0.function.arguments", "missing_required_parameter"),
+    ({"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                                           "function": {"name": "f", "arguments": {"a": 1}}}]},
+     "messages.1.tool_calls.0.function.arguments", "invalid_type"),
+])
+def test_openais_other_required_message_fields(validator, message, param, code):
+    """OpenAI's chat schema: a tool message needs tool_call_id; an assistant's tool_calls each need id, type
+    'function' and function.name / function.arguments (a JSON string). 400 naming the field, as OpenAI answers."""
+    e = refused(chat, validator, messages=[*MSG, message])
+    assert (e.param, e.code) == (param, code), e.message
+
+
 MESSAGES_CASES = [
     (dict(max_tokens=None), "max_tokens", "max_tokens is required"),
     (dict(messages=[]), "messages", "messages must be a non-empty list"),

@@ -189,3 +189,27 @@ def test_kv_aware_routes_a_cached_prefix_then_a_dead_worker_stops_everything(tmp
             proc.send_signal(signal.SIGTERM)
             proc.wait(30)
     wait_gone(pids)
+
+
+def test_round_robin_through_sglang_router(tmp_path_factory):
+    """``openinfer router --router sglang``: the real sglang-router (0.3.2 in the venv) in front of two tiny
+    workers on 127.0.0.1; an answer through it is the worker's own, and round robin reaches both workers."""
+    ckpt = shared_checkpoint(tmp_path_factory)
+    proc, info = launch(ckpt, "--router", "sglang", "--policy", "round_robin")
+    pids = [info["router_pid"], *info["worker_pids"]]
+    try:
+        router, (w0, w1) = info["router"], info["workers"]
+        prompt = "the sglang router forwards this prompt"
+        direct, via = completion(w0, prompt), completion(router, prompt)
+        assert via["choices"][0]["text"] == direct["choices"][0]["text"]
+        assert via["usage"]["completion_tokens"] == 8
+        before = [successes(w0), successes(w1)]
+        for i in range(4):
+            completion(router, f"request number {i}", max_tokens=2)
+        after = [successes(w0), successes(w1)]
+        assert [a - b for a, b in zip(after, before)] == [2, 2]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(30)
+    assert rc == 0
+    wait_gone(pids)

@@ -28,6 +28,7 @@ import msgspec
 
 from openinfer.bench import results as R
 from openinfer.bench.workload import (DECODE_TAIL_TOKENS, add_workload_args, check_fits, resolve_workload, tokens_needed)
+from openinfer import vllm_compat
 from openinfer.engine_args import EngineArgs
 
 logger = logging.getLogger(__name__)
@@ -156,6 +157,7 @@ def bench_engine_args(args: argparse.Namespace, max_batch: int) -> EngineArgs:
     """The engine a sweep whose largest batch is ``max_batch`` builds, from the engine flags: unless set,
     ``max_num_seqs`` follows that batch and ``max_model_len`` is sized for the workload, so the KV cache and
     the start-up profile pass touch only the memory the sweep uses (fresh memory is what the VM is slow on)."""
+    vllm_compat.log_noops(args)  # one line per vLLM flag accepted as a no-op
     engine_args = EngineArgs.from_cli_args(args)
     if engine_args.max_num_seqs is None:
         engine_args = dataclasses.replace(engine_args, max_num_seqs=max_batch)

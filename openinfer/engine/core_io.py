@@ -17,6 +17,7 @@ class EngineCoreRequest(msgspec.Struct):
     prompt_token_ids: list[int]
     sampling_params: SamplingParams  # validated, with the model's eos ids filled in
     arrival_s: float  # time.monotonic() when the request arrived (TTFT counts from here)
+    priority: int = 0  # vLLM's: lower first, under the "priority" scheduling policy
 
 
 class EngineCoreOutput(msgspec.Struct):

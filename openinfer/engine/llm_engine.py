@@ -16,7 +16,7 @@ from openinfer.config import EngineConfig
 from openinfer.engine.core import EngineCore, EngineDeadError, EngineStats
 from openinfer.engine.output_processor import OutputProcessor
 from openinfer.engine.parallel_sampling import ParentRequest
-from openinfer.engine.request import RequestStatus
+from openinfer.engine.request import RequestStatus, check_priority
 from openinfer.kv_events import KVEventBatch
 from openinfer.logging_utils import init_logging
 from openinfer.outputs import RequestOutput
@@ -99,9 +99,11 @@ class LLMEngine:
                              f"least one generated token must fit")
 
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
-                    arrival_s: float | None = None) -> str:
+                    arrival_s: float | None = None, priority: int = 0) -> str:
         """Validate and enqueue; raises ValueError (and changes nothing) for bad input. What ``step()`` returns
-        for this request follows ``params.output_kind``."""
+        for this request follows ``params.output_kind``. ``priority`` (vLLM's): lower is served first under the
+        "priority" scheduling policy; any other value than 0 needs that policy, as in vLLM."""
+        check_priority(priority, self.config.scheduler.policy)
         params = params or SamplingParams()
         params.validate()
         params.check_limits(self.config.model.vocab_size, self.request_limits)
@@ -113,7 +115,7 @@ class LLMEngine:
         arrival_s = time.monotonic() if arrival_s is None else arrival_s
         parent = ParentRequest(request_id, ids, params.clone(eos_token_ids=self.eos_token_ids,
                                                              bad_words_token_ids=self._bad_words_ids(params)),
-                               arrival_s, share_prefix=self.config.cache.enable_prefix_caching)
+                               arrival_s, share_prefix=self.config.cache.enable_prefix_caching, priority=priority)
         initial = parent.initial()
         self.core.add_request(initial[0])  # raises if it can never fit; nothing is registered yet
         self.output_processor.add(parent, text, arrival_s)
@@ -210,7 +212,10 @@ class LLMEngine:
         return self.core.take_kv_events()
 
     def default_sampling_params(self) -> SamplingParams:
-        return default_sampling_params(self.config.model.path)
+        source = self.config.generation_config  # vLLM's --generation-config: auto | vllm | a folder
+        if source == "vllm":
+            return SamplingParams()
+        return default_sampling_params(self.config.model.path if source == "auto" else source)
 
     def shutdown(self) -> None:
         self.core.shutdown()

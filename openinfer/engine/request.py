@@ -44,6 +44,15 @@ _FINISHED = {
 }
 
 
+def check_priority(priority: object, policy: str) -> None:
+    """vLLM's rule: a request may carry a priority other than 0 only when the engine schedules by priority."""
+    if isinstance(priority, bool) or not isinstance(priority, int) or not -(1 << 63) <= priority < (1 << 63):
+        raise ValueError(f"priority must be a 64-bit integer, got {priority!r}")
+    if priority != 0 and policy != "priority":
+        raise ValueError(f"priority={priority} needs the priority scheduling policy (--scheduling-policy priority "
+                         f"/ scheduling_policy='priority'); this engine schedules {policy}")
+
+
 @dataclass
 class RequestTimes:
     arrival_s: float = field(default_factory=time.monotonic)
@@ -64,8 +73,12 @@ class Request:
         sampling_params: SamplingParams,
         max_model_len: int,
         arrival_s: float | None = None,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
+        # vLLM's request priority: under the "priority" scheduling policy a lower value is served first.
+        self.priority = priority
+        self.arrival_order = 0  # the scheduler's intake count: breaks ties between equal arrival times
         self.max_model_len = max_model_len
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params

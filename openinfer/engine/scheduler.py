@@ -5,6 +5,11 @@ There is no prefill phase and no decode phase: every request's ``num_computed_to
 higher, preemption resets it to zero and the request recomputes). Running requests are served first in FCFS
 order; when blocks run out, the most recently admitted running request is preempted.
 
+Under the "priority" policy (vLLM's ``--scheduling-policy priority``) both the waiting queue and the running list
+are kept in (priority, arrival) order: a lower ``priority`` value is admitted first, ties go by arrival, and the
+running request preempted when blocks run out is the lowest priority one (the tail, as vLLM picks
+``max(running, key=(priority, arrival))``). As in vLLM, a waiting request never preempts a running one to get in.
+
 With a KV connector (disaggregated prefill/decode, distributed/kv_transfer/): a request whose prompt KV comes from
 another instance gets its blocks, then waits in ``waiting_remote`` (WAITING_FOR_REMOTE_KVS) without holding back
 the queue; once read it rejoins the front of the queue with all but its last prompt token computed (a failed read:
@@ -13,6 +18,8 @@ with none, it computes its prompt here). A request run for a remote decoder keep
 """
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
 import time
 from collections import deque
@@ -58,13 +65,36 @@ class Scheduler:
         self._finished_ids: list[str] = []
         # Requests ended inside schedule() (a grammar that failed to compile): reported by the next step.
         self._error_outputs: list[EngineCoreOutput] = []
+        self._by_priority = config.policy == "priority"
+        self._intake = itertools.count()
 
     # -- intake ------------------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req
-        self.waiting.append(req)
+        req.arrival_order = next(self._intake)
+        if self._by_priority:
+            self._insert_sorted(self.waiting, req)
+        else:
+            self.waiting.append(req)
+
+    @staticmethod
+    def _key(req: Request) -> tuple[int, float, int]:
+        return req.priority, req.times.arrival_s, req.arrival_order
+
+    def _insert_sorted(self, queue, req: Request) -> None:
+        """Into ``queue`` (kept in ``_key`` order) after every request that goes before it or ties with it."""
+        queue.insert(bisect.bisect_right(queue, self._key(req), key=self._key), req)
+
+    def _requeue_front(self, reqs: list[Request]) -> None:
+        """Requests going back to the queue ahead of new ones (preempted, or their remote read ended): the front
+        under FCFS, their (priority, arrival) place under the priority policy."""
+        if self._by_priority:
+            for req in reqs:
+                self._insert_sorted(self.waiting, req)
+        else:
+            self.waiting.extendleft(reversed(reqs))
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
         """Abort or stop requests from outside the step (client gone, stop string hit)."""
@@ -171,7 +201,7 @@ class Scheduler:
             req.num_computed_tokens = 0
             req.status = RequestStatus.WAITING
             back.append(req)
-        self.waiting.extendleft(reversed(back))
+        self._requeue_front(back)
         for rid in out.finished_sending:
             self._release_held(rid)
 
@@ -204,8 +234,8 @@ class Scheduler:
                 if spec:  # short of blocks: verify no drafts this step rather than preempt anyone for them
                     num_new, spec = num_new - len(spec), []
                     continue
-                # Newest admitted goes first. Requests are visited in order, so the tail was not scheduled yet
-                # this step (or it is ``req`` itself).
+                # Newest admitted goes first (under the priority policy: the lowest priority, also the tail).
+                # Requests are visited in order, so the tail was not scheduled yet this step (or it is ``req``).
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted_req_ids.append(victim.request_id)
@@ -256,7 +286,10 @@ class Scheduler:
                 req.times.first_scheduled_s = time.monotonic()
             req.num_computed_tokens += num_hit
             req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            if self._by_priority:
+                self._insert_sorted(self.running, req)
+            else:
+                self.running.append(req)
             new_reqs.append(req)
             out.num_scheduled_tokens[req.request_id] = num_new
             budget -= num_new
@@ -326,7 +359,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self._requeue_front([req])
         self._finished_ids.append(req.request_id)
 
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from openinfer import vllm_compat
 from openinfer.engine_args import EngineArgs
 
 
@@ -64,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
         prompts = args.prompt or ["The list object"]
     # Sampling flags are checked before the model loads, so a typo fails in a second, not after loading.
     params = sampling_params_from_args(args, default_sampling_params(args.model or default_model_path()))
+    vllm_compat.log_noops(args)  # one line per vLLM flag accepted as a no-op
     llm = LLM(**EngineArgs.from_cli_args(args).to_dict())  # logs the KV-cache summary line
     if args.chat:
         outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import fields
 from typing import Any
 
+from openinfer import vllm_compat
 from openinfer.engine.llm_engine import LLMEngine, PromptType
 from openinfer.engine_args import EngineArgs
 from openinfer.outputs import RequestOutput
@@ -23,6 +25,8 @@ class LLM:
     ``TypeError`` naming it."""
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        # vLLM's keywords (openinfer/vllm_compat): mapped, accepted as a logged no-op, or refused by name
+        kwargs = vllm_compat.split_llm_kwargs(kwargs, {f.name for f in fields(EngineArgs)})
         self.engine_args = EngineArgs.from_kwargs("LLM()", model=model, **kwargs)
         self.engine = build_engine(self.engine_args)
         self._counter = 0
@@ -38,7 +42,12 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: Any = None,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
+        """vLLM's ``generate``. ``priority``: one value per prompt, lower first (needs
+        ``scheduling_policy="priority"``, as in vLLM); ``lora_request`` is refused (no LoRA adapters)."""
+        _refuse_lora(lora_request)
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                   and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -51,14 +60,17 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling_params")
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(priorities)} priorities")
         for params in params_list:  # a bad grammar raises here, before any request is added
             self.engine.check_structured_outputs(params)
         ids = []
         try:
-            for prompt, params in zip(prompts, params_list):
+            for prompt, params, prio in zip(prompts, params_list, priorities):
                 # One output per request, when it finishes: no per-step copies of whole token lists.
                 params = params.clone(output_kind=RequestOutputKind.FINAL_ONLY)
-                ids.append(self.engine.add_request(f"offline-{self._counter}", prompt, params))
+                ids.append(self.engine.add_request(f"offline-{self._counter}", prompt, params, priority=prio))
                 self._counter += 1
         except Exception:
             self.engine.abort_request(ids)  # all or nothing: a bad prompt leaves no stray requests
@@ -72,16 +84,47 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        lora_request: Any = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
+        """vLLM's ``chat``: ``chat_template_kwargs`` (e.g. ``{"thinking": True}``) and ``tools`` reach the chat
+        template (or DeepSeek's encoder with ``tokenizer_mode``)."""
+        _refuse_lora(lora_request)
+        template_kwargs = dict(chat_template_kwargs or {})
+        if tools is not None:
+            template_kwargs["tools"] = tools
         if not messages:
             raise ValueError("messages must be a non-empty list")
         conversations = [messages] if isinstance(messages[0], dict) else messages
         prompts = [
             {"prompt_token_ids": apply_chat_template(self.engine.tokenizer, conv, add_generation_prompt,
-                                                     chat_template, self.engine.config.tokenizer_mode)}
+                                                     chat_template, self.engine.config.tokenizer_mode,
+                                                     **template_kwargs)}
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    # vLLM's pooling and beam-search entry points: openinfer runs generative sampling only.
+    def embed(self, *args: Any, **kwargs: Any):
+        raise ValueError(vllm_compat.REFUSED.format(flag="LLM.embed", why="openinfer runs generative models only; "
+                                                    "no pooling / embedding models"))
+
+    def encode(self, *args: Any, **kwargs: Any):
+        raise ValueError(vllm_compat.REFUSED.format(flag="LLM.encode", why="openinfer runs generative models only; "
+                                                    "no pooling models"))
+
+    def classify(self, *args: Any, **kwargs: Any):
+        raise ValueError(vllm_compat.REFUSED.format(flag="LLM.classify", why="openinfer runs generative models "
+                                                    "only; no classification models"))
+
+    def score(self, *args: Any, **kwargs: Any):
+        raise ValueError(vllm_compat.REFUSED.format(flag="LLM.score", why="openinfer runs generative models only; "
+                                                    "no cross-encoder / scoring models"))
+
+    def beam_search(self, *args: Any, **kwargs: Any):
+        raise ValueError(vllm_compat.REFUSED.format(flag="LLM.beam_search", why="beam search is not implemented; "
+                                                    "use n with sampling, or temperature=0"))
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
@@ -110,3 +153,8 @@ class LLM:
         if missing:
             raise RuntimeError(f"engine stopped with {len(missing)} requests unfinished: {missing[:5]}")
         return [finished[i] for i in ids]
+
+
+def _refuse_lora(lora_request: Any) -> None:
+    if lora_request is not None:
+        raise ValueError(vllm_compat.REFUSED.format(flag="lora_request", why="LoRA adapters are not implemented"))

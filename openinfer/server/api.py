@@ -45,17 +45,21 @@ class GuardMiddleware:
     """Pure ASGI (no buffering, no interference with streaming or cancellation): API key, then body size
     from Content-Length. Bodies without a length are capped while they are read (``read_body``)."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | list[str] | None, max_body_bytes: int) -> None:
         self.app = app
-        self.api_key = api_key.encode() if api_key else None
+        keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+        # Any one of them is accepted (vLLM's --api-key takes several, e.g. while rotating keys)
+        self.api_keys = tuple(k.encode() for k in keys if k) or None
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
-        if self.api_key is not None and scope["path"] not in _OPEN_PATHS:
-            if not hmac.compare_digest(bearer_token(headers.get(b"authorization", b"")), self.api_key):
+        if self.api_keys is not None and scope["path"] not in _OPEN_PATHS:
+            token = bearer_token(headers.get(b"authorization", b""))
+            # every key compared (a list, not any() over a generator): the time taken says nothing of which matched
+            if not any([hmac.compare_digest(token, key) for key in self.api_keys]):
                 return await _send_error(
                     send,
                     "missing or invalid API key (send 'Authorization: Bearer <key>')",
@@ -177,7 +181,15 @@ def build_app(engine: LLMEngine, settings: ServerSettings, chat_template: str | 
                 "created": ctx.created,
                 "owned_by": "openinfer",
                 "root": name,  # vLLM shows the checkpoint path here; a client has no use for the server's paths
+                "parent": None,
                 "max_model_len": ctx.max_model_len,
+                # vLLM's ModelPermission, with vLLM's values (what a client may do with the model)
+                "permission": [{
+                    "id": f"modelperm-{name}", "object": "model_permission", "created": ctx.created,
+                    "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                    "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                    "organization": "*", "group": None, "is_blocking": False,
+                }],
             }
             for name in settings.served_model_names
         ]
@@ -229,7 +241,10 @@ def build_app(engine: LLMEngine, settings: ServerSettings, chat_template: str | 
         if req.messages is not None:
             messages = validator.chat_messages(req.messages)
             validator.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
-            ids = await ctx.render_chat(messages, req.add_generation_prompt)
+            kwargs = dict(req.chat_template_kwargs or {})
+            if req.tools is not None:
+                kwargs["tools"] = req.tools
+            ids = await ctx.render_chat(messages, req.add_generation_prompt, req.continue_final_message, kwargs)
         else:
             ids = await ctx.encode_prompt(req.prompt, add_special_tokens=req.add_special_tokens)
         out = {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}

@@ -334,7 +334,7 @@ class AsyncEngine:
         # Streams want what is new each step: the engine sends deltas, nobody re-derives them.
         params = cmd.params.clone(output_kind=RequestOutputKind.DELTA)
         try:
-            self.engine.add_request(cmd.request_id, prompt, params, arrival_s=arrival_s)
+            self.engine.add_request(cmd.request_id, prompt, params, arrival_s=arrival_s, priority=cmd.priority)
         except ValueError as e:
             events.append(RequestUpdate(cmd.request_id, finished=True, error=str(e), error_kind="invalid"))
             return

@@ -97,8 +97,9 @@ class ChoiceParser:
     """One choice's text -> reasoning, content and OpenAI tool calls (ids made here, ``index`` counting per
     choice). Tool parsing only runs when the request has tools and tool_choice is not ``none``."""
 
-    def __init__(self, tool_parser: type[ToolParser] | None, plan: ToolPlan | None, reasoning: str | None) -> None:
-        self.reasoning = make_reasoning_parser(reasoning)
+    def __init__(self, tool_parser: type[ToolParser] | None, plan: ToolPlan | None, reasoning: str | None,
+                 template_kwargs: dict | None = None) -> None:
+        self.reasoning = make_reasoning_parser(reasoning, template_kwargs)
         self.tools = tool_parser(plan.tools) if tool_parser and plan and plan.choice != "none" else None
         self.num_calls = 0
 

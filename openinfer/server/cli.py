@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 
-from openinfer import envs
+from openinfer import envs, vllm_compat
 from openinfer.engine_args import EngineArgs
 from openinfer.request_limits import RequestLimits
 from openinfer.server.connections import ConnectionSettings, quiet_uvicorn_logs, raise_nofile_limit
@@ -27,6 +27,8 @@ def add_parser(sub) -> None:
         description="OpenAI-compatible server: /v1/completions, /v1/chat/completions, /v1/models, "
         "/health (and /ping), /health/ready, /metrics, /tokenize, /detokenize, /reset_prefix_cache.",
     )
+    # vLLM's `vllm serve MODEL`: the model as a positional argument (the same as --model)
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="the same as --model (vLLM's form)")
     EngineArgs.add_cli_args(p)
     RequestLimits.add_cli_args(p)
     HealthSettings.add_cli_args(p)
@@ -36,8 +38,9 @@ def add_parser(sub) -> None:
     g.add_argument("--port", type=int, default=8000)
     g.add_argument(
         "--api-key",
-        default=envs.API_KEY,
-        help="require 'Authorization: Bearer KEY' (default: $OPENINFER_API_KEY)",
+        nargs="+",
+        default=[envs.API_KEY] if envs.API_KEY else None,
+        help="require 'Authorization: Bearer KEY', any one of these keys (default: $OPENINFER_API_KEY)",
     )
     g.add_argument(
         "--served-model-name",
@@ -70,7 +73,8 @@ def add_parser(sub) -> None:
         "--reasoning-parser",
         default=None,
         help="split thinking out of the answer into reasoning_content: deepseek_r1 / deepseek_v3 (the output "
-        "starts inside <think>), qwen3 / think (only when the output opens <think>)",
+        "starts inside <think>), deepseek_v4 (inside <think> in thinking mode: chat_template_kwargs thinking / "
+        "enable_thinking; whole otherwise), qwen3 / think (only when the output opens <think>)",
     )
     g.add_argument(
         "--metrics-prefix",
@@ -88,7 +92,21 @@ def add_parser(sub) -> None:
     )
     g.add_argument("--uvicorn-log-level", default="warning")
     g.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    vllm_compat.add_vllm_flags(p, ("engine", "server"))  # vLLM's serve flags openinfer lacks: no-op or refused
     p.set_defaults(func=run)
+
+
+def resolve_vllm_args(args: argparse.Namespace) -> list[str]:
+    """What vLLM's serve line adds to openinfer's: the positional model, the checks vLLM makes, and one log line
+    per accepted no-op flag (returned, for the tests). Runs before the (slow) engine load."""
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
+    accepted = [flag for flag, _ in getattr(args, vllm_compat.NOOPS_DEST, None) or []]
+    if "--enable-auto-tool-choice" in accepted and args.tool_call_parser == "none":
+        raise ValueError("--enable-auto-tool-choice needs a --tool-call-parser (got none)")
+    return vllm_compat.log_noops(args)
 
 
 def _base_name(path: str) -> str:
@@ -109,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
     if args.max_body_bytes < 1024:
         raise ValueError(f"--max-body-bytes must be >= 1024, got {args.max_body_bytes}")
+    resolve_vllm_args(args)
     health = HealthSettings.from_cli_args(args)  # checked before the (slow) engine load
     connections = ConnectionSettings.from_cli_args(args)
     raise_nofile_limit()  # before the default --max-connections is derived from it

@@ -23,6 +23,7 @@ class AddRequest(msgspec.Struct, tag=True, frozen=True):
     params: SamplingParams
     prompt: str | None = None
     arrival_s: float | None = None  # time.monotonic() at HTTP arrival (TTFT counts from here); None = now
+    priority: int = 0  # vLLM's: lower first under the priority scheduling policy
 
 
 class AbortRequests(msgspec.Struct, tag=True, frozen=True):

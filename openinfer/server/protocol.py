@@ -57,6 +57,8 @@ class GenerationRequest(_Strict):
     structured_outputs: dict[str, Any] | None = None
     # disaggregated prefill/decode: vLLM's KV connector parameters (returned in the response as well)
     kv_transfer_params: dict[str, Any] | None = None
+    # vLLM's request priority: lower is served first under --scheduling-policy priority (else only 0 is allowed)
+    priority: int = 0
 
 
 class CompletionRequest(GenerationRequest):
@@ -100,6 +102,10 @@ class TokenizeRequest(_Strict):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    # vLLM's chat tokenize fields: the same prompt /v1/chat/completions would render
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
 
 
 class DetokenizeRequest(_Strict):
@@ -191,7 +197,9 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "openinfer"
     root: str
+    parent: str | None = None
     max_model_len: int
+    permission: list[dict[str, Any]] = Field(default_factory=list)  # vLLM's ModelPermission objects
 
 
 class ModelList(BaseModel):

@@ -169,7 +169,7 @@ class RequestValidator:
             params = dataclasses.replace(checked.params, max_tokens=max_tokens)
         except (ValueError, TypeError) as e:
             raise _sampling_error(e) from None
-        return AddRequest(request_id, prompt_ids, params, prompt, arrival_s)
+        return AddRequest(request_id, prompt_ids, params, prompt, arrival_s, checked.request.priority)
 
     # -- the checks -------------------------------------------------------------------------------------------
     def check_model(self, name: str | None) -> str:
@@ -347,6 +347,10 @@ class RequestValidator:
                     if m.role == "assistant" else ""
                 raise APIError(f"Missing required parameter: 'messages[{i}].content'{why}", 400,
                                f"messages.{i}.content", "missing_required_parameter")
+            if m.role == "tool":
+                _require_str(extra.get("tool_call_id"), f"messages[{i}].tool_call_id")
+            if m.role == "assistant" and isinstance(extra.get("tool_calls"), list):
+                _check_tool_calls(extra["tool_calls"], i)
             if isinstance(content, list):
                 texts = []
                 for part in content:
@@ -360,6 +364,39 @@ class RequestValidator:
                 d["name"] = m.name
             out.append(d)
         return out
+
+
+def _require_str(value: Any, where: str) -> None:
+    """OpenAI's answer to a required string field that is missing (or not a string): 400, naming it."""
+    if not isinstance(value, str):
+        param = where.replace("[", ".").replace("]", "")
+        if value is None:
+            raise APIError(f"Missing required parameter: '{where}'", 400, param, "missing_required_parameter")
+        raise APIError(f"Invalid type for '{where}': expected a string, but got {type(value).__name__}", 400, param,
+                       "invalid_type")
+
+
+def _check_tool_calls(calls: list[Any], i: int) -> None:
+    """An assistant message's tool_calls as OpenAI's schema requires them: each with id, type 'function' and a
+    function with a name and its arguments (a JSON string)."""
+    for j, call in enumerate(calls):
+        where = f"messages[{i}].tool_calls[{j}]"
+        if not isinstance(call, dict):
+            raise APIError(f"Invalid type for '{where}': expected an object", 400, f"messages.{i}.tool_calls.{j}",
+                           "invalid_type")
+        _require_str(call.get("id"), f"{where}.id")
+        if call.get("type") != "function":
+            raise APIError(f"Invalid value for '{where}.type': expected 'function', got {call.get('type')!r}", 400,
+                           f"messages.{i}.tool_calls.{j}.type", "invalid_value")
+        fn = call.get("function")
+        if fn is None:
+            raise APIError(f"Missing required parameter: '{where}.function'", 400,
+                           f"messages.{i}.tool_calls.{j}.function", "missing_required_parameter")
+        if not isinstance(fn, dict):
+            raise APIError(f"Invalid type for '{where}.function': expected an object", 400,
+                           f"messages.{i}.tool_calls.{j}.function", "invalid_type")
+        _require_str(fn.get("name"), f"{where}.function.name")
+        _require_str(fn.get("arguments"), f"{where}.function.arguments")
 
 
 def _has_tool_calls(extra: dict[str, Any]) -> bool:

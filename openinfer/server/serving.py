@@ -46,7 +46,7 @@ PROBE_MARGIN_TOKENS = 64
 @dataclass
 class ServerSettings:
     served_model_names: list[str]
-    api_key: str | None = None
+    api_key: str | list[str] | None = None  # any one of several is accepted
     max_queue: int = 1024
     max_body_bytes: int = 8 * 1024 * 1024
     drain_timeout_s: float = 30.0

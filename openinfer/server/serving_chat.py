@@ -73,6 +73,7 @@ class PreparedChat:
     plan: ToolPlan | None
     messages: list[dict[str, Any]]
     add: AddRequest
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -91,7 +92,8 @@ async def create_chat_completion(ctx: ServingContext, request: Request, body: by
     stream, buffered = await ctx.start([prep.add])
     created = int(time.time())
     top_n = req.top_logprobs or 0
-    parsers = {i: ChoiceParser(ctx.tool_parser, plan, ctx.settings.reasoning_parser) for i in range(req.n)}
+    parsers = {i: ChoiceParser(ctx.tool_parser, plan, ctx.settings.reasoning_parser, prep.template_kwargs)
+               for i in range(req.n)}
     if req.stream:
         return EngineStreamingResponse(
             _stream(ctx, req, model, rid, created, ids, echo, top_n, stream, buffered, parsers), stream
@@ -114,7 +116,7 @@ async def prepare_chat(ctx: ServingContext, checked: CheckedChat, request_id: st
     ids = await ctx.render_chat(checked.messages, checked.request.add_generation_prompt,
                                 checked.request.continue_final_message, checked.template_kwargs)
     add = ctx.validator.engine_request(checked, request_id, ids, None, arrival_s)
-    return PreparedChat(checked.model, checked.plan, checked.messages, add)
+    return PreparedChat(checked.model, checked.plan, checked.messages, add, checked.template_kwargs)
 
 
 async def _collect(

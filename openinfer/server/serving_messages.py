@@ -72,7 +72,7 @@ async def create_message(ctx: ServingContext, request: Request, body: bytes) -> 
     rid = "msg_" + uuid.uuid4().hex[:24]
     prep = await prepare_chat(ctx, checked, rid, arrival_s)
     stream, buffered = await ctx.start([prep.add])
-    parser = ChoiceParser(ctx.tool_parser, prep.plan, ctx.settings.reasoning_parser)
+    parser = ChoiceParser(ctx.tool_parser, prep.plan, ctx.settings.reasoning_parser, prep.template_kwargs)
     if req.stream:
         return EngineStreamingResponse(_stream(model, rid, len(prep.prompt_ids), parser, stream, buffered), stream)
     try:

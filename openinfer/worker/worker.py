@@ -20,6 +20,20 @@ CPU_DEFAULT_KV_GB = 4.0
 logger = logging.getLogger(__name__)
 
 
+def kv_budget_for_utilization(total_bytes: int, in_use_bytes: int, available_bytes: int, utilization: float) -> int:
+    """vLLM's ``--gpu-memory-utilization``: this instance may use ``utilization`` of the device's whole memory;
+    the KV cache gets that share less what the instance already used at its peak (weights, the warm-up's
+    activations), and never more than is free now (another process may hold the rest)."""
+    budget = min(int(total_bytes * utilization) - in_use_bytes, available_bytes)
+    if budget <= 0:
+        gib = 1 << 30
+        raise ValueError(f"gpu_memory_utilization={utilization} leaves the KV cache no memory: this instance "
+                         f"already uses {in_use_bytes / gib:.2f} GiB of the device's {total_bytes / gib:.2f} GiB "
+                         f"(its share is {total_bytes * utilization / gib:.2f} GiB) and {available_bytes / gib:.2f} "
+                         f"GiB are free; raise it")
+    return budget
+
+
 class Worker:
     def __init__(self, config: EngineConfig, rank: int = 0, distributed_init_method: str | None = None) -> None:
         self.config = config
@@ -81,6 +95,11 @@ class Worker:
         cache = self.config.cache
         if cache.kv_cache_memory_gb is not None:
             return KVBudget(int(cache.kv_cache_memory_gb * (1 << 30)))
+        if cache.gpu_memory_utilization is not None:
+            return KVBudget(kv_budget_for_utilization(
+                platform.total_memory_bytes(self.device), platform.peak_memory_in_use_bytes(self.device),
+                platform.available_memory_bytes(self.device), cache.gpu_memory_utilization),
+                cap_to_useful=self.device.type == "cpu")
         free = int(platform.available_memory_bytes(self.device) * cache.memory_utilization)
         if self.device.type == "cuda":
             return KVBudget(free)

@@ -50,12 +50,23 @@ class ThinkReasoningParser:
         return "", text
 
 
-REASONING_PARSERS = {"deepseek_r1": True, "deepseek_v3": True, "qwen3": False, "think": False}
+# name -> does the output start inside the thinking block? (None: as the request's chat_template_kwargs say)
+REASONING_PARSERS = {"deepseek_r1": True, "deepseek_v3": True, "deepseek_v4": None, "qwen3": False, "think": False}
 
 
-def make_reasoning_parser(name: str | None) -> ThinkReasoningParser | None:
+def make_reasoning_parser(name: str | None,
+                          template_kwargs: dict | None = None) -> ThinkReasoningParser | None:
+    """``deepseek_v4`` is vLLM's: DeepSeek-V4's prompt ends in ``<think>`` only in thinking mode
+    (``chat_template_kwargs`` ``thinking`` or ``enable_thinking``), so the output is split there and passes whole
+    otherwise (no reasoning_content)."""
     if name is None:
         return None
     if name not in REASONING_PARSERS:
         raise ValueError(f"reasoning_parser={name!r}; choose one of {', '.join(sorted(REASONING_PARSERS))}")
-    return ThinkReasoningParser(REASONING_PARSERS[name])
+    starts_inside = REASONING_PARSERS[name]
+    if starts_inside is None:
+        kw = template_kwargs or {}
+        if not (kw.get("thinking") or kw.get("enable_thinking")):
+            return None
+        starts_inside = True
+    return ThinkReasoningParser(starts_inside)
