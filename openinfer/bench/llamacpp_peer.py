@@ -8,7 +8,7 @@ library at the top; the child side runs as a plain script there without openinfe
 * parent side (openinfer's interpreter, ``bench peers``): ``detect`` finds a Python that imports llama_cpp;
   ``gguf_path`` keys the converted file by a hash of the checkpoint's files and the GGUF type;
   ``convert_commands`` builds the conversion (``convert_hf_to_gguf.py`` from llama.cpp's source, which ships
-  in llama-cpp-python's sdist with the ``gguf-py`` and ``conversion`` folders beside it) and, for ``q8_0`` /
+  in llama-cpp-python's sdist with the ``gguf-py`` and ``conversion`` folders beside it) and, for ``q8_0`` / ``q4_k_m`` /
   ``q4_0``, the quantization (``llama_model_quantize`` through llama-cpp-python's bindings, llama.cpp's own
   quantizer, from the ``--dtype`` GGUF); ``child_spec`` writes the workload -- the prompt token ids come from
   openinfer's ``make_prompts`` -- and ``read_child`` reads the child's JSON back.
@@ -43,10 +43,11 @@ from typing import Any
 
 SPEC_SCHEMA = "openinfer.bench.llamacpp_peer.spec/v1"
 RESULT_SCHEMA = "openinfer.bench.llamacpp_peer.result/v1"
-QUANTS = ("q8_0", "q4_0")
+QUANTS = ("q8_0", "q4_0", "q4_k_m")
 # --dtype -> the converter's --outtype for the unquantized GGUF
 _OUTTYPES = {"float32": "f32", "float": "f32", "bfloat16": "bf16", "float16": "f16", "half": "f16"}
-_FTYPES = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0"}
+_FTYPES = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0",
+           "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
 _ENV_PREFIXES = ("OMP_", "GOMP_", "GGML_", "LLAMA_", "MALLOC_")
 _CHECKPOINT_FILES = (".safetensors", ".json", ".model")  # what a conversion reads
 

@@ -21,7 +21,7 @@ lengths, seed and greedy sampling, run at every batch (``--hf-max-batch`` limits
 llama.cpp (``llamacpp_peer.py``) likewise runs in the Python of the venv llama-cpp-python is built in
 (``--llamacpp-python``), on the checkpoint converted to GGUF by llama.cpp's own ``convert_hf_to_gguf.py``
 (``--llamacpp-converter``) at the ``--dtype`` type, or quantized by llama.cpp to ``--llamacpp-quant
-q8_0|q4_0``; the GGUF files are cached under ``--llamacpp-cache-dir``, keyed by a hash of the checkpoint's
+q8_0|q4_0|q4_k_m``; the GGUF files are cached under ``--llamacpp-cache-dir``, keyed by a hash of the checkpoint's
 files and the type. Its children get the same prompt token ids, batch, lengths and ``--num-threads``
 (llama.cpp's ``n_threads``), decode greedily with batched ``llama_decode`` calls and run at every batch.
 
@@ -114,8 +114,19 @@ def check_weights(args: argparse.Namespace, peers: list[str]) -> dict[str, Any]:
                          f"{','.join(p for p in peers if p in ('vllm', 'hf'))} would run the unquantised ones. "
                          "Compare quantised engines on a quantised checkpoint (--model) that each of them loads")
     if quant and "llamacpp" in peers and not args.llamacpp_quant:
-        raise ValueError(f"--quantization {quant} with the llama.cpp peer needs --llamacpp-quant (q8_0 / q4_0): "
+        raise ValueError(f"--quantization {quant} with the llama.cpp peer needs --llamacpp-quant (q8_0 / q4_0 / q4_k_m): "
                          "otherwise llama.cpp would run the unquantised GGUF")
+    gguf = _gguf_of(args)
+    if gguf is not None:  # the file itself is what every engine runs: only llama.cpp reads it as it is
+        others = [p for p in peers if p not in ("llamacpp",)]
+        if others:
+            raise ValueError(f"--model {gguf} is a GGUF file; --peers {','.join(others)} cannot run it as it is "
+                             "(compare GGUF files with --peers llamacpp)")
+        if quant or args.llamacpp_quant:
+            raise ValueError("--quantization / --llamacpp-quant do not apply to a GGUF --model: both engines run "
+                             "the file's own types")
+        return {"openinfer_quantization": None, "checkpoint_quantization": f"gguf {gguf_file_type(gguf)}",
+                "llamacpp_quant": None}
     qc = json.loads((Path(_model_path(args)) / "config.json").read_text()).get("quantization_config") or {}
     checkpoint = " ".join(str(qc[k]) for k in ("quant_method", "format") if qc.get(k)) or None
     return {"openinfer_quantization": quant, "checkpoint_quantization": checkpoint,
@@ -271,11 +282,41 @@ def _model_path(args: argparse.Namespace) -> str:
     return str(Path(args.model or default_model_path()).resolve())
 
 
+def _gguf_of(args: argparse.Namespace) -> str | None:
+    from openinfer.gguf_file import find_gguf
+
+    f = find_gguf(_model_path(args))
+    return None if f is None else str(f)
+
+
+def gguf_file_type(path: str) -> str:
+    """The file's dominant tensor type (what llama.cpp's file names say: Q4_1, Q4_K, Q8_0 ...)."""
+    from collections import Counter
+
+    from openinfer.gguf_file import open_gguf
+
+    counts = Counter(t.tensor_type.name for t in open_gguf(path).tensors if len(t.shape) == 2)
+    return counts.most_common(1)[0][0]
+
+
+def _vocab_size(args: argparse.Namespace) -> int:
+    gguf = _gguf_of(args)
+    if gguf is not None:
+        from openinfer.gguf_file import gguf_config
+
+        return int(gguf_config(gguf)["vocab_size"])
+    return int(json.loads((Path(_model_path(args)) / "config.json").read_text())["vocab_size"])
+
+
 def prepare_gguf(args: argparse.Namespace, python: str) -> dict[str, Any]:
     """Converts (and quantizes) the checkpoint to the GGUF this run needs unless the cache has it; returns
-    what the peer status records: the GGUF's path, type and checkpoint hash, and how it was made."""
+    what the peer status records: the GGUF's path, type and checkpoint hash, and how it was made. A GGUF
+    ``--model`` is used as it is."""
     if args.temperature:
         raise ValueError(f"the llama.cpp runner decodes greedily only; got --temperature {args.temperature}")
+    gguf = _gguf_of(args)
+    if gguf is not None:
+        return {"gguf": gguf, "gguf_type": gguf_file_type(gguf), "given": True, "cached": True}
     gtype = llamacpp_peer.gguf_type(args.dtype, args.llamacpp_quant)
     model = _model_path(args)
     ckpt_hash = llamacpp_peer.checkpoint_hash(model)
@@ -301,7 +342,7 @@ def prepare_gguf(args: argparse.Namespace, python: str) -> dict[str, Any]:
 def _run_llamacpp_child(args: argparse.Namespace, batch: int, llamacpp: dict[str, Any], tmp: Path,
                         index: int) -> tuple[R.IterationSample, dict[str, Any]]:
     """One llama.cpp point in a fresh process of llama-cpp-python's Python (see ``llamacpp_peer.py``)."""
-    vocab = int(json.loads((Path(_model_path(args)) / "config.json").read_text())["vocab_size"])
+    vocab = _vocab_size(args)
     spec_path, json_path = tmp / f"{index}.llamacpp-spec.json", tmp / f"{index}.json"
     spec_path.write_text(json.dumps(llamacpp_peer.child_spec(args, llamacpp["gguf"], llamacpp["gguf_type"],
                                                              batch, vocab)))

@@ -214,7 +214,17 @@ def model_info(path: str) -> dict[str, Any]:
     """Path, architecture and parameter count read from the checkpoint files (no weights loaded)."""
     from safetensors import safe_open
 
+    from openinfer.gguf_file import find_gguf, gguf_config, open_gguf
+
     p = Path(path)
+    gguf = find_gguf(p)
+    if gguf is not None:
+        cfg = gguf_config(gguf)
+        n = sum(int(t.n_elements) for t in open_gguf(gguf).tensors)
+        return {"path": str(gguf.resolve()), "architecture": cfg["architectures"][0], "num_params": n,
+                "vocab_size": cfg["vocab_size"], "hidden_size": cfg["hidden_size"],
+                "num_hidden_layers": cfg["num_hidden_layers"], "checkpoint_dtype": "gguf",
+                "gguf_bytes": gguf.stat().st_size}
     cfg = json.loads((p / "config.json").read_text())
     if isinstance(cfg.get("text_config"), dict):  # multimodal layout (DeepSeek-V4.1): the LM's fields are nested
         cfg = {**cfg, **cfg["text_config"]}

