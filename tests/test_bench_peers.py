@@ -94,6 +94,23 @@ def test_quantization_must_reach_every_engine(ckpt):
                                                            "checkpoint_quantization": None, "llamacpp_quant": None}
 
 
+def test_a_gguf_model_runs_as_it_is_beside_llama_cpp_only(tmp_path):
+    """A GGUF --model is what both engines read; peers that cannot read it, or flags that would change its weights
+    for one side, are refused by name."""
+    from gguf_writer import write_gguf
+
+    from openinfer.bench.peers import _vocab_size, gguf_file_type
+
+    path, _ = write_gguf(tmp_path, "llama", "Q4_1", {"token_embd": "Q8_0"})
+    assert check_weights(peer_args(path), ["llamacpp"]) == {
+        "openinfer_quantization": None, "checkpoint_quantization": "gguf Q4_1", "llamacpp_quant": None}
+    assert gguf_file_type(str(path)) == "Q4_1" and _vocab_size(peer_args(path)) == 263
+    with pytest.raises(ValueError, match="--peers hf cannot run it as it is"):
+        check_weights(peer_args(path), ["hf", "llamacpp"])
+    with pytest.raises(ValueError, match="do not apply to a GGUF --model"):
+        check_weights(peer_args(path, "--llamacpp-quant", "q8_0"), ["llamacpp"])
+
+
 def test_one_iteration_summaries_merge_back_to_the_same_point():
     samples = [R.IterationSample(elapsed_s=t, num_output_tokens=8, num_input_tokens=4, mean_ttft_s=t / 10,
                                  kv_context=(4, 5)) for t in (1.0, 2.0, 4.0)]
