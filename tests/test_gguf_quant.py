@@ -23,6 +23,7 @@ import pytest
 import torch
 from gguf import quants as gq
 
+from openinfer.layers import decode_blocks
 from openinfer.layers.gguf_quant import GGUF_DEQUANT_ROWS, GGUF_TYPES, GGUFWeight, GGUFWeightParts, dequantize_reference, type_info
 from openinfer.layers.linear import Linear
 
@@ -190,6 +191,8 @@ def test_linear_load_quantized_takes_gguf_parts(kernel_ops):
     np.testing.assert_allclose(lin(x).double().numpy(), x.double().numpy() @ w.T.astype(np.float64), rtol=1e-4,
                                atol=1e-4)
     assert torch.equal(lin.dense_weight(), torch.from_numpy(w))
+    # the fused Llama decode block has no GGUF kernel: such a layer keeps its Python path (this linear's matmul)
+    assert decode_blocks.layer_linear(lin) is None
 
 
 def test_bad_input_is_a_value_error():
@@ -218,6 +221,7 @@ cpp_extension.load(name="gguf_variant_" + {march!r}.replace("-", "_"), sources=[
                    build_directory={build!r}, is_python_module=False)
 ops = torch.ops.openinfer_cpu
 import test_gguf_quant as t
+from openinfer.layers import decode_blocks
 from openinfer.layers.gguf_quant import type_info
 for qt in t.GGUF_TYPES:
     for n, k in t._shapes(qt):
