@@ -24,7 +24,8 @@ import torch
 from gguf import quants as gq
 
 from openinfer.layers import decode_blocks
-from openinfer.layers.gguf_quant import GGUF_DEQUANT_ROWS, GGUF_TYPES, GGUFWeight, GGUFWeightParts, dequantize_reference, type_info
+from openinfer.layers.gguf_quant import (GGUF_DEQUANT_ROWS, GGUF_TYPES, GGUFWeight, GGUFWeightParts,
+                                        dequantize_reference, type_info)
 from openinfer.layers.linear import Linear
 
 U = 2.0 ** -24
@@ -154,7 +155,8 @@ def test_bf16_activations_and_leading_dims(kernel_ops):
     x = torch.randn(2, 3, 256, dtype=torch.bfloat16)
     y = gw.matmul(x)
     assert y.shape == (2, 3, 9) and y.dtype == torch.bfloat16
-    ref = (x.double().reshape(6, 256) @ torch.from_numpy(gq.dequantize(data, gguf.GGMLQuantizationType.Q6_K)).double().T)
+    w = torch.from_numpy(gq.dequantize(data, gguf.GGMLQuantizationType.Q6_K)).double()
+    ref = x.double().reshape(6, 256) @ w.T
     torch.testing.assert_close(y.reshape(6, 9).double(), ref, rtol=1e-2, atol=1e-2)  # bf16 output rounding
 
 

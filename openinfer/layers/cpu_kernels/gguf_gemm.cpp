@@ -490,7 +490,8 @@ void gguf_dequantize(at::Tensor out, const at::Tensor& data, int64_t qtype) {
         float* o = op + n * K + b * f.block;
         for (int g = 0; g < f.block / dec.group; ++g) {
           const float s = dec.s[g], z = dec.o[g];
-          for (int i = 0; i < dec.group; ++i) o[g * dec.group + i] = static_cast<float>(dec.q[g * dec.group + i]) * s + z;
+          const int8_t* q = dec.q + g * dec.group;
+          for (int i = 0; i < dec.group; ++i) o[g * dec.group + i] = static_cast<float>(q[i]) * s + z;
         }
       }
   });
