@@ -171,7 +171,9 @@ def test_cat_same_type_and_mixed(kernel_ops):
     w = np.concatenate([gq.dequantize(d, gguf.GGMLQuantizationType[t]) for t, d in (("Q4_K", a), ("Q6_K", c),
                                                                                       ("Q4_K", b))])
     assert np.array_equal(mixed.dequantize().numpy(), w)
-    assert np.array_equal(mixed.rows(torch.tensor([13, 6])).numpy(), w[[13, 6]])
+    assert np.array_equal(mixed.rows(torch.tensor([13, 6, 0, 7])).numpy(), w[[13, 6, 0, 7]])
+    with pytest.raises(ValueError, match="out of range"):
+        mixed.rows(torch.tensor([14]))
     x = np.random.default_rng(0).standard_normal((3, 512)).astype(np.float32)
     bias = torch.randn(14)
     exact = x.astype(np.float64) @ w.T.astype(np.float64) + bias.double().numpy()

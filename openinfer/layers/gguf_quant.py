@@ -164,7 +164,19 @@ class GGUFWeightParts:
         return self.dequantize().to(self.dtype)
 
     def rows(self, index: torch.Tensor | None) -> torch.Tensor:
-        return self.dequantize() if index is None else self.dequantize().index_select(0, index.reshape(-1))
+        if index is None:
+            return self.dequantize()
+        idx = index.reshape(-1).to(self.parts[0].data.device)
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.shape[0]):
+            raise ValueError(f"row index out of range for a GGUF weight of {self.shape[0]} rows")
+        out = torch.empty(idx.numel(), self.shape[1], dtype=torch.float32, device=idx.device)
+        start = 0
+        for p in self.parts:  # each part decodes only the rows asked of it
+            sel = (idx >= start) & (idx < start + p.shape[0])
+            if sel.any():
+                out[sel] = p.rows(idx[sel] - start)
+            start += p.shape[0]
+        return out
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         y = torch.cat([p.matmul(x, None) for p in self.parts], dim=-1)
