@@ -11,12 +11,17 @@ activation rows on (prefill) row chunks are decoded to fp32 by the kernel and mu
 (``quant_linear.decoded_matmul``). Where the kernels are off (torch backend, no compiler, a GPU tensor) the torch
 reference below decodes the blocks with torch ops (any device) and multiplies in fp32. Both decoders give
 ``gguf.quants.dequantize``'s values to the bit: every format's w = q * s + o has an exact product q * s (an fp16
-scale's 11 bits times at most 6 + 6 bits of integers), so one rounding happens, the one gguf's numpy makes (Q6_K,
-whose d * sc * q can need 25 bits, rounds that product once, as gguf's (d * sc) * q does).
+scale's 11 significant bits times a 6-bit sub-block scale and a 5-bit integer at most: 22 bits), so one rounding
+happens, the one gguf's numpy makes (Q6_K, whose d * sc * q can need 25 bits, rounds that product once, as gguf's
+(d * sc) * q does).
 
 Not reused: the int4 kernel (``lowbit_gemm.cpp``) would take Q4_0 after moving nibbles at load, but it needs fp32
 group scales (4 bytes per 32 weights next to Q4_0's 2) and a copy of the matrix in its own layout; Q4_1 needs a
-zero-point correction matmul per call on top. One kernel reading the file's bytes serves every type the same way.
+zero-point correction matmul per call on top; and it measured no faster at batch 1 and slower at 8
+(``scripts/gguf_gemm_speed.py --compare-int4``, 1 thread, loaded host, the SmolLM2 shapes and 4096 x 4096: M = 1
+1.8 / 2.0 / 2.6 / 1.8 GB/s of weight against Q4_0's 2.4 / 1.9 / 2.6 / 3.3, M = 8 1.6-2x Q4_0's time;
+docs/gguf_kernels.md). At M = 32 both decode to fp32 for a GEMM, and int4's vectorised decoder was 10-35 % faster
+than ``gguf_dequantize``'s per-block loop. One kernel reading the file's bytes serves every type.
 """
 from __future__ import annotations
 
