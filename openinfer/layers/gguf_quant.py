@@ -20,8 +20,9 @@ group scales (4 bytes per 32 weights next to Q4_0's 2) and a copy of the matrix 
 zero-point correction matmul per call on top; and it measured no faster at batch 1 and slower at 8
 (``scripts/gguf_gemm_speed.py --compare-int4``, 1 thread, loaded host, the SmolLM2 shapes and 4096 x 4096: M = 1
 1.8 / 2.0 / 2.6 / 1.8 GB/s of weight against Q4_0's 2.4 / 1.9 / 2.6 / 3.3, M = 8 1.6-2x Q4_0's time;
-docs/gguf_kernels.md). At M = 32 both decode to fp32 for a GEMM, and int4's vectorised decoder was 10-35 % faster
-than ``gguf_dequantize``'s per-block loop. One kernel reading the file's bytes serves every type.
+docs/gguf_kernels.md). From 32 rows both decode row chunks to fp32 for a GEMM; ``gguf_dequantize`` decodes Q4_0
+in 0.13 ms per 512 x 4096 rows against int4_dequantize's 0.27 (1 thread). One kernel reading the file's bytes serves
+every type.
 """
 from __future__ import annotations
 
