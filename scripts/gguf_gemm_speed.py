@@ -111,7 +111,6 @@ def main() -> None:
                     gguf_quant.GGUF_DEQUANT_ROWS = saved
                     cols[-1] += f" (other path {s2 * 1e3:7.3f})"
             print(f"{qtype:5} {n}x{k} ({one.numel() / 1e6:6.2f} MB): " + "; ".join(cols), flush=True)
-            del ws
         if args.compare_int4:
             w = torch.randn(n, k)
             q = QuantizedWeight.quantize(w, "int4", group=32)
