@@ -14,6 +14,7 @@ GGUF_DEQUANT_ROWS choice).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -84,7 +85,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     rng = np.random.default_rng(0)
     c, r = copy_bandwidth()
-    print(f"threads {args.threads}; copy bandwidth {c:.1f} GB/s (read + write), read-only sum {r:.1f} GB/s")
+    load = os.getloadavg()[0]  # the host is shared: figures taken under load are not the kernel's ceiling
+    print(f"threads {args.threads}; copy bandwidth {c:.1f} GB/s (read + write), read-only sum {r:.1f} GB/s; "
+          f"load average {load:.1f} on {os.cpu_count()} CPUs")
     for shape in args.shapes:
         n, k = (int(v) for v in shape.split("x"))
         for qtype in args.types:
@@ -108,7 +111,6 @@ def main() -> None:
                     gguf_quant.GGUF_DEQUANT_ROWS = saved
                     cols[-1] += f" (other path {s2 * 1e3:7.3f})"
             print(f"{qtype:5} {n}x{k} ({one.numel() / 1e6:6.2f} MB): " + "; ".join(cols), flush=True)
-            del ws
         if args.compare_int4:
             w = torch.randn(n, k)
             q = QuantizedWeight.quantize(w, "int4", group=32)

@@ -23,7 +23,9 @@ import pytest
 import torch
 from gguf import quants as gq
 
-from openinfer.layers.gguf_quant import GGUF_DEQUANT_ROWS, GGUF_TYPES, GGUFWeight, GGUFWeightParts, dequantize_reference, type_info
+from openinfer.layers import decode_blocks
+from openinfer.layers.gguf_quant import (GGUF_DEQUANT_ROWS, GGUF_TYPES, GGUFWeight, GGUFWeightParts,
+                                        dequantize_reference, type_info)
 from openinfer.layers.linear import Linear
 
 U = 2.0 ** -24
@@ -153,7 +155,8 @@ def test_bf16_activations_and_leading_dims(kernel_ops):
     x = torch.randn(2, 3, 256, dtype=torch.bfloat16)
     y = gw.matmul(x)
     assert y.shape == (2, 3, 9) and y.dtype == torch.bfloat16
-    ref = (x.double().reshape(6, 256) @ torch.from_numpy(gq.dequantize(data, gguf.GGMLQuantizationType.Q6_K)).double().T)
+    w = torch.from_numpy(gq.dequantize(data, gguf.GGMLQuantizationType.Q6_K)).double()
+    ref = x.double().reshape(6, 256) @ w.T
     torch.testing.assert_close(y.reshape(6, 9).double(), ref, rtol=1e-2, atol=1e-2)  # bf16 output rounding
 
 
@@ -168,7 +171,9 @@ def test_cat_same_type_and_mixed(kernel_ops):
     w = np.concatenate([gq.dequantize(d, gguf.GGMLQuantizationType[t]) for t, d in (("Q4_K", a), ("Q6_K", c),
                                                                                       ("Q4_K", b))])
     assert np.array_equal(mixed.dequantize().numpy(), w)
-    assert np.array_equal(mixed.rows(torch.tensor([13, 6])).numpy(), w[[13, 6]])
+    assert np.array_equal(mixed.rows(torch.tensor([13, 6, 0, 7])).numpy(), w[[13, 6, 0, 7]])
+    with pytest.raises(ValueError, match="out of range"):
+        mixed.rows(torch.tensor([14]))
     x = np.random.default_rng(0).standard_normal((3, 512)).astype(np.float32)
     bias = torch.randn(14)
     exact = x.astype(np.float64) @ w.T.astype(np.float64) + bias.double().numpy()
@@ -190,6 +195,8 @@ def test_linear_load_quantized_takes_gguf_parts(kernel_ops):
     np.testing.assert_allclose(lin(x).double().numpy(), x.double().numpy() @ w.T.astype(np.float64), rtol=1e-4,
                                atol=1e-4)
     assert torch.equal(lin.dense_weight(), torch.from_numpy(w))
+    # the fused Llama decode block has no GGUF kernel: such a layer keeps its Python path (this linear's matmul)
+    assert decode_blocks.layer_linear(lin) is None
 
 
 def test_bad_input_is_a_value_error():
@@ -218,6 +225,7 @@ cpp_extension.load(name="gguf_variant_" + {march!r}.replace("-", "_"), sources=[
                    build_directory={build!r}, is_python_module=False)
 ops = torch.ops.openinfer_cpu
 import test_gguf_quant as t
+from openinfer.layers import decode_blocks
 from openinfer.layers.gguf_quant import type_info
 for qt in t.GGUF_TYPES:
     for n, k in t._shapes(qt):

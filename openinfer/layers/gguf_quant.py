@@ -11,12 +11,17 @@ activation rows on (prefill) row chunks are decoded to fp32 by the kernel and mu
 (``quant_linear.decoded_matmul``). Where the kernels are off (torch backend, no compiler, a GPU tensor) the torch
 reference below decodes the blocks with torch ops (any device) and multiplies in fp32. Both decoders give
 ``gguf.quants.dequantize``'s values to the bit: every format's w = q * s + o has an exact product q * s (an fp16
-scale's 11 bits times at most 6 + 6 bits of integers), so one rounding happens, the one gguf's numpy makes (Q6_K,
-whose d * sc * q can need 25 bits, rounds that product once, as gguf's (d * sc) * q does).
+scale's 11 significant bits times a 6-bit sub-block scale and a 5-bit integer at most: 22 bits), so one rounding
+happens, the one gguf's numpy makes (Q6_K, whose d * sc * q can need 25 bits, rounds that product once, as gguf's
+(d * sc) * q does).
 
 Not reused: the int4 kernel (``lowbit_gemm.cpp``) would take Q4_0 after moving nibbles at load, but it needs fp32
 group scales (4 bytes per 32 weights next to Q4_0's 2) and a copy of the matrix in its own layout; Q4_1 needs a
-zero-point correction matmul per call on top. One kernel reading the file's bytes serves every type the same way.
+zero-point correction matmul per call on top; and it measured slower at batch 1 and 8 (``scripts/gguf_gemm_speed.py
+--compare-int4``, 1 thread, loaded host, 576 x 1536 / 1536 x 576 / 49152 x 576 / 4096 x 4096: M = 1 2.3 / 2.5 /
+2.8 / 2.4 GB/s of weight against Q4_0's 2.8 / 3.4 / 3.2 / 3.3, M = 8 1.2-2.3x Q4_0's time; docs/gguf_kernels.md).
+From 24 rows both decode row chunks to fp32 for a GEMM; ``gguf_dequantize`` decodes Q4_0 in 0.13 ms per 512 x 4096
+rows against int4_dequantize's 0.27 (1 thread). One kernel reading the file's bytes serves every type.
 """
 from __future__ import annotations
 
@@ -30,11 +35,11 @@ from openinfer.layers.quant_linear import decoded_matmul
 
 GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 # From this many activation rows on, decode row chunks to fp32 and run torch's GEMM (the register tile re-decodes
-# every block for each 4 activation rows). ``scripts/gguf_gemm_speed.py --threads 1 --m 16 24 32 --crossover``
-# (1 thread, AVX-512 EPYC shared with other jobs, so +-30 %), ms kernel / decoded + GEMM, 4096 x 4096: M = 16 Q4_0
-# 11.0 / 19.8, Q8_0 12.5 / 15.3, Q6_K 16.7 / 40.2; M = 24 Q4_0 16.6 / 22.9, Q6_K 21.4 / 27.7; M = 32 Q4_0 54.4 /
-# 47.3, Q4_1 58.2 / 52.1, Q5_1 68.4 / 57.2 (49152 x 576 Q4_1: 129.8 / 93.4).
-GGUF_DEQUANT_ROWS = 32
+# every block for each 4 activation rows). ``scripts/gguf_gemm_speed.py --threads 1 --m 16 24 --crossover`` (1 thread,
+# 2-core AVX-512 EPYC shared with other jobs, load ~10, so +-30 %), ms kernel / decoded + GEMM at M = 24:
+# 576 x 1536 Q8_0 2.56 / 2.07, Q4_K 2.97 / 2.49, Q6_K 1.82 / 1.65, Q4_1 2.67 / 3.56; 1536 x 576 Q4_1 1.45 / 1.04,
+# Q8_0 1.89 / 1.18; 4096 x 4096 Q4_K 41.7 / 37.3, Q6_K 40.2 / 33.8, Q4_1 22.3 / 39.9; at M = 16 even within noise.
+GGUF_DEQUANT_ROWS = 24
 
 
 @functools.cache
@@ -164,7 +169,19 @@ class GGUFWeightParts:
         return self.dequantize().to(self.dtype)
 
     def rows(self, index: torch.Tensor | None) -> torch.Tensor:
-        return self.dequantize() if index is None else self.dequantize().index_select(0, index.reshape(-1))
+        if index is None:
+            return self.dequantize()
+        idx = index.reshape(-1).to(self.parts[0].data.device)
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.shape[0]):
+            raise ValueError(f"row index out of range for a GGUF weight of {self.shape[0]} rows")
+        out = torch.empty(idx.numel(), self.shape[1], dtype=torch.float32, device=idx.device)
+        start = 0
+        for p in self.parts:  # each part decodes only the rows asked of it
+            sel = (idx >= start) & (idx < start + p.shape[0])
+            if sel.any():
+                out[sel] = p.rows(idx[sel] - start)
+            start += p.shape[0]
+        return out
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         y = torch.cat([p.matmul(x, None) for p in self.parts], dim=-1)

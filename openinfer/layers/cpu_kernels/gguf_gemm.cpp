@@ -18,11 +18,16 @@
 // with Σ x over each 32-column group computed once per call (``xsum``), not once per weight row. So the result is
 // dequantise-then-matmul up to fp32 summation order (tests/test_gguf_quant.py bounds it).
 //
-// Work split: output rows over threads (at::parallel_for); each weight row is read once per call, up to kMB
+// Work split: output rows over threads (at::parallel_for); each weight row is read once per call, up to kMB = 4
 // activation rows at a time passing over it while it sits in L1 (a row is K / 32 * 18..34 bytes: 324 B to 4.4 KB
-// for K = 576..4096). Register accumulators per activation row, S = 4 / MB independent chains each so one row
-// is not bound by the FMA latency. Larger M (prefill) decodes row chunks to fp32 (``gguf_dequantize``, the values
-// of gguf.quants.dequantize to the bit) for torch's GEMM: the Python side decides (GGUF_DEQUANT_ROWS).
+// for K = 576..4096), so the rows are one front-to-back stream with a software prefetch ahead. Register
+// accumulators per activation row, S = 4 / MB independent chains each so one row is not bound by the FMA latency.
+// Each pass of 4 activation rows decodes the weights again: M = 4 costs ~1.7x M = 1, M = 8 twice M = 4 (1 thread,
+// 1536 x 576 Q4_0 0.073 / 0.121 / 0.238 ms); with K = 4096 the 4 rows of x (64 KB) no longer fit L1 and come from
+// L2 for every weight row (M = 8 ~3x M = 4). Splitting K into L1-sized column chunks measured 2x slower (the weight
+// rows then became short strided segments), so it is not done. Larger M (prefill) decodes row chunks to fp32
+// (``gguf_dequantize``: gguf.quants.dequantize's values to the bit) for torch's GEMM: the Python side decides
+// (GGUF_DEQUANT_ROWS).
 // AVX2 intrinsics (the same code compiles and runs on AVX-512 builds); a portable scalar loop elsewhere.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -170,6 +175,16 @@ void decode_block(int64_t t, const uint8_t* b, Decoded& out) {
 // xs: per activation row, Σ x over each 32-column group (stride K / 32), for the formats with a min.
 
 #ifdef __AVX2__
+// Software prefetch kPrefetch bytes ahead in the weight stream (rows are contiguous, so past a row's end it reaches
+// into the next one): ``bytes`` of one block, one line per 64. Without it one thread streamed 3.7 GB/s at M = 1
+// against 7.8 GB/s on the same matrix cache-resident (Q4_0 4096 x 4096): the decode work per line leaves the
+// hardware prefetcher behind, as in lowbit_gemm.cpp.
+constexpr int64_t kPrefetch = 1024;
+template <int Bytes>
+inline void prefetch_block(const uint8_t* blk) {
+  for (int i = 0; i < Bytes; i += 64) __builtin_prefetch(blk + kPrefetch + i);
+}
+
 inline __m256i load8u(const uint8_t* p) {  // 8 bytes -> 8 x int32
   return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 }
@@ -193,7 +208,19 @@ struct Acc {
     }
   }
   // a[m][s] += c * scale
-  inline void add(int m, int s, __m256 c, __m256 scale) { a[m][s % S] = _mm256_fmadd_ps(c, scale, a[m][s % S]); }
+  // a switch, not a[m][s % S]: an index unknown at compile time puts the accumulators on the stack
+  inline void add(int m, int s, __m256 c, __m256 scale) {
+    if constexpr (S == 1) {
+      a[m][0] = _mm256_fmadd_ps(c, scale, a[m][0]);
+    } else {
+      switch (s & (S - 1)) {
+        case 0: a[m][0] = _mm256_fmadd_ps(c, scale, a[m][0]); break;
+        case 1: a[m][1] = _mm256_fmadd_ps(c, scale, a[m][1]); break;
+        case 2: a[m][2 % S] = _mm256_fmadd_ps(c, scale, a[m][2 % S]); break;
+        default: a[m][3 % S] = _mm256_fmadd_ps(c, scale, a[m][3 % S]); break;
+      }
+    }
+  }
   void finish(float* out) const {
     for (int m = 0; m < MB; ++m) {
       __m256 t = a[m][0];
@@ -219,48 +246,79 @@ inline void group32(Acc<MB>& acc, int s, const __m256 w[4], const float* x, int6
 }
 
 // Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0: blocks of 32 with one scale (and a min for _1).
+template <int64_t T>
+constexpr int small_bytes() {
+  return T == Q8_0 ? 34 : T == Q4_0 ? 18 : T == Q4_1 ? 20 : T == Q5_0 ? 22 : 24;
+}
+
+// One block of Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 -> its 32 integers as floats (the _0 types' offset subtracted),
+// wv[0]: columns 0..7, wv[1]: 8..15, wv[2]: 16..23, wv[3]: 24..31.
+template <int64_t T>
+inline void decode_small(const uint8_t* blk, __m256 wv[4]) {
+  constexpr bool kMin = T == Q4_1 || T == Q5_1, kFive = T == Q5_0 || T == Q5_1;
+  if constexpr (T == Q8_0) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
+    for (int j = 0; j < 4; ++j) wv[j] = widen_i8(q + 8 * j);
+  } else {
+    const uint8_t* qs = blk + 2 + (kMin ? 2 : 0) + (kFive ? 4 : 0);
+    const __m256i b0 = load8u(qs), b1 = load8u(qs + 8);
+    __m256i q0 = lo4i(b0), q1 = lo4i(b1), q2 = hi4i(b0), q3 = hi4i(b1);  // columns 0-7, 8-15, 16-23, 24-31
+    if constexpr (kFive) {
+      const __m256i qh = _mm256_set1_epi32(static_cast<int32_t>(u32(blk + 2 + (kMin ? 2 : 0))));
+      const __m256i sh = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), one = _mm256_set1_epi32(1);
+      // bit c of qh -> 16 in lane (c mod 8) of the vector holding column c
+      auto bit = [&](int c0) {
+        return _mm256_slli_epi32(
+            _mm256_and_si256(_mm256_srlv_epi32(qh, _mm256_add_epi32(sh, _mm256_set1_epi32(c0))), one), 4);
+      };
+      q0 = _mm256_or_si256(q0, bit(0));
+      q1 = _mm256_or_si256(q1, bit(8));
+      q2 = _mm256_or_si256(q2, bit(16));
+      q3 = _mm256_or_si256(q3, bit(24));
+    }
+    const __m256i bias = _mm256_set1_epi32(kMin ? 0 : kFive ? 16 : 8);
+    wv[0] = _mm256_cvtepi32_ps(_mm256_sub_epi32(q0, bias));
+    wv[1] = _mm256_cvtepi32_ps(_mm256_sub_epi32(q1, bias));
+    wv[2] = _mm256_cvtepi32_ps(_mm256_sub_epi32(q2, bias));
+    wv[3] = _mm256_cvtepi32_ps(_mm256_sub_epi32(q3, bias));
+  }
+}
+
+// Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0: blocks of 32 with one scale (and a min for _1).
 template <int MB, int64_t T>
 void row_small(const uint8_t* w, int64_t nb, const float* x, int64_t K, const float* xs, float* out) {
-  constexpr bool kMin = T == Q4_1 || T == Q5_1, kFive = T == Q5_0 || T == Q5_1;
-  constexpr int kBytes = T == Q8_0 ? 34 : T == Q4_0 ? 18 : T == Q4_1 ? 20 : T == Q5_0 ? 22 : 24;
+  constexpr bool kMin = T == Q4_1 || T == Q5_1;
+  constexpr int kBytes = small_bytes<T>();
   Acc<MB> acc;
-  const __m256i bias = _mm256_set1_epi32(kMin ? 0 : kFive ? 16 : 8);
-  const __m256i sh_lo = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), eight = _mm256_set1_epi32(8);
-  const __m256i sixteen = _mm256_set1_epi32(16), one = _mm256_set1_epi32(1);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = w + b * kBytes;
-    const __m256 d = _mm256_set1_ps(fp16(blk));
+    if (b % 2 == 0) prefetch_block<64>(blk);  // blocks of 18..34 bytes: one line per 2 blocks or so
     __m256 wv[4];
-    if constexpr (T == Q8_0) {
-      const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
-      for (int j = 0; j < 4; ++j) wv[j] = widen_i8(q + 8 * j);
-    } else {
-      const uint8_t* qs = blk + 2 + (kMin ? 2 : 0) + (kFive ? 4 : 0);
-      const __m256i b0 = load8u(qs), b1 = load8u(qs + 8);
-      __m256i q0 = lo4i(b0), q1 = lo4i(b1), q2 = hi4i(b0), q3 = hi4i(b1);  // columns 0-7, 8-15, 16-23, 24-31
-      if constexpr (kFive) {
-        const __m256i qh = _mm256_set1_epi32(static_cast<int32_t>(u32(blk + 2 + (kMin ? 2 : 0))));
-        // bit c of qh -> 16 in lane (c mod 8) of the vector holding column c
-        auto bit = [&](__m256i shift) {
-          return _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(qh, shift), one), 4);
-        };
-        q0 = _mm256_or_si256(q0, bit(sh_lo));
-        q1 = _mm256_or_si256(q1, bit(_mm256_add_epi32(sh_lo, eight)));
-        q2 = _mm256_or_si256(q2, bit(_mm256_add_epi32(sh_lo, sixteen)));
-        q3 = _mm256_or_si256(q3, bit(_mm256_add_epi32(sh_lo, _mm256_set1_epi32(24))));
-      }
-      wv[0] = _mm256_cvtepi32_ps(_mm256_sub_epi32(q0, bias));
-      wv[1] = _mm256_cvtepi32_ps(_mm256_sub_epi32(q1, bias));
-      wv[2] = _mm256_cvtepi32_ps(_mm256_sub_epi32(q2, bias));
-      wv[3] = _mm256_cvtepi32_ps(_mm256_sub_epi32(q3, bias));
-    }
-    group32<MB>(acc, static_cast<int>(b), wv, x + b * 32, K, d);
+    decode_small<T>(blk, wv);
+    group32<MB>(acc, static_cast<int>(b), wv, x + b * 32, K, _mm256_set1_ps(fp16(blk)));
     if constexpr (kMin) {
       const float mval = fp16(blk + 2);
       for (int m = 0; m < MB; ++m) acc.off[m] += mval * xs[m * (K / 32) + b];
     }
   }
   acc.finish(out);
+}
+
+// One row of those types as fp32: d q (+ m) per element, one fused multiply-add whose product d q is exact, so
+// gguf's (d q) + m to the bit. The per-block portable decode took 7x as long on Q4_0 (0.96 against 0.13 ms for
+// 512 x 4096, 1 thread; int4_dequantize 0.27; the GEMM the rows then feed at M = 32 2.1), Q6_K 5x (1.23 / 0.25).
+template <int64_t T>
+void dequant_small_row(const uint8_t* w, int64_t nb, float* o) {
+  constexpr bool kMin = T == Q4_1 || T == Q5_1;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * small_bytes<T>();
+    __m256 wv[4];
+    decode_small<T>(blk, wv);
+    const __m256 d = _mm256_set1_ps(fp16(blk));
+    const __m256 m = _mm256_set1_ps(kMin ? fp16(blk + 2) : 0.f);
+    for (int j = 0; j < 4; ++j)
+      _mm256_storeu_ps(o + b * 32 + 8 * j, kMin ? _mm256_fmadd_ps(wv[j], d, m) : _mm256_mul_ps(wv[j], d));
+  }
 }
 
 // Q4_K / Q5_K: super-blocks of 256, 8 sub-blocks of 32 with a 6-bit scale and min each.
@@ -270,6 +328,7 @@ void row_k45(const uint8_t* w, int64_t nb, const float* x, int64_t K, const floa
   Acc<MB> acc;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = w + b * kBytes;
+    prefetch_block<kBytes>(blk);
     const float d = fp16(blk), dmin = fp16(blk + 2);
     int sc[8], mn[8];
     scale_min_k4(blk + 4, sc, mn);
@@ -306,27 +365,34 @@ void row_k45(const uint8_t* w, int64_t nb, const float* x, int64_t K, const floa
 }
 
 // Q6_K: super-blocks of 256, 16 sub-blocks of 16 with an int8 scale; q = (4 low bits | 2 high bits << 4) - 32.
+// decode_q6k: the integers of columns 128 h + 32 j + 16 half + [0, 16) for j = 0..3, as q[j][0] (the first 8) and
+// q[j][1], with the sub-block scale index 8 h + 2 j + half.
+inline void decode_q6k(const uint8_t* blk, int h, int half, __m256 q[4][2]) {
+  const __m256i f = _mm256_set1_epi32(0xF), three = _mm256_set1_epi32(3), bias = _mm256_set1_epi32(32);
+  for (int i = 0; i < 2; ++i) {
+    const int off = 16 * half + 8 * i;
+    const __m256i a = load8u(blk + 64 * h + off), c = load8u(blk + 64 * h + 32 + off);
+    const __m256i hq = load8u(blk + 128 + 32 * h + off);
+    auto hbits = [&](int sh) { return _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hq, sh), three), 4); };
+    q[0][i] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(_mm256_and_si256(a, f), hbits(0)), bias));
+    q[1][i] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(_mm256_and_si256(c, f), hbits(2)), bias));
+    q[2][i] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(_mm256_srli_epi32(a, 4), hbits(4)), bias));
+    q[3][i] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(_mm256_srli_epi32(c, 4), hbits(6)), bias));
+  }
+}
+
 template <int MB>
 void row_q6k(const uint8_t* w, int64_t nb, const float* x, int64_t K, const float*, float* out) {
   Acc<MB> acc;
-  const __m256i f = _mm256_set1_epi32(0xF), three = _mm256_set1_epi32(3), bias = _mm256_set1_epi32(32);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = w + b * 210;
+    prefetch_block<210>(blk);
     const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
     const float d = fp16(blk + 208);
     for (int h = 0; h < 2; ++h)
       for (int half = 0; half < 2; ++half) {  // columns [16 half, 16 half + 16) of each of the 4 runs of 32
         __m256 q[4][2];
-        for (int i = 0; i < 2; ++i) {
-          const int off = 16 * half + 8 * i;
-          const __m256i a = load8u(blk + 64 * h + off), c = load8u(blk + 64 * h + 32 + off);
-          const __m256i hq = load8u(blk + 128 + 32 * h + off);
-          auto hbits = [&](int sh) { return _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hq, sh), three), 4); };
-          q[0][i] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(_mm256_and_si256(a, f), hbits(0)), bias));
-          q[1][i] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(_mm256_and_si256(c, f), hbits(2)), bias));
-          q[2][i] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(_mm256_srli_epi32(a, 4), hbits(4)), bias));
-          q[3][i] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(_mm256_srli_epi32(c, 4), hbits(6)), bias));
-        }
+        decode_q6k(blk, h, half, q);
         for (int j = 0; j < 4; ++j) {
           const int64_t col = 128 * h + 32 * j + 16 * half;
           const __m256 s = _mm256_set1_ps(d * static_cast<float>(sc[8 * h + 2 * j + half]));
@@ -340,6 +406,26 @@ void row_q6k(const uint8_t* w, int64_t nb, const float* x, int64_t K, const floa
       }
   }
   acc.finish(out);
+}
+
+// One Q6_K row as fp32: (d sc) q, the product rounded once as gguf's.
+void dequant_q6k_row(const uint8_t* w, int64_t nb, float* o) {
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * 210;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+    const float d = fp16(blk + 208);
+    for (int h = 0; h < 2; ++h)
+      for (int half = 0; half < 2; ++half) {
+        __m256 q[4][2];
+        decode_q6k(blk, h, half, q);
+        for (int j = 0; j < 4; ++j) {
+          const __m256 s = _mm256_set1_ps(d * static_cast<float>(sc[8 * h + 2 * j + half]));
+          float* oj = o + b * 256 + 128 * h + 32 * j + 16 * half;
+          _mm256_storeu_ps(oj, _mm256_mul_ps(q[j][0], s));
+          _mm256_storeu_ps(oj + 8, _mm256_mul_ps(q[j][1], s));
+        }
+      }
+  }
 }
 #endif
 
@@ -454,15 +540,30 @@ void gguf_dequantize(at::Tensor out, const at::Tensor& data, int64_t qtype) {
   const int64_t nb = K / f.block, row_bytes = nb * f.bytes;
   at::parallel_for(0, N, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t n0, int64_t n1) {
     Decoded dec;
-    for (int64_t n = n0; n < n1; ++n)
+    for (int64_t n = n0; n < n1; ++n) {
+#ifdef __AVX2__
+      const uint8_t* w = wp + n * row_bytes;
+      float* o = op + n * K;
+      switch (qtype) {
+        case Q8_0: dequant_small_row<Q8_0>(w, nb, o); continue;
+        case Q4_0: dequant_small_row<Q4_0>(w, nb, o); continue;
+        case Q4_1: dequant_small_row<Q4_1>(w, nb, o); continue;
+        case Q5_0: dequant_small_row<Q5_0>(w, nb, o); continue;
+        case Q5_1: dequant_small_row<Q5_1>(w, nb, o); continue;
+        case Q6_K: dequant_q6k_row(w, nb, o); continue;
+        default: break;  // Q4_K / Q5_K: the portable decode's 32-wide loops vectorise (0.38 / 0.44 ms, 512 x 4096)
+      }
+#endif
       for (int64_t b = 0; b < nb; ++b) {
         decode_block(qtype, wp + n * row_bytes + b * f.bytes, dec);
-        float* o = op + n * K + b * f.block;
+        float* ob = op + n * K + b * f.block;
         for (int g = 0; g < f.block / dec.group; ++g) {
           const float s = dec.s[g], z = dec.o[g];
-          for (int i = 0; i < dec.group; ++i) o[g * dec.group + i] = static_cast<float>(dec.q[g * dec.group + i]) * s + z;
+          const int8_t* q = dec.q + g * dec.group;
+          for (int i = 0; i < dec.group; ++i) ob[g * dec.group + i] = static_cast<float>(q[i]) * s + z;
         }
       }
+    }
   });
 }
 
