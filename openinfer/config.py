@@ -462,6 +462,49 @@ class KVTransferConfig:
         return _parse_json_config(cls, value, "kv_transfer_config", ("kv_connector", "kv_role"))
 
 
+KV_OFFLOADING_BACKENDS = ("native",)
+
+
+@dataclass(frozen=True)
+class KVOffloadConfig:
+    """A second KV tier (vLLM's ``--kv-offloading-backend`` / ``--kv-offloading-size``): full blocks that leave the
+    pool are kept in files under ``path`` (openinfer's own flag; default: a temporary folder removed at shutdown),
+    at most ``size_gb`` GiB, and a prompt whose prefix is there is loaded instead of recomputed
+    (distributed/kv_transfer/offload_*.py). ``native`` is the one backend: files on a local disk (vLLM's native
+    backend keeps CPU memory; a tmpfs path is that)."""
+
+    size_gb: float
+    backend: str = "native"
+    path: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.backend not in KV_OFFLOADING_BACKENDS:
+            raise ValueError(f"kv_offloading_backend={self.backend!r}; choose one of "
+                             f"{', '.join(KV_OFFLOADING_BACKENDS)}")
+        v = self.size_gb
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            raise ValueError(f"kv_offloading_size must be a number of GiB > 0, got {v!r}")
+
+    @property
+    def size_bytes(self) -> int:
+        return int(self.size_gb * (1 << 30))
+
+    def check_path(self) -> None:
+        """At start-up: the folder exists (or can be made) and files can be written there (ValueError naming
+        --kv-offloading-path otherwise), so a bad path fails before the model loads, not at the first store."""
+        if self.path is None:
+            return
+        import tempfile
+
+        try:
+            os.makedirs(self.path, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=self.path, prefix=".probe-"):
+                pass
+        except OSError as e:
+            raise ValueError(f"kv_offloading_path={self.path!r} is not a writable folder: {e.strerror or e}") \
+                from None
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Built from ``EngineArgs.create_engine_config`` (engine_args.py), the one list of user settings."""
@@ -477,6 +520,7 @@ class EngineConfig:
     tokenizer_mode: str = "auto"  # auto (the chat template) | deepseek_v4 (chat_encoding/deepseek_v4.py)
     kv_transfer: KVTransferConfig | None = None
     kernel: KernelConfig = field(default_factory=KernelConfig)
+    kv_offload: KVOffloadConfig | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.attention_backend, AttentionBackend):
@@ -495,6 +539,19 @@ class EngineConfig:
             if self.speculative is not None:
                 raise ValueError("kv_transfer_config with speculative_config is not supported: the drafting "
                                  "model's KV is not transferred")
+        if self.kv_offload is not None:
+            if self.kv_transfer is not None:
+                raise ValueError("kv_offloading_size with kv_transfer_config is not supported yet: one KV connector "
+                                 "per engine")
+            if self.parallel.world_size > 1:
+                raise ValueError("kv_offloading_size needs one rank (tensor_parallel_size=1, data_parallel_size=1): "
+                                 "the tier's files hold one rank's whole blocks")
+            if self.speculative is not None:
+                raise ValueError("kv_offloading_size with speculative_config is not supported yet: the drafting "
+                                 "model's KV is not offloaded")
+            if not self.cache.enable_prefix_caching:
+                raise ValueError("kv_offloading_size needs enable_prefix_caching: the tier is keyed by the prefix "
+                                 "cache's block hashes")
 
 
 def engine_config_to_json(config: EngineConfig) -> str:
@@ -510,6 +567,7 @@ def engine_config_to_json(config: EngineConfig) -> str:
         "structured_outputs_backend": config.structured_outputs_backend, "tokenizer_mode": config.tokenizer_mode,
         "kv_transfer": asdict(config.kv_transfer) if config.kv_transfer else None,
         "kernel": asdict(config.kernel),
+        "kv_offload": asdict(config.kv_offload) if config.kv_offload else None,
     })
 
 
@@ -528,4 +586,5 @@ def engine_config_from_json(text: str) -> EngineConfig:
                         structured_outputs_backend=d.get("structured_outputs_backend", "auto"),
                         tokenizer_mode=d.get("tokenizer_mode", "auto"),
                         kv_transfer=KVTransferConfig.parse(d.get("kv_transfer")),
-                        kernel=KernelConfig(**d["kernel"]) if d.get("kernel") else KernelConfig())
+                        kernel=KernelConfig(**d["kernel"]) if d.get("kernel") else KernelConfig(),
+                        kv_offload=KVOffloadConfig(**d["kv_offload"]) if d.get("kv_offload") else None)

@@ -44,6 +44,24 @@ class KVLoad(msgspec.Struct):
     push: bool = False  # the producer writes into local_block_ids (send_type PUT) instead of this side reading
 
 
+class TierBlock(msgspec.Struct, array_like=True):
+    """One full block moving between the pool and the offloading tier: its prefix-cache chain key (the chain hash,
+    its parent's and its tokens: what the tier's file is named by and checked against) and its pool block in
+    each KV group the tier holds, in the model's group order."""
+
+    block_hash: int
+    parent_hash: int
+    token_ids: list[int]
+    block_ids: list[int]
+
+
+class TierLoad(msgspec.Struct):
+    """A waiting request's prefix blocks to read from the tier into freshly allocated pool blocks."""
+
+    req_id: str
+    blocks: list[TierBlock]
+
+
 class KVConnectorMetadata(msgspec.Struct):
     """What the scheduler side of a KV connector tells its worker side each step; a producer also names the
     requests it now holds for a remote decoder (request id -> block ids per group, -1 = none there) and those it
@@ -52,6 +70,10 @@ class KVConnectorMetadata(msgspec.Struct):
     loads: list[KVLoad] = []
     held: dict[str, list[list[int]]] = {}
     released: list[str] = []
+    # The offloading tier: blocks to copy out of the pool (before this step's forward may overwrite them) and write
+    # to the tier, and prefixes to read back.
+    tier_stores: list[TierBlock] = []
+    tier_loads: list[TierLoad] = []
 
 
 class KVConnectorOutput(msgspec.Struct):
@@ -64,6 +86,11 @@ class KVConnectorOutput(msgspec.Struct):
     sending_started: list[str] = []  # producer: held requests a push write now reads from (they must not expire)
     bytes_received: int = 0
     seconds_receiving: float = 0.0
+    # The offloading tier: blocks now in its files (chain hash -> file bytes); entries found stale or corrupt while
+    # loading (dropped, their files removed); a write that failed (the tier turns itself off).
+    tier_stored: dict[int, int] = {}
+    tier_invalid: list[int] = []
+    tier_store_error: str = ""
 
     @property
     def empty(self) -> bool:

@@ -85,6 +85,11 @@ class KVCacheManager:
         """Per group; ``placeholder`` stands for a released (or never needed) position of a sliding group."""
         return [g.block_ids(request_id, placeholder) for g in self.groups]
 
+    def full_block_keys(self, req: Request, num_full_blocks: int) -> list[BlockKey]:
+        """Chain keys (parent hash, token ids) of the request's first ``num_full_blocks`` full blocks; their chain
+        hashes are ``req.block_hashes[:num_full_blocks]`` afterwards."""
+        return self._block_keys(req, num_full_blocks)
+
     def _block_keys(self, req: Request, num_full_blocks: int) -> list[BlockKey]:
         """Chain keys of the request's first ``num_full_blocks`` full blocks (hashes memoised on the request so
         each block is hashed once in its life)."""

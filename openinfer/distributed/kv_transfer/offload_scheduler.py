@@ -1,0 +1,277 @@
+"""The offloading tier's scheduler side (vLLM's OffloadingConnector shape): the index of what the tier's files hold,
+in LRU order, and this step's stores and loads for the worker side. Pure Python: no torch.
+
+- Stores: when a request's blocks go back to the pool (it ended or was preempted), each full block of computed KV
+  that the tier does not hold yet is named in the next step's metadata; the worker side copies it out of the pool
+  before that step's forward (nothing can overwrite it earlier) and writes its file on a background thread. The
+  entry joins the index once the worker side reports the file written, so a lookup never names a file in flight.
+- Loads: a waiting request's longest prefix past the pool's hit whose blocks are all in the index (chain key
+  checked: parent hash and tokens) is supplied asynchronously: the scheduler parks the request with fresh blocks,
+  the worker side reads the files into them (checking fingerprint, key and checksum) and the request resumes with
+  them computed. A file found stale or corrupt fails the read: its entry is dropped and the prompt recomputed.
+- LRU within ``size_gb``: entries are used (moved to the back) when a lookup hits or a request releases the block;
+  the front is evicted (its file removed) when a new entry would pass the size. Entries being read are never
+  evicted.
+- A failed write (the disk is full, the folder gone) turns the tier off: one warning, no more stores or lookups;
+  requests go on, computing their prefixes.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from openinfer.config import KVOffloadConfig
+from openinfer.distributed.kv_transfer.base import ConnectorRequest, KVConnectorScheduler
+from openinfer.distributed.kv_transfer.stats import KVOffloadStats
+from openinfer.distributed.kv_transfer.tier_files import SUFFIX, TierFileError, file_name, read_header
+from openinfer.kv_events import BlockRemoved, BlockStored, KVEvent, external_hash
+from openinfer.step_io import KVConnectorMetadata, KVConnectorOutput, TierBlock, TierLoad
+
+logger = logging.getLogger(__name__)
+
+# vLLM's medium for a tier on disk (KV events, metrics labels).
+MEDIUM = "DISK"
+
+
+@dataclass
+class _Entry:
+    parent_hash: int
+    token_ids: tuple[int, ...]
+    num_bytes: int
+
+
+class OffloadingConnectorScheduler(KVConnectorScheduler):
+    def __init__(self, config: KVOffloadConfig, directory: Path, fingerprint: str, block_size: int,
+                 root_hash: int) -> None:
+        self.config = config
+        self.directory = directory
+        self.fingerprint = fingerprint
+        self.block_size = block_size
+        self.root_hash = root_hash  # the parent of every chain's first block (the prefix cache's)
+        self.capacity_bytes = config.size_bytes
+        self.stats = KVOffloadStats()
+        self._index: OrderedDict[int, _Entry] = OrderedDict()  # chain hash -> entry; front = least recently used
+        self._pinned: dict[int, int] = {}  # chain hash -> reads in flight
+        self._storing: dict[int, TierBlock] = {}  # handed to the worker side (or about to be), not reported yet
+        self._new_stores: list[TierBlock] = []
+        self._new_loads: list[TierLoad] = []
+        self._lookups: dict[str, list[TierBlock]] = {}  # request id -> the tier's part of its prefix (not allocated)
+        self._loading: dict[str, list[int]] = {}  # request id -> the chain hashes it reads
+        self._counted: set[str] = set()  # requests whose lookup is in the figures (a retry is not counted again)
+        self._events: list[KVEvent] | None = None
+        self._scan()
+
+    # -- the index --------------------------------------------------------------------------------------------
+    def _scan(self) -> None:
+        """Rebuild the index from the files a previous run left (their headers only; checksums are checked when a
+        block is read), oldest first. Files from another fingerprint or unreadable ones are removed."""
+        found = []
+        for p in self.directory.iterdir():
+            if p.name.endswith(".tmp"):  # a write cut short by a crash
+                _unlink(p)
+                continue
+            if not p.name.endswith(SUFFIX):
+                continue
+            try:
+                with open(p, "rb") as f:
+                    header, _, _ = read_header(f)
+                if header.fingerprint != self.fingerprint or p.name != file_name(header.block_hash):
+                    raise TierFileError("another model or layout")
+                st = p.stat()
+            except (OSError, TierFileError) as e:
+                logger.warning("KV tier: dropping %s (%s)", p.name, e)
+                self.stats.blocks_invalid += 1
+                _unlink(p)
+                continue
+            found.append((st.st_mtime_ns, header, st.st_size))
+        for _, h, size in sorted(found, key=lambda x: x[0]):
+            self._index[h.block_hash] = _Entry(h.parent_hash, tuple(h.token_ids), size)
+            self.stats.bytes_used += size
+        self._evict_to_fit()
+        self.stats.num_blocks = len(self._index)
+        if self._index:
+            logger.info("KV tier: %d blocks (%.1f MiB) reused from %s", len(self._index),
+                        self.stats.bytes_used / 2**20, self.directory)
+
+    def _drop(self, block_hash: int, evicted: bool) -> None:
+        entry = self._index.pop(block_hash, None)
+        if entry is None:
+            return
+        self.stats.bytes_used -= entry.num_bytes
+        self.stats.num_blocks = len(self._index)
+        if evicted:
+            self.stats.blocks_evicted += 1
+        else:
+            self.stats.blocks_invalid += 1
+        _unlink(self.directory / file_name(block_hash))
+        if self._events is not None:
+            self._events.append(BlockRemoved([external_hash(block_hash)], MEDIUM))
+
+    def _evict_to_fit(self) -> None:
+        victims = iter(list(self._index))
+        while self.stats.bytes_used > self.capacity_bytes:
+            h = next(victims, None)
+            if h is None:
+                break  # everything left is being read
+            if h not in self._pinned:
+                self._drop(h, evicted=True)
+
+    def _add(self, block: TierBlock, num_bytes: int) -> None:
+        self._index[block.block_hash] = _Entry(block.parent_hash, tuple(block.token_ids), num_bytes)
+        self.stats.bytes_used += num_bytes
+        self.stats.blocks_stored += 1
+        self.stats.bytes_stored += num_bytes
+        if self._events is not None:
+            parent = None if block.parent_hash == self.root_hash else external_hash(block.parent_hash)
+            self._events.append(BlockStored([external_hash(block.block_hash)], parent, list(block.token_ids),
+                                            len(block.token_ids), None, MEDIUM, None))
+        self._evict_to_fit()
+        self.stats.num_blocks = len(self._index)
+
+    def _turn_off(self, why: str) -> None:
+        if not self.stats.enabled:
+            return
+        self.stats.enabled = False
+        logger.warning("KV tier at %s turned itself off: a write failed (%s); prefixes evicted from the pool are "
+                       "recomputed from now on", self.directory, why)
+        self._storing.clear()
+        self._new_stores.clear()
+
+    # -- the connector seam -----------------------------------------------------------------------------------
+    def validate_params(self, params: dict[str, Any] | None, num_prompt_tokens: int, block_size: int) -> None:
+        if params:
+            raise ValueError("kv_transfer_params needs an engine started with kv_transfer_config; this one has the "
+                             "KV offloading tier only")
+
+    def get_num_new_matched_tokens(self, req: ConnectorRequest, params: dict[str, Any] | None,
+                                   num_computed_tokens: int) -> tuple[int, bool]:
+        if not self.stats.enabled or req.sampling_params.prompt_logprobs is not None:
+            return 0, False  # prompt_logprobs need every prompt position computed
+        bs = self.block_size
+        start = num_computed_tokens // bs
+        # Never the last token (its logits are needed); only blocks the prefix cache has hashed.
+        end = min((req.num_tokens - 1) // bs, len(req.block_hashes))
+        hashes, tokens = req.block_hashes, req.all_token_ids
+        found: list[TierBlock] = []
+        for i in range(start, end):
+            h = hashes[i]
+            parent = self.root_hash if i == 0 else hashes[i - 1]
+            ids = tokens[i * bs:(i + 1) * bs]
+            e = self._index.get(h)
+            if e is None or e.parent_hash != parent or e.token_ids != tuple(ids):
+                break
+            found.append(TierBlock(h, parent, ids, []))
+        if req.request_id not in self._counted:
+            self._counted.add(req.request_id)
+            self.stats.queries += max(0, end - start) * bs
+            self.stats.hits += len(found) * bs
+        if not found:
+            return 0, False
+        self._lookups[req.request_id] = found
+        return len(found) * bs, True
+
+    def update_state_after_alloc(self, req: ConnectorRequest, params: dict[str, Any] | None,
+                                 block_ids: list[list[int]], num_local_blocks: list[int]) -> None:
+        blocks = self._lookups.pop(req.request_id)
+        start = num_local_blocks[0]  # every group the tier holds has ordinary whole-life blocks: the same count
+        for k, b in enumerate(blocks):
+            b.block_ids = [ids[start + k] for ids in block_ids]
+            self._pinned[b.block_hash] = self._pinned.get(b.block_hash, 0) + 1
+            self._index.move_to_end(b.block_hash)
+        self._new_loads.append(TierLoad(req.request_id, blocks))
+        self._loading[req.request_id] = [b.block_hash for b in blocks]
+
+    def blocks_released(self, req: ConnectorRequest, keys: list[tuple[int, tuple[int, ...]]],
+                        block_ids: list[list[int]]) -> None:
+        self._counted.discard(req.request_id)
+        if not self.stats.enabled:
+            return
+        for i, (parent, token_ids) in enumerate(keys):
+            h = req.block_hashes[i]
+            if h in self._index:
+                self._index.move_to_end(h)  # used again: evicted later
+                continue
+            ids = [g[i] if i < len(g) else -1 for g in block_ids]
+            if h in self._storing or any(b < 0 for b in ids):
+                continue
+            block = TierBlock(h, parent, list(token_ids), ids)
+            self._storing[h] = block
+            self._new_stores.append(block)
+
+    def build_connector_meta(self) -> KVConnectorMetadata:
+        meta = KVConnectorMetadata(tier_stores=self._new_stores, tier_loads=self._new_loads)
+        self._new_stores, self._new_loads = [], []
+        return meta
+
+    def _unpin(self, rid: str) -> list[int]:
+        hashes = self._loading.pop(rid, [])
+        for h in hashes:
+            n = self._pinned.get(h, 0) - 1
+            if n > 0:
+                self._pinned[h] = n
+            else:
+                self._pinned.pop(h, None)
+        return hashes
+
+    def update_connector_output(self, out: KVConnectorOutput) -> None:
+        for rid in out.finished_recving:
+            if rid in self._loading:
+                self._unpin(rid)
+                self.stats.loads += 1
+        for rid, why in out.failed_recving.items():
+            if rid in self._loading:
+                self._unpin(rid)
+                self.stats.load_failures += 1
+                logger.warning("KV tier: request %s: reading its prefix failed (%s); computing it", rid, why)
+        self.stats.bytes_loaded += out.bytes_received
+        self.stats.load_seconds += out.seconds_receiving
+        for h in out.tier_invalid:
+            self._drop(h, evicted=False)
+        for h, num_bytes in out.tier_stored.items():
+            block = self._storing.pop(h, None)
+            if block is not None and self.stats.enabled:
+                self._add(block, num_bytes)
+            elif block is None:  # the tier turned off meanwhile: the file is not indexed, so remove it
+                _unlink(self.directory / file_name(h))
+        if out.tier_store_error:
+            self._turn_off(out.tier_store_error)
+        self._evict_to_fit()  # entries that were being read may go now
+
+    def cancel_load(self, request_id: str) -> None:
+        self._lookups.pop(request_id, None)
+
+    def request_finished(self, req: ConnectorRequest, params: dict[str, Any] | None, finished_ok: bool,
+                         block_ids: list[list[int]], now: float) -> tuple[bool, dict[str, Any] | None]:
+        self._lookups.pop(req.request_id, None)
+        self._counted.discard(req.request_id)
+        return False, None
+
+    def expired_sends(self, now: float) -> list[str]:
+        return []
+
+    def has_pending_work(self) -> bool:
+        return bool(self._loading or self._new_loads or self._new_stores or self._storing)
+
+    # -- KV events ---------------------------------------------------------------------------------------------
+    def record_events(self) -> None:
+        if self._events is None:
+            self._events = []
+
+    def take_events(self) -> list[KVEvent]:
+        if not self._events:
+            return []
+        out, self._events = self._events, []
+        return out
+
+
+def _unlink(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        logger.debug("KV tier: could not remove %s: %s", path, e)

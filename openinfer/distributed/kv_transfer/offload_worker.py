@@ -1,0 +1,131 @@
+"""The offloading tier's worker side: copies blocks out of the KV stores into the tier's files and reads them back.
+
+Each step, before the forward (``start_load_kv``): the blocks to store are gathered out of every store in one
+``index_select`` per store (a copy, so the forward may overwrite the pool blocks right after) and handed to the
+writer thread, which checksums and writes one file per block (tier_files.py); the loads are handed to the reader
+thread, which reads, checks and copies each file into the request's fresh pool blocks. Neither thread touches a
+block the step's forward reads or writes: a loading request is parked (never scheduled) and owns its blocks. Only
+the gather runs on the step's thread; the disk never does.
+
+Results come back through ``get_finished``: files written (chain hash -> bytes), reads done or failed (with the
+entries found stale or corrupt), and the first failed write, after which nothing more is written.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from openinfer.distributed.kv_transfer import tier_files
+from openinfer.distributed.kv_transfer.base import KVConnectorWorker
+from openinfer.distributed.kv_transfer.tier_files import TierFileError, TierHeader, file_name
+from openinfer.step_io import KVConnectorMetadata, KVConnectorOutput, TierBlock, TierLoad
+
+logger = logging.getLogger(__name__)
+
+
+class OffloadingConnectorWorker(KVConnectorWorker):
+    def __init__(self, directory: str, fingerprint: str) -> None:
+        self.directory = Path(directory)
+        self.fingerprint = fingerprint
+        self.rows: list[list[torch.Tensor]] = []  # per group: each store as [num_blocks, row bytes] uint8
+        self.payload_bytes = 0
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-tier-store")
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-tier-load")
+        self._stores: list[Future] = []
+        self._loads: dict[str, Future] = {}
+        self._write_failed = False
+
+    def register_kv_caches(self, groups: dict[str, list[torch.Tensor]]) -> dict:
+        self.rows = [[t.view(t.shape[0], -1).view(torch.uint8) for t in ts] for ts in groups.values()]
+        self.payload_bytes = sum(r.shape[1] for g in self.rows for r in g)
+        return {"payload_bytes": self.payload_bytes}
+
+    # -- stores -------------------------------------------------------------------------------------------------
+    def start_load_kv(self, meta: KVConnectorMetadata | None) -> None:
+        if meta is None:
+            return
+        # Stores first: a block freed last step may be refilled by this step's loads or forward.
+        if meta.tier_stores and not self._write_failed:
+            snaps = []
+            for gi, stores in enumerate(self.rows):
+                idx = torch.tensor([b.block_ids[gi] for b in meta.tier_stores], dtype=torch.long,
+                                   device=stores[0].device)
+                snaps.append([r.index_select(0, idx).cpu() for r in stores])
+            self._stores.append(self._writer.submit(self._write, meta.tier_stores, snaps))
+        for load in meta.tier_loads:
+            self._loads[load.req_id] = self._reader.submit(self._read, load)
+
+    def _write(self, blocks: list[TierBlock], snaps: list[list[torch.Tensor]]) -> tuple[dict[int, int], str]:
+        """Writer thread: one file per block. Stops at the first failed write (reported: the tier turns off)."""
+        written: dict[int, int] = {}
+        if self._write_failed:
+            return written, ""
+        for j, b in enumerate(blocks):
+            payload = b"".join(s[j].numpy() for g in snaps for s in g)
+            header = TierHeader(self.fingerprint, b.block_hash, b.parent_hash, b.token_ids, len(payload))
+            try:
+                written[b.block_hash] = tier_files.write_block(self.directory / file_name(b.block_hash),
+                                                               tier_files.encode(header, payload))
+            except OSError as e:
+                self._write_failed = True
+                return written, f"{type(e).__name__}: {e}"
+        return written, ""
+
+    # -- loads --------------------------------------------------------------------------------------------------
+    def _read(self, load: TierLoad) -> tuple[int, float, str, int | None]:
+        """Reader thread: (bytes read, seconds, error, the entry to drop). Copies each checked block into its pool
+        blocks; the first bad file fails the whole read (the scheduler recomputes the prompt)."""
+        t0 = time.monotonic()
+        n = 0
+        for b in load.blocks:
+            try:
+                payload = tier_files.read_block(self.directory / file_name(b.block_hash), self.fingerprint,
+                                                b.block_hash, b.parent_hash, b.token_ids, self.payload_bytes)
+            except (OSError, TierFileError) as e:
+                return n, time.monotonic() - t0, f"{file_name(b.block_hash)}: {e}", b.block_hash
+            data = torch.frombuffer(payload, dtype=torch.uint8)
+            off = 0
+            for gi, stores in enumerate(self.rows):
+                for r in stores:
+                    k = r.shape[1]
+                    r[b.block_ids[gi]].copy_(data[off:off + k])
+                    off += k
+            n += len(payload)
+        return n, time.monotonic() - t0, "", None
+
+    def get_finished(self) -> KVConnectorOutput:
+        out = KVConnectorOutput(tier_stored={}, tier_invalid=[], finished_recving=[], failed_recving={})
+        pending = []
+        for fut in self._stores:
+            if not fut.done():
+                pending.append(fut)
+                continue
+            written, err = fut.result()
+            out.tier_stored.update(written)
+            if err:
+                out.tier_store_error = err
+        self._stores = pending
+        for rid in [rid for rid, fut in self._loads.items() if fut.done()]:
+            try:
+                nbytes, secs, err, bad = self._loads.pop(rid).result()
+            except Exception as e:  # a bug, not a bad file: recompute all the same
+                logger.exception("KV tier: reading request %s's prefix failed", rid)
+                nbytes, secs, err, bad = 0, 0.0, f"{type(e).__name__}: {e}", None
+            out.bytes_received += nbytes
+            out.seconds_receiving += secs
+            if err:
+                out.failed_recving[rid] = err
+                if bad is not None:
+                    out.tier_invalid.append(bad)
+            else:
+                out.finished_recving.append(rid)
+        return out
+
+    def shutdown(self) -> None:
+        """Finish the writes in flight (their files are complete or absent, never half written)."""
+        self._writer.shutdown(wait=True)
+        self._reader.shutdown(wait=True)
