@@ -1,0 +1,279 @@
+"""The KV offloading tier on disk (--kv-offloading-size, distributed/kv_transfer/offload_*.py): with a pool too small
+for the working set, a prefix evicted from the pool comes back from the tier - token-identical to an engine without
+it - under chunked prefill and preemption, for Llama and DeepSeek-V3; corrupt or foreign files are never used; a
+restart reuses the tier; a full disk turns it off; bad settings fail at start-up."""
+from __future__ import annotations
+
+import argparse
+import errno
+import logging
+import types
+from pathlib import Path
+
+import pytest
+
+from openinfer.engine_args import EngineArgs
+from openinfer.sampling_params import SamplingParams
+
+# 16 blocks of 16 tokens: one 80-token prompt and five 64-token ones are more than the pool keeps.
+# max_num_batched_tokens=32: every prompt is prefilled in chunks.
+KW = dict(dtype="float32", max_model_len=256, num_kv_blocks=16, block_size=16, max_num_batched_tokens=32)
+
+
+def tier_size_gb(num_blocks: int, bytes_per_block: int) -> float:
+    return num_blocks * (bytes_per_block + 4096) / 2**30
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    from helpers import make_dense_checkpoint
+
+    return make_dense_checkpoint(tmp_path_factory.mktemp("tier") / "llama")
+
+
+@pytest.fixture(scope="module")
+def llama_ref(llama):
+    from openinfer.entrypoints.llm import LLM
+
+    return LLM(str(llama), **KW)
+
+
+def greedy(llm, prompts, max_tokens=4):
+    return llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+
+
+def drain(llm):
+    """Step until the tier's writes are reported (the engine keeps stepping while stores are in flight)."""
+    core = llm.engine.core
+    for _ in range(2000):
+        if not core.has_unfinished_requests():
+            return
+        core.step()
+    raise AssertionError("stores never finished")
+
+
+def evict_and_reload(llm, seed=0):
+    """Prompt A, five others (A's blocks leave the pool), A again: the outputs, in that order."""
+    from helpers import random_prompts
+
+    a, *others = random_prompts(seed, [80, 64, 64, 64, 64, 64])
+    outs = [greedy(llm, [p])[0] for p in [a, *others]]
+    drain(llm)
+    outs.append(greedy(llm, [a])[0])
+    return outs
+
+
+def tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def check_tier_round_trip(tier, ref):
+    want = evict_and_reload(ref)
+    assert want[-1].num_cached_tokens == 0  # the pool alone lost A's prefix
+    got = evict_and_reload(tier)
+    assert tokens(got) == tokens(want)
+    assert got[-1].num_cached_tokens == 64  # A's 4 full blocks (never its last token) came back from the tier
+    st = tier.engine.stats()
+    assert st.kv_offload.hits >= 64 and st.kv_offload.loads >= 1 and st.kv_offload.load_failures == 0
+    assert st.prompt_tokens_received >= 64  # counted as external KV (vLLM's prompt_tokens_by_source)
+    # Preemption: four requests that together outgrow the pool; preempted ones store their blocks and come back.
+    from helpers import random_prompts
+
+    batch = random_prompts(7, [48, 40, 56, 44])
+    pre = tier.engine.stats().num_preemptions
+    want_b = greedy(ref, batch, 48)
+    got_b = greedy(tier, batch, 48)
+    assert tier.engine.stats().num_preemptions > pre
+    assert tokens(got_b) == tokens(want_b)
+    drain(tier)
+    assert tier.engine.core.kv.all_free()
+
+
+def test_llama_tier_round_trip_token_identical(llama, llama_ref, tmp_path):
+    from openinfer.entrypoints.llm import LLM
+
+    tier = LLM(str(llama), kv_offloading_size=0.05, kv_offloading_path=str(tmp_path / "tier"), **KW)
+    check_tier_round_trip(tier, llama_ref)
+    tier.engine.core.shutdown()
+
+
+def test_deepseek_v3_tier_round_trip_token_identical(tmp_path):
+    """DeepSeek-V3's MLA latent group goes through the tier the same way."""
+    from helpers import load_script
+
+    from openinfer.entrypoints.llm import LLM
+
+    ck = load_script("make_deepseek_checkpoint").make_v3(tmp_path / "v3", "tiny", seed=0)
+    ref = LLM(str(ck), **KW)
+    tier = LLM(str(ck), kv_offloading_size=0.05, kv_offloading_path=str(tmp_path / "tier"), **KW)
+    assert [s.name for s in tier.engine.core.kv_specs] == ["full"]
+    check_tier_round_trip(tier, ref)
+
+
+def test_corrupt_file_is_detected_and_recomputed(llama, llama_ref, tmp_path, caplog):
+    from helpers import random_prompts
+
+    from openinfer.entrypoints.llm import LLM
+
+    path = tmp_path / "tier"
+    tier = LLM(str(llama), kv_offloading_size=0.05, kv_offloading_path=str(path), **KW)
+    a, *others = random_prompts(0, [80, 64, 64, 64, 64, 64])
+    for p in [a, *others]:
+        greedy(tier, [p])
+    drain(tier)
+    # Flip one byte of every stored block's payload (the file's last byte): sizes and headers stay valid.
+    files = sorted(path.rglob("*.kvb"))
+    assert len(files) >= 4
+    for f in files:
+        data = bytearray(f.read_bytes())
+        data[-1] ^= 0xFF
+        f.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="openinfer"):
+        out = greedy(tier, [a])[0]
+    st = tier.engine.stats().kv_offload
+    assert st.load_failures >= 1 and st.blocks_invalid >= 1
+    assert "checksum mismatch" in caplog.text
+    assert out.outputs[0].token_ids == greedy(llama_ref, [a])[0].outputs[0].token_ids
+    assert out.num_cached_tokens == 0  # block 0 was bad: nothing of the tier was used
+    drain(tier)
+    assert tier.engine.core.kv.all_free()
+
+
+def test_restart_reuses_the_tier_and_another_model_ignores_it(llama, llama_ref, tmp_path):
+    from helpers import make_dense_checkpoint, random_prompts
+
+    from openinfer.entrypoints.llm import LLM
+
+    path = tmp_path / "tier"
+    (a,) = random_prompts(0, [80])
+    first = LLM(str(llama), kv_offloading_size=0.05, kv_offloading_path=str(path), **KW)
+    greedy(first, [a])
+    first.engine.core.shutdown()  # hands the last stores over and finishes the writes
+    del first
+
+    again = LLM(str(llama), kv_offloading_size=0.05, kv_offloading_path=str(path), **KW)
+    assert again.engine.stats().kv_offload.num_blocks == 5  # A's prompt + first output token: 5 full blocks
+    out = greedy(again, [a])[0]
+    assert out.num_cached_tokens == 64  # a fresh pool: all of it from the tier
+    assert out.outputs[0].token_ids == greedy(llama_ref, [a])[0].outputs[0].token_ids
+
+    # Other weights, same config and path: another fingerprint, so none of those files is seen.
+    other = make_dense_checkpoint(tmp_path / "other", seed=1)
+    stranger = LLM(str(other), kv_offloading_size=0.05, kv_offloading_path=str(path), **KW)
+    assert stranger.engine.stats().kv_offload.num_blocks == 0
+    assert greedy(stranger, [a])[0].num_cached_tokens == 0
+    # A file of the first model copied over one of the stranger's (the same tokens: the same name) is dropped at
+    # start-up, never used.
+    mine = stranger.engine.core.kv_connector.directory
+    stranger.engine.core.shutdown()
+    src = next(p for p in path.iterdir() if p != mine)
+    f = next(src.glob("*.kvb"))
+    assert (mine / f.name).exists()
+    (mine / f.name).write_bytes(f.read_bytes())
+    third = LLM(str(other), kv_offloading_size=0.05, kv_offloading_path=str(path), **KW)
+    assert third.engine.stats().kv_offload.blocks_invalid == 1
+    assert third.engine.stats().kv_offload.num_blocks == 4
+    assert not (mine / f.name).exists()
+
+
+def test_disk_full_turns_the_tier_off_with_one_warning(llama, llama_ref, tmp_path, caplog, monkeypatch):
+    from openinfer.distributed.kv_transfer import tier_files
+    from openinfer.entrypoints.llm import LLM
+
+    def full(path, parts):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(tier_files, "write_block", full)
+    tier = LLM(str(llama), kv_offloading_size=0.05, kv_offloading_path=str(tmp_path / "tier"), **KW)
+    with caplog.at_level(logging.WARNING, logger="openinfer"):
+        got = evict_and_reload(tier)
+    assert tokens(got) == tokens(evict_and_reload(llama_ref))
+    assert caplog.text.count("turned itself off") == 1
+    st = tier.engine.stats().kv_offload
+    assert not st.enabled and st.blocks_stored == 0 and got[-1].num_cached_tokens == 0
+    assert tier.engine.core.kv.all_free()
+    assert not list((tmp_path / "tier").rglob("*.tmp"))
+
+
+def test_lru_within_size_events_and_metrics(llama, tmp_path):
+    """A tier of about 4 blocks: older blocks are evicted (files removed), the directory never holds more; KV events
+    carry medium DISK for the tier's stores and removals; /metrics shows the tier's figures."""
+    from openinfer.entrypoints.llm import LLM
+    from openinfer.server.messages import KVOffloadSnapshot, StatsSnapshot
+    from openinfer.server.metrics import ServerMetrics
+
+    path = tmp_path / "tier"
+    bpb = 2 * 2 * 16 * 2 * 16 * 4  # layers x (k, v) x block x kv heads x head dim x fp32
+    size = tier_size_gb(3, bpb)
+    tier = LLM(str(llama), kv_offloading_size=size, kv_offloading_path=str(path), **KW)
+    assert tier.engine.core.kv_specs[0].bytes_per_block == bpb
+    tier.engine.core.enable_kv_events()
+    evict_and_reload(tier)
+    st = tier.engine.stats().kv_offload
+    assert st.blocks_evicted > 0 and st.num_blocks <= 4 and st.bytes_used <= size * 2**30
+    assert sum(f.stat().st_size for f in path.rglob("*.kvb")) <= size * 2**30
+    assert len(list(path.rglob("*.kvb"))) == st.num_blocks
+    events = [e for b in tier.engine.core.take_kv_events() for e in b.events]
+    disk = [e for e in events if getattr(e, "medium", None) == "DISK"]
+    kinds = {type(e).__name__ for e in disk}
+    assert kinds == {"BlockStored", "BlockRemoved"}
+    assert sum(type(e).__name__ == "BlockStored" for e in disk) == st.blocks_stored
+
+    snap = StatsSnapshot(kv_offload=KVOffloadSnapshot(**vars(st)))
+    text = ServerMetrics("m", lambda: snap).render().decode()
+    assert f'vllm:kv_offload_blocks_evicted_total{{medium="DISK",model_name="m"}} {float(st.blocks_evicted)}' in text \
+        or "kv_offload_blocks_evicted" in text
+    assert "kv_offload_hits" in text and "kv_offload_load_seconds" in text and "kv_offload_bytes_out" in text
+
+
+def test_bad_settings_fail_at_start(llama, tmp_path):
+    for size in (0, -1.0):
+        with pytest.raises(ValueError, match="kv_offloading_size"):
+            EngineArgs(model=str(llama), kv_offloading_size=size).create_engine_config()
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    with pytest.raises(ValueError, match="kv_offloading_path"):
+        EngineArgs(model=str(llama), kv_offloading_size=1, kv_offloading_path=str(blocker / "sub")) \
+            .create_engine_config()
+    with pytest.raises(ValueError, match="kv_offloading_backend"):
+        EngineArgs(model=str(llama), kv_offloading_size=1, kv_offloading_backend="lmcache").create_engine_config()
+    with pytest.raises(ValueError, match="kv_offloading_size"):
+        EngineArgs(model=str(llama), kv_offloading_path=str(tmp_path)).create_engine_config()
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        EngineArgs(model=str(llama), kv_offloading_size=1, enable_prefix_caching=False).create_engine_config()
+    # vLLM's spelling on the command line reaches the typed config.
+    p = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(p)
+    args = EngineArgs.from_cli_args(p.parse_args(["--model", str(llama), "--kv-offloading-backend", "native",
+                                                  "--kv-offloading-size", "1", "--kv-offloading-path",
+                                                  str(tmp_path / "t")]))
+    cfg = args.create_engine_config()
+    assert (cfg.kv_offload.size_gb, cfg.kv_offload.backend, cfg.kv_offload.path) == (1.0, "native",
+                                                                                     str(tmp_path / "t"))
+    from openinfer.config import engine_config_from_json, engine_config_to_json
+
+    assert engine_config_from_json(engine_config_to_json(cfg)).kv_offload == cfg.kv_offload  # reaches workers
+
+
+def test_size_below_one_block_fails_at_start(llama, tmp_path):
+    from openinfer.entrypoints.llm import LLM
+
+    with pytest.raises(ValueError, match="cannot hold one KV block"):
+        LLM(str(llama), kv_offloading_size=1e-6, kv_offloading_path=str(tmp_path), **KW)
+
+
+def test_groups_the_tier_cannot_hold_keep_it_off_once(caplog):
+    """Sliding-window state and larger-than-block groups (DeepSeek-V4's window and compressed entries) have no block
+    per position to store: the tier stays off for such a model, said once, and prefixes are recomputed."""
+    from openinfer.config import KVOffloadConfig
+    from openinfer.engine.kv_tier import make_offloading_connector, unsupported_groups
+    from openinfer.kv_cache_interface import KVGroupSpec
+
+    specs = [KVGroupSpec("full", 1024), KVGroupSpec("window", 512, lookback_tokens=127),
+             KVGroupSpec("coarse", 256, block_tokens=128)]
+    assert unsupported_groups(specs[:1], 16) == []
+    assert [g.split()[0] for g in unsupported_groups(specs, 16)] == ["window", "coarse"]
+    config = types.SimpleNamespace(kv_offload=KVOffloadConfig(size_gb=1), cache=types.SimpleNamespace(block_size=16))
+    with caplog.at_level(logging.WARNING, logger="openinfer"):
+        assert make_offloading_connector(config, specs, executor=None) == (None, None)
+    assert caplog.text.count("not offloaded: prefixes evicted from the pool are recomputed") == 1
