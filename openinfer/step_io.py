@@ -45,14 +45,16 @@ class KVLoad(msgspec.Struct):
 
 
 class TierBlock(msgspec.Struct, array_like=True):
-    """One full block moving between the pool and the offloading tier: its prefix-cache chain key (the chain hash,
-    its parent's and its tokens: what the tier's file is named by and checked against) and its pool block in
-    each KV group the tier holds, in the model's group order."""
+    """One full block of one KV group (its index in the model's group order) moving between the pool and the
+    offloading tier: its prefix-cache chain key (the chain hash, its parent's and its tokens - for a group block
+    spanning several ordinary blocks, the key of the last one: what the tier's file is named by and checked
+    against) and its pool block."""
 
+    group: int
     block_hash: int
     parent_hash: int
     token_ids: list[int]
-    block_ids: list[int]
+    block_id: int
 
 
 class TierLoad(msgspec.Struct):
@@ -86,10 +88,10 @@ class KVConnectorOutput(msgspec.Struct):
     sending_started: list[str] = []  # producer: held requests a push write now reads from (they must not expire)
     bytes_received: int = 0
     seconds_receiving: float = 0.0
-    # The offloading tier: blocks now in its files (chain hash -> file bytes); entries found stale or corrupt while
-    # loading (dropped, their files removed); a write that failed (the tier turns itself off).
-    tier_stored: dict[int, int] = {}
-    tier_invalid: list[int] = []
+    # The offloading tier: blocks now in its files ((group, chain hash) -> file bytes); entries found stale or
+    # corrupt while loading (dropped, their files removed); a write that failed (the tier turns itself off).
+    tier_stored: list[tuple[int, int, int]] = []  # (group, chain hash, file bytes)
+    tier_invalid: list[tuple[int, int]] = []  # (group, chain hash)
     tier_store_error: str = ""
 
     @property

@@ -116,8 +116,8 @@ class Scheduler:
         if offer and self.connector is not None:
             n = min(req.num_computed_tokens, req.num_tokens) // self.kv.block_size
             if n > 0:
-                self.connector.blocks_released(req, self.kv.full_block_keys(req, n),
-                                               self.kv.block_ids(req.request_id, placeholder=-1))
+                keys = self.kv.full_block_keys(req, n)
+                self.connector.blocks_released(req, keys, self.kv.blocks_to_offer(req, keys))
         self.kv.free(req)
 
     @property

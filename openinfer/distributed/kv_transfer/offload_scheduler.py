@@ -1,12 +1,16 @@
 """The offloading tier's scheduler side (vLLM's OffloadingConnector shape): the index of what the tier's files hold,
 in LRU order, and this step's stores and loads for the worker side. Pure Python: no torch.
 
-- Stores: when a request's blocks go back to the pool (it ended or was preempted), each full block of computed KV
-  that the tier does not hold yet is named in the next step's metadata; the worker side copies it out of the pool
+- Entries are per KV group: one file per (group, group block). A group block spanning c ordinary blocks (DeepSeek-V4's
+  compressed entries) is keyed by the chain key of the last ordinary block it covers, as in the pool.
+- Stores: when a request's blocks go back to the pool (it ended or was preempted), each full group block of computed
+  KV that it still holds and the tier does not have yet is named in the next step's metadata (a sliding group's
+  blocks behind its window were released earlier and are not stored: a hit needs only the window before it); the worker side copies it out of the pool
   before that step's forward (nothing can overwrite it earlier) and writes its file on a background thread. The
   entry joins the index once the worker side reports the file written, so a lookup never names a file in flight.
-- Loads: a waiting request's longest prefix past the pool's hit whose blocks are all in the index (chain key
-  checked: parent hash and tokens) is supplied asynchronously: the scheduler parks the request with fresh blocks,
+- Loads: a waiting request's longest prefix past the pool's hit for which every group has what the first
+  recomputed query reads - a whole-life group all its blocks, a sliding group those within its lookback - in the
+  pool's hit or in the index (chain key checked: parent hash and tokens) is supplied asynchronously: the scheduler parks the request with fresh blocks,
   the worker side reads the files into them (checking fingerprint, key and checksum) and the request resumes with
   them computed. A file found stale or corrupt fails the read: its entry is dropped and the prompt recomputed.
 - LRU within ``size_gb``: entries are used (moved to the back) when a lookup hits or a request releases the block;
@@ -37,6 +41,20 @@ logger = logging.getLogger(__name__)
 MEDIUM = "DISK"
 
 
+@dataclass(frozen=True)
+class TierGroup:
+    """What the tier needs of a KV group: ordinary blocks per group block, and the lookback (None: whole life)."""
+
+    ratio: int
+    lookback_tokens: int | None = None
+
+    def first_needed(self, num_tokens: int, block_size: int) -> int:
+        """First group block a query at ``num_tokens`` reads (kv_groups.py's policy)."""
+        if self.lookback_tokens is None:
+            return 0
+        return max(0, num_tokens - self.lookback_tokens) // (self.ratio * block_size)
+
+
 @dataclass
 class _Entry:
     parent_hash: int
@@ -46,21 +64,23 @@ class _Entry:
 
 class OffloadingConnectorScheduler(KVConnectorScheduler):
     def __init__(self, config: KVOffloadConfig, directory: Path, fingerprint: str, block_size: int,
-                 root_hash: int) -> None:
+                 root_hash: int, groups: list[TierGroup]) -> None:
         self.config = config
         self.directory = directory
         self.fingerprint = fingerprint
         self.block_size = block_size
         self.root_hash = root_hash  # the parent of every chain's first block (the prefix cache's)
+        self.groups = groups
         self.capacity_bytes = config.size_bytes
         self.stats = KVOffloadStats()
-        self._index: OrderedDict[int, _Entry] = OrderedDict()  # chain hash -> entry; front = least recently used
-        self._pinned: dict[int, int] = {}  # chain hash -> reads in flight
-        self._storing: dict[int, TierBlock] = {}  # handed to the worker side (or about to be), not reported yet
+        # (group, chain hash) -> entry; front = least recently used
+        self._index: OrderedDict[tuple[int, int], _Entry] = OrderedDict()
+        self._pinned: dict[tuple[int, int], int] = {}  # entry -> reads in flight
+        self._storing: dict[tuple[int, int], TierBlock] = {}  # handed to the worker side, not reported yet
         self._new_stores: list[TierBlock] = []
         self._new_loads: list[TierLoad] = []
         self._lookups: dict[str, list[TierBlock]] = {}  # request id -> the tier's part of its prefix (not allocated)
-        self._loading: dict[str, list[int]] = {}  # request id -> the chain hashes it reads
+        self._loading: dict[str, list[tuple[int, int]]] = {}  # request id -> the entries it reads
         self._counted: set[str] = set()  # requests whose lookup is in the figures (a retry is not counted again)
         self._events: list[KVEvent] | None = None
         self._scan()
@@ -79,7 +99,8 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
             try:
                 with open(p, "rb") as f:
                     header, _, _ = read_header(f)
-                if header.fingerprint != self.fingerprint or p.name != file_name(header.block_hash):
+                if (header.fingerprint != self.fingerprint or p.name != file_name(header.group, header.block_hash)
+                        or not 0 <= header.group < len(self.groups)):
                     raise TierFileError("another model or layout")
                 st = p.stat()
             except (OSError, TierFileError) as e:
@@ -89,7 +110,7 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
                 continue
             found.append((st.st_mtime_ns, header, st.st_size))
         for _, h, size in sorted(found, key=lambda x: x[0]):
-            self._index[h.block_hash] = _Entry(h.parent_hash, tuple(h.token_ids), size)
+            self._index[(h.group, h.block_hash)] = _Entry(h.parent_hash, tuple(h.token_ids), size)
             self.stats.bytes_used += size
         self._evict_to_fit()
         self.stats.num_blocks = len(self._index)
@@ -97,8 +118,8 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
             logger.info("KV tier: %d blocks (%.1f MiB) reused from %s", len(self._index),
                         self.stats.bytes_used / 2**20, self.directory)
 
-    def _drop(self, block_hash: int, evicted: bool) -> None:
-        entry = self._index.pop(block_hash, None)
+    def _drop(self, key: tuple[int, int], evicted: bool) -> None:
+        entry = self._index.pop(key, None)
         if entry is None:
             return
         self.stats.bytes_used -= entry.num_bytes
@@ -107,9 +128,9 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
             self.stats.blocks_evicted += 1
         else:
             self.stats.blocks_invalid += 1
-        _unlink(self.directory / file_name(block_hash))
-        if self._events is not None:
-            self._events.append(BlockRemoved([external_hash(block_hash)], MEDIUM))
+        _unlink(self.directory / file_name(*key))
+        if self._events is not None and key[0] == 0:  # events speak for the first group, as the pool's do
+            self._events.append(BlockRemoved([external_hash(key[1])], MEDIUM))
 
     def _evict_to_fit(self) -> None:
         victims = iter(list(self._index))
@@ -121,11 +142,11 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
                 self._drop(h, evicted=True)
 
     def _add(self, block: TierBlock, num_bytes: int) -> None:
-        self._index[block.block_hash] = _Entry(block.parent_hash, tuple(block.token_ids), num_bytes)
+        self._index[(block.group, block.block_hash)] = _Entry(block.parent_hash, tuple(block.token_ids), num_bytes)
         self.stats.bytes_used += num_bytes
         self.stats.blocks_stored += 1
         self.stats.bytes_stored += num_bytes
-        if self._events is not None:
+        if self._events is not None and block.group == 0:
             parent = None if block.parent_hash == self.root_hash else external_hash(block.parent_hash)
             self._events.append(BlockStored([external_hash(block.block_hash)], parent, list(block.token_ids),
                                             len(block.token_ids), None, MEDIUM, None))
@@ -147,67 +168,105 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
             raise ValueError("kv_transfer_params needs an engine started with kv_transfer_config; this one has the "
                              "KV offloading tier only")
 
+    def _entry(self, req: ConnectorRequest, group: int, j: int) -> TierBlock | None:
+        """Group block j of the request, if the index holds it under the same chain key (its ``block_id`` holds
+        the table position j until the pool block is known)."""
+        bs = self.block_size
+        i = (j + 1) * self.groups[group].ratio - 1  # the ordinary block whose key it carries
+        h = req.block_hashes[i]
+        e = self._index.get((group, h))
+        parent = self.root_hash if i == 0 else req.block_hashes[i - 1]
+        ids = req.all_token_ids[i * bs:(i + 1) * bs]
+        if e is None or e.parent_hash != parent or e.token_ids != tuple(ids):
+            return None
+        return TierBlock(group, h, parent, ids, j)
+
+    def _tier_part(self, req: ConnectorRequest, local: int, h: int) -> list[TierBlock] | None:
+        """The entries a hit of ``h`` ordinary blocks needs past a pool hit of ``local``; None if one is missing."""
+        bs = self.block_size
+        out = []
+        for gi, g in enumerate(self.groups):
+            local_end = local // g.ratio
+            for j in range(max(g.first_needed(h * bs, bs), local_end), h // g.ratio):
+                b = self._entry(req, gi, j)
+                if b is None:
+                    return None
+                out.append(b)
+        return out
+
     def get_num_new_matched_tokens(self, req: ConnectorRequest, params: dict[str, Any] | None,
                                    num_computed_tokens: int) -> tuple[int, bool]:
         if not self.stats.enabled or req.sampling_params.prompt_logprobs is not None:
             return 0, False  # prompt_logprobs need every prompt position computed
         bs = self.block_size
-        start = num_computed_tokens // bs
+        local = num_computed_tokens // bs
         # Never the last token (its logits are needed); only blocks the prefix cache has hashed.
         end = min((req.num_tokens - 1) // bs, len(req.block_hashes))
-        hashes, tokens = req.block_hashes, req.all_token_ids
+        # Whole-life groups need every block: the longest run of them bounds the hit. Then the largest hit whose
+        # sliding groups have their window wins (as KVCacheManager.get_computed_blocks picks pool hits).
+        top = end
+        for gi, g in enumerate(self.groups):
+            if g.lookback_tokens is None:
+                j = local // g.ratio
+                while (j + 1) * g.ratio <= top and self._entry(req, gi, j) is not None:
+                    j += 1
+                top = min(top, j * g.ratio + g.ratio - 1)
         found: list[TierBlock] = []
-        for i in range(start, end):
-            h = hashes[i]
-            parent = self.root_hash if i == 0 else hashes[i - 1]
-            ids = tokens[i * bs:(i + 1) * bs]
-            e = self._index.get(h)
-            if e is None or e.parent_hash != parent or e.token_ids != tuple(ids):
+        h = top
+        while h > local:
+            part = self._tier_part(req, local, h)
+            if part:
+                found = part
                 break
-            found.append(TierBlock(h, parent, ids, []))
+            h -= 1
         if req.request_id not in self._counted:
             self._counted.add(req.request_id)
-            self.stats.queries += max(0, end - start) * bs
-            self.stats.hits += len(found) * bs
+            self.stats.queries += max(0, end - local) * bs
+            self.stats.hits += (h - local) * bs if found else 0
         if not found:
             return 0, False
         self._lookups[req.request_id] = found
-        return len(found) * bs, True
+        return (h - local) * bs, True
 
     def update_state_after_alloc(self, req: ConnectorRequest, params: dict[str, Any] | None,
                                  block_ids: list[list[int]], num_local_blocks: list[int]) -> None:
         blocks = self._lookups.pop(req.request_id)
-        start = num_local_blocks[0]  # every group the tier holds has ordinary whole-life blocks: the same count
-        for k, b in enumerate(blocks):
-            b.block_ids = [ids[start + k] for ids in block_ids]
-            self._pinned[b.block_hash] = self._pinned.get(b.block_hash, 0) + 1
-            self._index.move_to_end(b.block_hash)
+        keys = []
+        for b in blocks:
+            b.block_id = block_ids[b.group][b.block_id]  # table position -> pool block
+            key = (b.group, b.block_hash)
+            keys.append(key)
+            self._pinned[key] = self._pinned.get(key, 0) + 1
+            self._index.move_to_end(key)
         self._new_loads.append(TierLoad(req.request_id, blocks))
-        self._loading[req.request_id] = [b.block_hash for b in blocks]
+        self._loading[req.request_id] = keys
 
     def blocks_released(self, req: ConnectorRequest, keys: list[tuple[int, tuple[int, ...]]],
                         block_ids: list[list[int]]) -> None:
         self._counted.discard(req.request_id)
         if not self.stats.enabled:
             return
-        for i, (parent, token_ids) in enumerate(keys):
-            h = req.block_hashes[i]
-            if h in self._index:
-                self._index.move_to_end(h)  # used again: evicted later
-                continue
-            ids = [g[i] if i < len(g) else -1 for g in block_ids]
-            if h in self._storing or any(b < 0 for b in ids):
-                continue
-            block = TierBlock(h, parent, list(token_ids), ids)
-            self._storing[h] = block
-            self._new_stores.append(block)
+        for gi, g in enumerate(self.groups):
+            ids = block_ids[gi]
+            for j in range(min(len(keys) // g.ratio, len(ids))):
+                i = (j + 1) * g.ratio - 1
+                key = (gi, req.block_hashes[i])
+                if key in self._index:
+                    self._index.move_to_end(key)  # used again: evicted later
+                    continue
+                if key in self._storing or ids[j] < 0:  # in flight, or released behind a sliding window
+                    continue
+                parent, token_ids = keys[i]
+                block = TierBlock(gi, key[1], parent, list(token_ids), ids[j])
+                self._storing[key] = block
+                self._new_stores.append(block)
 
     def build_connector_meta(self) -> KVConnectorMetadata:
         meta = KVConnectorMetadata(tier_stores=self._new_stores, tier_loads=self._new_loads)
         self._new_stores, self._new_loads = [], []
         return meta
 
-    def _unpin(self, rid: str) -> list[int]:
+    def _unpin(self, rid: str) -> list[tuple[int, int]]:
         hashes = self._loading.pop(rid, [])
         for h in hashes:
             n = self._pinned.get(h, 0) - 1
@@ -229,14 +288,14 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
                 logger.warning("KV tier: request %s: reading its prefix failed (%s); computing it", rid, why)
         self.stats.bytes_loaded += out.bytes_received
         self.stats.load_seconds += out.seconds_receiving
-        for h in out.tier_invalid:
-            self._drop(h, evicted=False)
-        for h, num_bytes in out.tier_stored.items():
-            block = self._storing.pop(h, None)
+        for group, h in out.tier_invalid:
+            self._drop((group, h), evicted=False)
+        for group, h, num_bytes in out.tier_stored:
+            block = self._storing.pop((group, h), None)
             if block is not None and self.stats.enabled:
                 self._add(block, num_bytes)
             elif block is None:  # the tier turned off meanwhile: the file is not indexed, so remove it
-                _unlink(self.directory / file_name(h))
+                _unlink(self.directory / file_name(group, h))
         if out.tier_store_error:
             self._turn_off(out.tier_store_error)
         self._evict_to_fit()  # entries that were being read may go now

@@ -32,7 +32,7 @@ class OffloadingConnectorWorker(KVConnectorWorker):
         self.directory = Path(directory)
         self.fingerprint = fingerprint
         self.rows: list[list[torch.Tensor]] = []  # per group: each store as [num_blocks, row bytes] uint8
-        self.payload_bytes = 0
+        self.payload_bytes: list[int] = []  # per group: one block's bytes over its stores
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-tier-store")
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-tier-load")
         self._stores: list[Future] = []
@@ -41,7 +41,7 @@ class OffloadingConnectorWorker(KVConnectorWorker):
 
     def register_kv_caches(self, groups: dict[str, list[torch.Tensor]]) -> dict:
         self.rows = [[t.view(t.shape[0], -1).view(torch.uint8) for t in ts] for ts in groups.values()]
-        self.payload_bytes = sum(r.shape[1] for g in self.rows for r in g)
+        self.payload_bytes = [sum(r.shape[1] for r in g) for g in self.rows]
         return {"payload_bytes": self.payload_bytes}
 
     # -- stores -------------------------------------------------------------------------------------------------
@@ -50,62 +50,66 @@ class OffloadingConnectorWorker(KVConnectorWorker):
             return
         # Stores first: a block freed last step may be refilled by this step's loads or forward.
         if meta.tier_stores and not self._write_failed:
-            snaps = []
+            jobs = []
             for gi, stores in enumerate(self.rows):
-                idx = torch.tensor([b.block_ids[gi] for b in meta.tier_stores], dtype=torch.long,
-                                   device=stores[0].device)
-                snaps.append([r.index_select(0, idx).cpu() for r in stores])
-            self._stores.append(self._writer.submit(self._write, meta.tier_stores, snaps))
+                blocks = [b for b in meta.tier_stores if b.group == gi]
+                if blocks:
+                    idx = torch.tensor([b.block_id for b in blocks], dtype=torch.long, device=stores[0].device)
+                    jobs.append((blocks, [r.index_select(0, idx).cpu() for r in stores]))
+            self._stores.append(self._writer.submit(self._write, jobs))
         for load in meta.tier_loads:
             self._loads[load.req_id] = self._reader.submit(self._read, load)
 
-    def _write(self, blocks: list[TierBlock], snaps: list[list[torch.Tensor]]) -> tuple[dict[int, int], str]:
+    def _write(self, jobs: list[tuple[list[TierBlock], list[torch.Tensor]]]) -> tuple[list[tuple[int, int, int]], str]:
         """Writer thread: one file per block. Stops at the first failed write (reported: the tier turns off)."""
-        written: dict[int, int] = {}
+        written: list[tuple[int, int, int]] = []
         if self._write_failed:
             return written, ""
-        for j, b in enumerate(blocks):
-            payload = b"".join(s[j].numpy() for g in snaps for s in g)
-            header = TierHeader(self.fingerprint, b.block_hash, b.parent_hash, b.token_ids, len(payload))
-            try:
-                written[b.block_hash] = tier_files.write_block(self.directory / file_name(b.block_hash),
-                                                               tier_files.encode(header, payload))
-            except OSError as e:
-                self._write_failed = True
-                return written, f"{type(e).__name__}: {e}"
+        for blocks, snaps in jobs:
+            for j, b in enumerate(blocks):
+                payload = b"".join(s[j].numpy() for s in snaps)
+                header = TierHeader(self.fingerprint, b.group, b.block_hash, b.parent_hash, b.token_ids,
+                                    len(payload))
+                try:
+                    n = tier_files.write_block(self.directory / file_name(b.group, b.block_hash),
+                                               tier_files.encode(header, payload))
+                except OSError as e:
+                    self._write_failed = True
+                    return written, f"{type(e).__name__}: {e}"
+                written.append((b.group, b.block_hash, n))
         return written, ""
 
     # -- loads --------------------------------------------------------------------------------------------------
-    def _read(self, load: TierLoad) -> tuple[int, float, str, int | None]:
+    def _read(self, load: TierLoad) -> tuple[int, float, str, tuple[int, int] | None]:
         """Reader thread: (bytes read, seconds, error, the entry to drop). Copies each checked block into its pool
         blocks; the first bad file fails the whole read (the scheduler recomputes the prompt)."""
         t0 = time.monotonic()
         n = 0
         for b in load.blocks:
+            name = file_name(b.group, b.block_hash)
             try:
-                payload = tier_files.read_block(self.directory / file_name(b.block_hash), self.fingerprint,
-                                                b.block_hash, b.parent_hash, b.token_ids, self.payload_bytes)
+                payload = tier_files.read_block(self.directory / name, self.fingerprint, b.group, b.block_hash,
+                                                b.parent_hash, b.token_ids, self.payload_bytes[b.group])
             except (OSError, TierFileError) as e:
-                return n, time.monotonic() - t0, f"{file_name(b.block_hash)}: {e}", b.block_hash
+                return n, time.monotonic() - t0, f"{name}: {e}", (b.group, b.block_hash)
             data = torch.frombuffer(payload, dtype=torch.uint8)
             off = 0
-            for gi, stores in enumerate(self.rows):
-                for r in stores:
-                    k = r.shape[1]
-                    r[b.block_ids[gi]].copy_(data[off:off + k])
-                    off += k
+            for r in self.rows[b.group]:
+                k = r.shape[1]
+                r[b.block_id].copy_(data[off:off + k])
+                off += k
             n += len(payload)
         return n, time.monotonic() - t0, "", None
 
     def get_finished(self) -> KVConnectorOutput:
-        out = KVConnectorOutput(tier_stored={}, tier_invalid=[], finished_recving=[], failed_recving={})
+        out = KVConnectorOutput()
         pending = []
         for fut in self._stores:
             if not fut.done():
                 pending.append(fut)
                 continue
             written, err = fut.result()
-            out.tier_stored.update(written)
+            out.tier_stored += written
             if err:
                 out.tier_store_error = err
         self._stores = pending

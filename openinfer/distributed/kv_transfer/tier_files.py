@@ -1,4 +1,5 @@
-"""The offloading tier's files: one file per full block, named by its prefix-cache chain hash. Pure Python.
+"""The offloading tier's files: one file per full block of a KV group, named by its prefix-cache chain hash and the
+group's index. Pure Python.
 
 Why one file per block, not an mmap'd arena: LRU eviction is an unlink and a store is a write to a temporary name
 and a rename, so a crash mid-write leaves no half block under a real name; a corrupt file costs one block; the
@@ -7,9 +8,9 @@ own allocator for. A block is tens of KiB to a few MiB, so the per-file cost (an
 to the bytes.
 
 A file is ``MAGIC``, a 4-byte little-endian header length, the msgpack ``TierHeader``, a 4-byte CRC-32 of header
-and payload, then the payload: the block's rows of every KV store (each group's stores in module order, groups in
-the model's order). The header holds the fingerprint of the model and KV layout (``tier_fingerprint``) and the
-whole chain key (chain hash, parent hash, token ids), so an entry from another model or settings is never used and
+and payload, then the payload: the block's rows of every KV store of its group, in module order. The header holds
+the fingerprint of the model and KV layout (``tier_fingerprint``), the group and the whole chain key (chain hash,
+parent hash, token ids), so an entry from another model or settings is never used and
 a 64-bit hash collision never serves another prefix's KV. Files live in a folder per fingerprint, so two models
 can share one path without seeing each other's blocks.
 """
@@ -38,6 +39,7 @@ _WEIGHT_SAMPLE = 64 << 10
 
 class TierHeader(msgspec.Struct, array_like=True):
     fingerprint: str
+    group: int
     block_hash: int
     parent_hash: int
     token_ids: list[int]
@@ -48,8 +50,8 @@ class TierFileError(ValueError):
     """A tier file that must not be used (another model's, corrupt, not the block asked for)."""
 
 
-def file_name(block_hash: int) -> str:
-    return f"{external_hash(block_hash):016x}{SUFFIX}"
+def file_name(group: int, block_hash: int) -> str:
+    return f"{external_hash(block_hash):016x}-{group}{SUFFIX}"
 
 
 def encode(header: TierHeader, payload: bytes | memoryview) -> list[bytes | memoryview]:
@@ -78,14 +80,15 @@ def read_header(f) -> tuple[TierHeader, int, int]:
     return header, crc, len(head) + len(raw)
 
 
-def read_block(path: Path, fingerprint: str, block_hash: int, parent_hash: int, token_ids: list[int],
+def read_block(path: Path, fingerprint: str, group: int, block_hash: int, parent_hash: int, token_ids: list[int],
                payload_bytes: int) -> bytearray:
     """The payload of one block's file, after checking that it is this model's, this block's and intact."""
     with open(path, "rb") as f:
         header, crc, _ = read_header(f)
         if header.fingerprint != fingerprint:
             raise TierFileError("another model or KV layout (fingerprint differs)")
-        if (header.block_hash, header.parent_hash, header.token_ids) != (block_hash, parent_hash, token_ids):
+        if (header.group, header.block_hash, header.parent_hash, header.token_ids) != (group, block_hash, parent_hash,
+                                                                                       token_ids):
             raise TierFileError("holds another block (chain key differs)")
         payload = bytearray(payload_bytes)  # writable: the caller wraps it in a tensor without a copy
         n = f.readinto(payload)
