@@ -284,3 +284,66 @@ def test_size_below_one_block_fails_at_start(llama, tmp_path):
 
     with pytest.raises(ValueError, match="cannot hold one KV block"):
         LLM(str(llama), kv_offloading_size=1e-6, kv_offloading_path=str(tmp_path), **KW)
+
+
+def test_loads_overlap_other_requests_and_an_abort_mid_load_frees_everything(llama, llama_ref, tmp_path,
+                                                                             monkeypatch):
+    """A request whose prefix is being read waits aside (its blocks allocated) while another request keeps
+    decoding; once read it answers as a recompute would. One aborted while its read is in flight ends once, and
+    its blocks go back to the pool only when the read is over."""
+    import threading
+
+    from helpers import random_prompts
+
+    from openinfer.distributed.kv_transfer import tier_files
+    from openinfer.entrypoints.llm import LLM
+
+    tier = LLM(str(llama), kv_offloading_size=0.05, kv_offloading_path=str(tmp_path / "tier"), **KW)
+    evict_and_reload(tier)  # A is in the tier
+    a, _, _, _, _, _ = random_prompts(0, [80, 64, 64, 64, 64, 64])
+    b, *evictors = random_prompts(3, [64] * 6)
+    for p in evictors:  # A's blocks leave the pool again
+        greedy(tier, [p])
+    drain(tier)
+    gate = threading.Event()
+    real = tier_files.read_block
+
+    def slow_read(*args, **kwargs):
+        assert gate.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tier_files, "read_block", slow_read)
+    engine, core = tier.engine, tier.engine.core
+    sp = SamplingParams(temperature=0, max_tokens=6)
+    engine.add_request("b", {"prompt_token_ids": b[:20]}, sp)
+    engine.step()
+    engine.add_request("a", {"prompt_token_ids": a}, sp)
+    b_tokens = 0
+    for _ in range(4):
+        b_tokens += sum(len(o.outputs[0].token_ids) for o in engine.step() if o.request_id == "b")
+        assert len(core.scheduler.waiting_remote) == 1  # A is parked while its prefix is read
+    assert b_tokens >= 4  # B kept decoding meanwhile
+    gate.set()
+    outs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o
+    assert outs["a"].num_cached_tokens == 64
+    assert outs["a"].outputs[0].token_ids == greedy(llama_ref, [a], 6)[0].outputs[0].token_ids
+
+    # Abort mid-read.
+    for p in evictors:
+        greedy(tier, [p])
+    drain(tier)
+    gate.clear()
+    engine.add_request("a2", {"prompt_token_ids": a}, sp)
+    engine.step()
+    assert len(core.scheduler.waiting_remote) == 1
+    aborted = engine.abort_request("a2")
+    assert [o.outputs[0].finish_reason for o in aborted] == ["abort"]
+    engine.step()
+    assert not core.kv.all_free()  # the read may still write into its blocks
+    gate.set()
+    drain(tier)
+    assert core.kv.all_free()
