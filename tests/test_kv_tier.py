@@ -245,8 +245,8 @@ def test_lru_within_size_events_and_metrics(llama, tmp_path):
 
     snap = StatsSnapshot(kv_offload=KVOffloadSnapshot(**vars(st)))
     text = ServerMetrics("m", lambda: snap).render().decode()
-    assert f'vllm:kv_offload_blocks_evicted_total{{medium="DISK",model_name="m"}} {float(st.blocks_evicted)}' in text \
-        or "kv_offload_blocks_evicted" in text
+    assert f'openinfer:kv_offload_blocks_evicted_total{{medium="DISK",model_name="m"}} {float(st.blocks_evicted)}' \
+        in text
     assert "kv_offload_hits" in text and "kv_offload_load_seconds" in text and "kv_offload_bytes_out" in text
 
 
@@ -347,3 +347,32 @@ def test_loads_overlap_other_requests_and_an_abort_mid_load_frees_everything(lla
     gate.set()
     drain(tier)
     assert core.kv.all_free()
+
+
+@pytest.mark.slow  # a server process
+def test_server_with_vllms_flags_serves_an_evicted_prefix_from_the_tier(llama, tmp_path):
+    """The issue's repro: a server with a small pool and vLLM's flags; a prompt, several others, the first again:
+    its prefix comes back from the tier (cached tokens in the usage, the tier's hits in /metrics)."""
+    import random
+
+    from server_utils import ServerProcess
+
+    rng = random.Random(0)
+    prompts = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(80)) for _ in range(6)]
+    with ServerProcess(llama, "--dtype", "float32", "--max-model-len", "256", "--num-kv-blocks", "16",
+                       "--kv-offloading-backend", "native", "--kv-offloading-size", "0.05",
+                       "--kv-offloading-path", str(tmp_path / "tier")) as s:
+        client = s.client()
+
+        def complete(p):
+            return client.completions.create(model=str(llama), prompt=p, max_tokens=4, temperature=0)
+
+        first = complete(prompts[0])
+        for p in prompts[1:]:
+            complete(p)
+        again = complete(prompts[0])
+        assert again.choices[0].text == first.choices[0].text
+        assert again.usage.prompt_tokens_details.cached_tokens > 0
+        m = s.metrics()
+        assert m['openinfer:kv_offload_hits_total{medium="DISK"}'] > 0
+        assert m['openinfer:kv_offload_loads_total{medium="DISK"}'] >= 1
