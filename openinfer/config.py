@@ -462,7 +462,9 @@ class KVTransferConfig:
         return _parse_json_config(cls, value, "kv_transfer_config", ("kv_connector", "kv_role"))
 
 
-KV_OFFLOADING_BACKENDS = ("native",)
+# native: files in a local folder (--kv-offloading-path DIR); redis: a Redis / Valkey server that instances share
+# (--kv-offloading-path redis://host:port[/db]; openinfer's addition to vLLM's choices).
+KV_OFFLOADING_BACKENDS = ("native", "redis")
 
 
 @dataclass(frozen=True)
@@ -470,8 +472,9 @@ class KVOffloadConfig:
     """A second KV tier (vLLM's ``--kv-offloading-backend`` / ``--kv-offloading-size``): full blocks that leave the
     pool are kept in files under ``path`` (openinfer's own flag; default: a temporary folder removed at shutdown),
     at most ``size_gb`` GiB, and a prompt whose prefix is there is loaded instead of recomputed
-    (distributed/kv_transfer/offload_*.py). ``native`` is the one backend: files on a local disk (vLLM's native
-    backend keeps CPU memory; a tmpfs path is that)."""
+    (distributed/kv_transfer/offload_*.py). ``native``: files on a local disk (vLLM's native backend keeps CPU
+    memory; a tmpfs path is that). ``redis``: a Redis / Valkey server at ``path`` (a redis:// URL) shared by every
+    instance of the same model and settings; the server's own memory policy bounds it."""
 
     size_gb: float
     backend: str = "native"
@@ -484,6 +487,9 @@ class KVOffloadConfig:
         v = self.size_gb
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
             raise ValueError(f"kv_offloading_size must be a number of GiB > 0, got {v!r}")
+        if self.backend == "redis" and not (self.path or "").startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"kv_offloading_backend='redis' needs kv_offloading_path=redis://host:port[/db] (the "
+                             f"shared store's address), got {self.path!r}")
 
     @property
     def size_bytes(self) -> int:
@@ -492,8 +498,8 @@ class KVOffloadConfig:
     def check_path(self) -> None:
         """At start-up: the folder exists (or can be made) and files can be written there (ValueError naming
         --kv-offloading-path otherwise), so a bad path fails before the model loads, not at the first store."""
-        if self.path is None:
-            return
+        if self.path is None or self.backend != "native":
+            return  # a shared store is reached at engine start (a clear error if it cannot be)
         import tempfile
 
         try:

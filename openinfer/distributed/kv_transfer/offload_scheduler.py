@@ -16,8 +16,11 @@ in LRU order, and this step's stores and loads for the worker side. Pure Python:
 - LRU within ``size_gb``: entries are used (moved to the back) when a lookup hits or a request releases the block;
   the front is evicted (its file removed) when a new entry would pass the size. Entries being read are never
   evicted.
-- A failed write (the disk is full, the folder gone) turns the tier off: one warning, no more stores or lookups;
-  requests go on, computing their prefixes.
+- A failed write (the disk is full, the folder gone, the shared store down) turns the tier off: one warning, no
+  more stores or lookups; requests go on, computing their prefixes.
+- A shared store (RedisStore) is written by other instances too: a lookup asks it (one pipelined round trip) for
+  the blocks this instance's index lacks, and its server evicts by its own policy; the chain key of such a block is
+  checked when it is read (its header), a mismatch dropping it like a corrupt one.
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ from openinfer.config import KVOffloadConfig
 from openinfer.distributed.kv_transfer.base import ConnectorRequest, KVConnectorScheduler
 from openinfer.distributed.kv_transfer.stats import KVOffloadStats
 from openinfer.distributed.kv_transfer.tier_files import SUFFIX, TierFileError, file_name, read_header
+from openinfer.distributed.kv_transfer.tier_store import DirStore, RedisStore, TierStoreError
 from openinfer.kv_events import BlockRemoved, BlockStored, KVEvent, external_hash
 from openinfer.step_io import KVConnectorMetadata, KVConnectorOutput, TierBlock, TierLoad
 
@@ -63,15 +67,16 @@ class _Entry:
 
 
 class OffloadingConnectorScheduler(KVConnectorScheduler):
-    def __init__(self, config: KVOffloadConfig, directory: Path, fingerprint: str, block_size: int,
+    def __init__(self, config: KVOffloadConfig, store: DirStore | RedisStore, fingerprint: str, block_size: int,
                  root_hash: int, groups: list[TierGroup]) -> None:
         self.config = config
-        self.directory = directory
+        self.store = store
         self.fingerprint = fingerprint
         self.block_size = block_size
         self.root_hash = root_hash  # the parent of every chain's first block (the prefix cache's)
         self.groups = groups
-        self.capacity_bytes = config.size_bytes
+        # A shared store's server evicts by its own policy: this instance bounds only what it indexes locally.
+        self.capacity_bytes = config.size_bytes if not store.shared else float("inf")
         self.stats = KVOffloadStats()
         # (group, chain hash) -> entry; front = least recently used
         self._index: OrderedDict[tuple[int, int], _Entry] = OrderedDict()
@@ -83,14 +88,16 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         self._loading: dict[str, list[tuple[int, int]]] = {}  # request id -> the entries it reads
         self._counted: set[str] = set()  # requests whose lookup is in the figures (a retry is not counted again)
         self._events: list[KVEvent] | None = None
-        self._scan()
+        self._present: set[tuple[int, int]] = set()  # a shared store's blocks found by this lookup
+        if isinstance(store, DirStore):
+            self._scan(store.directory)
 
     # -- the index --------------------------------------------------------------------------------------------
-    def _scan(self) -> None:
+    def _scan(self, directory: Path) -> None:
         """Rebuild the index from the files a previous run left (their headers only; checksums are checked when a
         block is read), oldest first. Files from another fingerprint or unreadable ones are removed."""
         found = []
-        for p in self.directory.iterdir():
+        for p in directory.iterdir():
             if p.name.endswith(".tmp"):  # a write cut short by a crash
                 _unlink(p)
                 continue
@@ -116,7 +123,7 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         self.stats.num_blocks = len(self._index)
         if self._index:
             logger.info("KV tier: %d blocks (%.1f MiB) reused from %s", len(self._index),
-                        self.stats.bytes_used / 2**20, self.directory)
+                        self.stats.bytes_used / 2**20, directory)
 
     def _drop(self, key: tuple[int, int], evicted: bool) -> None:
         entry = self._index.pop(key, None)
@@ -128,7 +135,7 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
             self.stats.blocks_evicted += 1
         else:
             self.stats.blocks_invalid += 1
-        _unlink(self.directory / file_name(*key))
+        self.store.remove(file_name(*key))
         if self._events is not None and key[0] == 0:  # events speak for the first group, as the pool's do
             self._events.append(BlockRemoved([external_hash(key[1])], MEDIUM))
 
@@ -157,8 +164,8 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         if not self.stats.enabled:
             return
         self.stats.enabled = False
-        logger.warning("KV tier at %s turned itself off: a write failed (%s); prefixes evicted from the pool are "
-                       "recomputed from now on", self.directory, why)
+        logger.warning("KV tier at %s turned itself off: the store failed (%s); prefixes evicted from the pool are "
+                       "recomputed from now on", self.store, why)
         self._storing.clear()
         self._new_stores.clear()
 
@@ -177,7 +184,10 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         e = self._index.get((group, h))
         parent = self.root_hash if i == 0 else req.block_hashes[i - 1]
         ids = req.all_token_ids[i * bs:(i + 1) * bs]
-        if e is None or e.parent_hash != parent or e.token_ids != tuple(ids):
+        if e is None:
+            if (group, h) not in self._present:
+                return None
+        elif e.parent_hash != parent or e.token_ids != tuple(ids):
             return None
         return TierBlock(group, h, parent, ids, j)
 
@@ -202,6 +212,8 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         local = num_computed_tokens // bs
         # Never the last token (its logits are needed); only blocks the prefix cache has hashed.
         end = min((req.num_tokens - 1) // bs, len(req.block_hashes))
+        if self.store.shared and not self._ask_store(req, local, end):
+            return 0, False
         # Whole-life groups need every block: the longest run of them bounds the hit. Then the largest hit whose
         # sliding groups have their window wins (as KVCacheManager.get_computed_blocks picks pool hits).
         top = end
@@ -219,6 +231,7 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
                 found = part
                 break
             h -= 1
+        self._present.clear()
         if req.request_id not in self._counted:
             self._counted.add(req.request_id)
             self.stats.queries += max(0, end - local) * bs
@@ -227,6 +240,23 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
             return 0, False
         self._lookups[req.request_id] = found
         return (h - local) * bs, True
+
+    def _ask_store(self, req: ConnectorRequest, local: int, end: int) -> bool:
+        """A shared store: which of the candidate blocks past the pool's hit it holds that the index lacks (one
+        round trip). False: the store failed (the tier is now off)."""
+        want = []
+        for gi, g in enumerate(self.groups):
+            for j in range(local // g.ratio, end // g.ratio):
+                key = (gi, req.block_hashes[(j + 1) * g.ratio - 1])
+                if key not in self._index:
+                    want.append(key)
+        try:
+            found = self.store.exists([file_name(*k) for k in want])
+        except TierStoreError as e:
+            self._turn_off(str(e))
+            return False
+        self._present = {k for k, ok in zip(want, found) if ok}
+        return True
 
     def update_state_after_alloc(self, req: ConnectorRequest, params: dict[str, Any] | None,
                                  block_ids: list[list[int]], num_local_blocks: list[int]) -> None:
@@ -237,7 +267,8 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
             key = (b.group, b.block_hash)
             keys.append(key)
             self._pinned[key] = self._pinned.get(key, 0) + 1
-            self._index.move_to_end(key)
+            if key in self._index:
+                self._index.move_to_end(key)
         self._new_loads.append(TierLoad(req.request_id, blocks))
         self._loading[req.request_id] = keys
 
@@ -294,8 +325,8 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
             block = self._storing.pop((group, h), None)
             if block is not None and self.stats.enabled:
                 self._add(block, num_bytes)
-            elif block is None:  # the tier turned off meanwhile: the file is not indexed, so remove it
-                _unlink(self.directory / file_name(group, h))
+            elif block is None and not self.store.shared:  # the tier turned off meanwhile: not indexed, so remove it
+                self.store.remove(file_name(group, h))
         if out.tier_store_error:
             self._turn_off(out.tier_store_error)
         self._evict_to_fit()  # entries that were being read may go now

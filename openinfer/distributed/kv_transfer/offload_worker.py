@@ -15,21 +15,21 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 
 import torch
 
 from openinfer.distributed.kv_transfer import tier_files
 from openinfer.distributed.kv_transfer.base import KVConnectorWorker
 from openinfer.distributed.kv_transfer.tier_files import TierFileError, TierHeader, file_name
+from openinfer.distributed.kv_transfer.tier_store import TierStoreError, make_store
 from openinfer.step_io import KVConnectorMetadata, KVConnectorOutput, TierBlock, TierLoad
 
 logger = logging.getLogger(__name__)
 
 
 class OffloadingConnectorWorker(KVConnectorWorker):
-    def __init__(self, directory: str, fingerprint: str) -> None:
-        self.directory = Path(directory)
+    def __init__(self, backend: str, location: str, fingerprint: str) -> None:
+        self.store = make_store(backend, location, fingerprint)
         self.fingerprint = fingerprint
         self.rows: list[list[torch.Tensor]] = []  # per group: each store as [num_blocks, row bytes] uint8
         self.payload_bytes: list[int] = []  # per group: one block's bytes over its stores
@@ -71,8 +71,7 @@ class OffloadingConnectorWorker(KVConnectorWorker):
                 header = TierHeader(self.fingerprint, b.group, b.block_hash, b.parent_hash, b.token_ids,
                                     len(payload))
                 try:
-                    n = tier_files.write_block(self.directory / file_name(b.group, b.block_hash),
-                                               tier_files.encode(header, payload))
+                    n = self.store.put(file_name(b.group, b.block_hash), tier_files.encode(header, payload))
                 except OSError as e:
                     self._write_failed = True
                     return written, f"{type(e).__name__}: {e}"
@@ -88,8 +87,10 @@ class OffloadingConnectorWorker(KVConnectorWorker):
         for b in load.blocks:
             name = file_name(b.group, b.block_hash)
             try:
-                payload = tier_files.read_block(self.directory / name, self.fingerprint, b.group, b.block_hash,
+                payload = tier_files.read_block(self.store.open(name), self.fingerprint, b.group, b.block_hash,
                                                 b.parent_hash, b.token_ids, self.payload_bytes[b.group])
+            except TierStoreError as e:  # the store, not the entry: nothing to drop
+                return n, time.monotonic() - t0, f"{name}: {e}", None
             except (OSError, TierFileError) as e:
                 return n, time.monotonic() - t0, f"{name}: {e}", (b.group, b.block_hash)
             data = torch.frombuffer(payload, dtype=torch.uint8)

@@ -80,10 +80,11 @@ def read_header(f) -> tuple[TierHeader, int, int]:
     return header, crc, len(head) + len(raw)
 
 
-def read_block(path: Path, fingerprint: str, group: int, block_hash: int, parent_hash: int, token_ids: list[int],
+def read_block(f, fingerprint: str, group: int, block_hash: int, parent_hash: int, token_ids: list[int],
                payload_bytes: int) -> bytearray:
-    """The payload of one block's file, after checking that it is this model's, this block's and intact."""
-    with open(path, "rb") as f:
+    """The payload of one block's file (an open binary stream at its start), after checking that it is this model's,
+    this block's and intact."""
+    with f:
         header, crc, _ = read_header(f)
         if header.fingerprint != fingerprint:
             raise TierFileError("another model or KV layout (fingerprint differs)")
