@@ -113,7 +113,7 @@ class Scheduler:
     def _free_kv(self, req: Request, offer: bool = True) -> None:
         """Give the request's blocks back to the pool, offering the connector (an offloading tier) its full blocks
         of computed KV first."""
-        if offer and self.connector is not None:
+        if offer and self.connector is not None and self.connector.stores_blocks:
             n = min(req.num_computed_tokens, req.num_tokens) // self.kv.block_size
             if n > 0:
                 keys = self.kv.full_block_keys(req, n)

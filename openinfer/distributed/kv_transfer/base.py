@@ -47,6 +47,10 @@ class ConnectorRequest(Protocol):
 
 
 class KVConnectorScheduler(ABC):
+    # Whether ``blocks_released`` does anything (an offloading tier): the scheduler skips computing its arguments
+    # otherwise.
+    stores_blocks: bool = False
+
     @abstractmethod
     def validate_params(self, params: dict[str, Any] | None, num_prompt_tokens: int, block_size: int) -> None:
         """Raise ValueError naming the field when a request's kv_transfer_params cannot be served here."""

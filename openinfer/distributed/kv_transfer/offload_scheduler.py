@@ -1,18 +1,19 @@
-"""The offloading tier's scheduler side (vLLM's OffloadingConnector shape): the index of what the tier's files hold,
-in LRU order, and this step's stores and loads for the worker side. Pure Python: no torch.
+"""The offloading tier's scheduler side (vLLM's OffloadingConnector shape): the index of what the tier holds, in
+LRU order, and this step's stores and loads for the worker side. Pure Python: no torch.
 
-- Entries are per KV group: one file per (group, group block). A group block spanning c ordinary blocks (DeepSeek-V4's
-  compressed entries) is keyed by the chain key of the last ordinary block it covers, as in the pool.
-- Stores: when a request's blocks go back to the pool (it ended or was preempted), each full group block of computed
-  KV that it still holds and the tier does not have yet is named in the next step's metadata (a sliding group's
-  blocks behind its window were released earlier and are not stored: a hit needs only the window before it); the worker side copies it out of the pool
-  before that step's forward (nothing can overwrite it earlier) and writes its file on a background thread. The
-  entry joins the index once the worker side reports the file written, so a lookup never names a file in flight.
+- Entries are per KV group: one file per (group, group block). A group block spanning c ordinary blocks
+  (DeepSeek-V4's compressed entries) is keyed by the chain key of the last ordinary block it covers, as in the pool.
+- Stores: when a request's blocks go back to the pool (it ended or was preempted), each full group block of
+  computed KV that the tier lacks is named in the next step's metadata - a sliding group's blocks behind its window
+  only while the pool still caches them (a hit needs just the window before it). The worker side copies them out of
+  the pool before that step's forward (nothing can overwrite them earlier) and writes the files on a background
+  thread. An entry joins the index once the worker side reports it written: a lookup never names a file in flight.
 - Loads: a waiting request's longest prefix past the pool's hit for which every group has what the first
   recomputed query reads - a whole-life group all its blocks, a sliding group those within its lookback - in the
-  pool's hit or in the index (chain key checked: parent hash and tokens) is supplied asynchronously: the scheduler parks the request with fresh blocks,
-  the worker side reads the files into them (checking fingerprint, key and checksum) and the request resumes with
-  them computed. A file found stale or corrupt fails the read: its entry is dropped and the prompt recomputed.
+  pool's hit or in the index (chain key checked: parent hash and tokens) is supplied asynchronously: the scheduler
+  parks the request with fresh blocks, the worker side reads the files into them (checking fingerprint, key and
+  checksum) and the request resumes with them computed. A file found stale or corrupt fails the read: its entry is
+  dropped and the prompt recomputed.
 - LRU within ``size_gb``: entries are used (moved to the back) when a lookup hits or a request releases the block;
   the front is evicted (its file removed) when a new entry would pass the size. Entries being read are never
   evicted.
@@ -67,6 +68,8 @@ class _Entry:
 
 
 class OffloadingConnectorScheduler(KVConnectorScheduler):
+    stores_blocks = True
+
     def __init__(self, config: KVOffloadConfig, store: DirStore | RedisStore, fingerprint: str, block_size: int,
                  root_hash: int, groups: list[TierGroup]) -> None:
         self.config = config
