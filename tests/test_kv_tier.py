@@ -463,3 +463,37 @@ def test_unreachable_shared_store_fails_at_start(llama):
         shared(llama, url)
     with pytest.raises(ValueError, match="needs kv_offloading_path=redis://"):
         EngineArgs(model=str(llama), kv_offloading_backend="redis", kv_offloading_size=1).create_engine_config()
+
+
+def test_concurrent_tier_loads_never_deadlock_the_pool(llama, llama_ref, tmp_path):
+    """Several requests whose prefixes are in the tier, together more than the pool: each is parked with blocks
+    while its prefix is read, then waits for more. Blocks held by waiting requests are given back when nothing runs
+    (they would otherwise wait for each other forever); every request finishes as a recompute would."""
+    from helpers import random_prompts
+
+    from openinfer.entrypoints.llm import LLM
+
+    tier = LLM(str(llama), kv_offloading_size=0.05, kv_offloading_path=str(tmp_path / "tier"), **KW)
+    heads = random_prompts(11, [80, 80, 80])
+    for p in [*heads, *random_prompts(12, [64] * 4)]:  # into the tier, then out of the pool
+        greedy(tier, [p])
+    drain(tier)
+    # Each prompt: a 64-token head from the tier (4 blocks, parked) and 100 new tokens (7 more blocks): three
+    # parked requests hold 12 of the 16 blocks, and none can finish its prompt beside the others.
+    prompts = [h[:64] + t for h, t in zip(heads, random_prompts(13, [100] * 3))]
+    want = greedy(llama_ref, prompts, 64)
+    core = tier.engine.core
+    for i, p in enumerate(prompts):
+        tier.engine.add_request(f"r{i}", {"prompt_token_ids": p},
+                                SamplingParams(temperature=0, max_tokens=64, logprobs=1))
+    outs = {}
+    for _ in range(3000):
+        if not tier.engine.has_unfinished_requests():
+            break
+        for o in tier.engine.step():
+            if o.finished:
+                outs[o.request_id] = o
+    assert sorted(outs) == ["r0", "r1", "r2"], "requests stuck: the pool deadlocked"
+    assert_same_outputs([outs[f"r{i}"] for i in range(3)], want)
+    assert core.stats().kv_offload.loads >= 3
+    assert core.kv.all_free()

@@ -12,7 +12,9 @@ with none, it computes its prompt here). A request run for a remote decoder keep
 (``held``) until the reader is done or the connector's timeout passes. An offloading tier is a connector too: a
 waiting request whose prefix past the pool's hit is in the tier is parked the same way while the tier reads it into
 fresh blocks, and rejoins with those tokens computed; blocks going back to the pool (a request ended or was
-preempted) are offered to it to store.
+preempted) are offered to it to store. A request whose read is done waits with its blocks until it is scheduled;
+such blocks are taken back (the request will look its prefix up again) before any running request is preempted or
+when the head of the queue cannot start: waiting requests holding blocks would otherwise wait for each other.
 """
 from __future__ import annotations
 
@@ -220,6 +222,8 @@ class Scheduler:
                 if spec:  # short of blocks: verify no drafts this step rather than preempt anyone for them
                     num_new, spec = num_new - len(spec), []
                     continue
+                if self._reclaim_waiting_blocks():
+                    continue
                 # Newest admitted goes first. Requests are visited in order, so the tail was not scheduled yet
                 # this step (or it is ``req`` itself).
                 victim = self.running.pop()
@@ -257,11 +261,15 @@ class Scheduler:
             if self.connector is not None and req.num_computed_tokens == 0:
                 parked = self._admit_remote(req, hit, num_hit)
                 if parked is False:
+                    if self._reclaim_waiting_blocks(keep=req):
+                        continue
                     break
                 if parked:
                     continue
             num_new = min(req.num_tokens - req.num_computed_tokens - num_hit, budget)
             if self.kv.allocate_slots(req, num_new + self.config.num_lookahead_tokens, hit) is None:
+                if self._reclaim_waiting_blocks(keep=req):
+                    continue  # the same head again, its hit looked up afresh
                 break
             self.waiting.popleft()
             if req.num_cached_tokens < 0:
@@ -332,6 +340,19 @@ class Scheduler:
         room = min(budget - known, req.max_tokens - req.num_output_tokens - 1,
                    req.max_model_len - req.num_tokens - 1)
         return spec[:max(room, 0)]
+
+    def _reclaim_waiting_blocks(self, keep: Request | None = None) -> bool:
+        """Take back the blocks of waiting requests whose prefix KV was read (by a KV connector) but which have not
+        run yet: they restart from their prompt's lookup. True if any block came back."""
+        freed = False
+        for r in self.waiting:
+            if r is not keep and r.num_computed_tokens > 0:
+                self._free_kv(r)
+                r.num_computed_tokens = 0
+                freed = True
+        if freed:
+            logger.debug("took back the blocks of waiting requests whose prefix was read, for the queue's head")
+        return freed
 
     def _preempt(self, req: Request) -> None:
         """Preemption by recompute: drop the KV, keep the tokens, go back to the front of the queue."""
