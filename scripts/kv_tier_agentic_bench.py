@@ -2,7 +2,8 @@
 disk tier, and the shared tier (Redis) with two instances behind vllm-router (round robin and kv_aware), plus two
 instances without a tier as the routers' baseline. Every configuration replays the same synthetic trace (same
 seed and filler salt) against fresh servers of a random dense checkpoint, through ``openinfer bench serve
---workload agentic``; the summary goes to OUT/summary.json and OUT/summary.md and the picture to OUT/kv_tier.png.
+--workload agentic``; the summary goes to OUT/summary.json and OUT/summary.md, each run's bench result to OUT/<config>.json and the picture
+to OUT/kv_tier.png.
 
     python scripts/kv_tier_agentic_bench.py --out docs/kv_tier_bench
 
@@ -110,7 +111,7 @@ def main() -> None:
     base = ["--dtype", "float32", "--max-model-len", str(args.max_model_len), "--num-kv-blocks",
             str(args.num_kv_blocks), "--served-model-name", "m"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    log = open(out / "servers.log", "w")
+    log = open(tmp / "servers.log", "w")  # servers' and the redis-server's output, left in the temporary folder
     configs = {
         "tier off": dict(workers=1, tier=None),
         "disk tier": dict(workers=1, tier="disk"),
