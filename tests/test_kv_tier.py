@@ -411,20 +411,29 @@ def redis_server():
         proc.wait(10)
 
 
-def shared(llm_path, url):
+def shared(llm_path, url, size_gb=1.0):
     from openinfer.entrypoints.llm import LLM
 
-    return LLM(str(llm_path), kv_offloading_backend="redis", kv_offloading_size=1, kv_offloading_path=url, **KW)
+    return LLM(str(llm_path), kv_offloading_backend="redis", kv_offloading_size=size_gb, kv_offloading_path=url,
+               **KW)
 
 
 def test_shared_tier_serves_a_prefix_another_instance_computed(llama, llama_ref, redis_server):
+    """The second instance never saw the prefix: it finds it in the server. The first remembers only about two
+    blocks (its size): it forgets the rest locally, but never deletes them from the shared store."""
+    import redis
+
     from helpers import random_prompts
 
     url, _ = redis_server
-    first, second = shared(llama, url), shared(llama, url)
+    first, second = shared(llama, url, size_gb=tier_size_gb(2, 8192)), shared(llama, url)
     (a,) = random_prompts(0, [80])
     greedy(first, [a])
-    first.engine.core.shutdown()  # hands its last stores over: they are in the server now
+    drain(first)
+    st = first.engine.stats().kv_offload
+    assert st.blocks_stored == 5 and st.num_blocks == 2 and st.blocks_evicted == 3
+    assert redis.Redis.from_url(url).dbsize() == 5
+    first.engine.core.shutdown()
     out = greedy(second, [a])[0]
     assert out.num_cached_tokens == 64  # computed by the first instance, read from the store by the second
     assert_same_outputs([out], greedy(llama_ref, [a]))

@@ -78,8 +78,9 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         self.block_size = block_size
         self.root_hash = root_hash  # the parent of every chain's first block (the prefix cache's)
         self.groups = groups
-        # A shared store's server evicts by its own policy: this instance bounds only what it indexes locally.
-        self.capacity_bytes = config.size_bytes if not store.shared else float("inf")
+        # A shared store's server evicts by its own policy: there the size bounds only what this instance remembers
+        # (an entry it forgets stays in the store, and a lookup finds it again).
+        self.capacity_bytes = config.size_bytes
         self.stats = KVOffloadStats()
         # (group, chain hash) -> entry; front = least recently used
         self._index: OrderedDict[tuple[int, int], _Entry] = OrderedDict()
@@ -138,7 +139,8 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
             self.stats.blocks_evicted += 1
         else:
             self.stats.blocks_invalid += 1
-        self.store.remove(file_name(*key))
+        if not (evicted and self.store.shared):  # others may still use a shared store's block
+            self.store.remove(file_name(*key))
         if self._events is not None and key[0] == 0:  # events speak for the first group, as the pool's do
             self._events.append(BlockRemoved([external_hash(key[1])], MEDIUM))
 
