@@ -302,7 +302,8 @@ class EngineCore:
         return out
 
     def shutdown(self) -> None:
-        if self.config.kv_offload is not None and self.kv_connector is not None and self.dead_reason is None:
+        if (self.config.kv_offload is not None and self.kv_connector is not None and self.dead_reason is None
+                and self.kv_connector.has_unsent_stores):
             # Blocks released by the last step are still to be copied out: one empty step hands them over (the
             # worker side finishes its writes when it shuts down), so a restart finds them.
             from openinfer.step_io import SchedulerOutput

@@ -348,6 +348,11 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
     def expired_sends(self, now: float) -> list[str]:
         return []
 
+    @property
+    def has_unsent_stores(self) -> bool:
+        """Blocks released since the last step's metadata: the worker side has not copied them out yet."""
+        return bool(self._new_stores)
+
     def has_pending_work(self) -> bool:
         return bool(self._loading or self._new_loads or self._new_stores or self._storing)
 
