@@ -546,9 +546,6 @@ class EngineConfig:
                 raise ValueError("kv_transfer_config with speculative_config is not supported: the drafting "
                                  "model's KV is not transferred")
         if self.kv_offload is not None:
-            if self.kv_transfer is not None:
-                raise ValueError("kv_offloading_size with kv_transfer_config is not supported yet: one KV connector "
-                                 "per engine")
             if self.parallel.world_size > 1:
                 raise ValueError("kv_offloading_size needs one rank (tensor_parallel_size=1, data_parallel_size=1): "
                                  "the tier's files hold one rank's whole blocks")

@@ -93,6 +93,8 @@ class KVConnectorOutput(msgspec.Struct):
     tier_stored: list[tuple[int, int, int]] = []  # (group, chain hash, file bytes)
     tier_invalid: list[tuple[int, int]] = []  # (group, chain hash)
     tier_store_error: str = ""
+    tier_bytes_loaded: int = 0
+    tier_load_seconds: float = 0.0
 
     @property
     def empty(self) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import errno
 import logging
+import time
 from pathlib import Path
 
 import pytest
@@ -506,3 +507,46 @@ def test_concurrent_tier_loads_never_deadlock_the_pool(llama, llama_ref, tmp_pat
     assert_same_outputs([outs[f"r{i}"] for i in range(3)], want)
     assert core.stats().kv_offload.loads >= 3
     assert core.kv.all_free()
+
+
+def test_tier_beside_pd_disaggregation(llama, llama_ref, tmp_path):
+    """The tier and the NIXL connector in one engine: a decoder reads a prompt from its producer, keeps it in its
+    tier, and serves it from there once its pool has lost it; the producer stores the prompt it held once the
+    decoder has read it. Tokens as one engine without either."""
+    pytest.importorskip("nixl")
+    import json
+
+    from helpers import random_prompts
+    from test_kv_nixl_engines import stepping
+
+    from openinfer.entrypoints.llm import LLM
+
+    def pd(role, path):
+        return LLM(str(llama), kv_transfer_config=json.dumps({"kv_connector": "NixlConnector", "kv_role": role}),
+                   kv_offloading_size=0.05, kv_offloading_path=str(tmp_path / path), **KW)
+
+    prod, cons = pd("kv_producer", "p"), pd("kv_consumer", "c")
+    a, *others = random_prompts(0, [80, 64, 64, 64, 64, 64])
+    want = greedy(llama_ref, [a])
+    p = prod.generate([a], SamplingParams(temperature=0, max_tokens=1, kv_transfer_params={"do_remote_decode": True}),
+                      use_tqdm=False)[0]
+    with stepping(prod):
+        d = cons.generate([a], SamplingParams(temperature=0, max_tokens=4, logprobs=1,
+                                              kv_transfer_params=p.kv_transfer_params), use_tqdm=False)
+        for _ in range(200):  # the producer frees (and now stores) what it held once the read's notice arrives
+            if not prod.engine.has_unfinished_requests():
+                break
+            time.sleep(0.02)
+    assert_same_outputs(d, want)
+    assert d[0].num_cached_tokens == 79 and cons.engine.stats().kv_transfer.loads_ok == 1
+    for q in others:
+        greedy(cons, [q])
+    drain(cons)
+    again = greedy(cons, [a])
+    assert again[0].num_cached_tokens == 64  # from the decoder's tier: its pool lost the prompt
+    assert_same_outputs(again, want)
+    st = cons.engine.stats()
+    assert st.kv_offload.loads == 1 and st.kv_transfer.loads_ok == 1  # one read of each kind, counted apart
+    drain(prod)
+    assert prod.engine.stats().kv_offload.blocks_stored == 5  # the held prompt (80 tokens), once released
+    assert prod.engine.core.kv.all_free() and cons.engine.core.kv.all_free()

@@ -108,11 +108,29 @@ class EngineCore:
     def _make_kv_connector(self):
         """The scheduler side of the configured KV connector (pure Python), told where its worker side's side
         channel listens (the worker picked the port when its cache was registered)."""
-        if self.config.kv_offload is not None:
-            from openinfer.engine.kv_tier import make_offloading_connector
+        transfer = self._make_transfer_connector()
+        if self.config.kv_offload is None:
+            return transfer
+        from openinfer.engine.kv_tier import make_offloading_connector
 
-            connector, self._tier_tmpdir = make_offloading_connector(self.config, self.kv_specs, self.executor)
-            return connector
+        tier, self._tier_tmpdir = make_offloading_connector(self.config, self.kv_specs, self.executor)
+        if transfer is None:
+            return tier
+        from openinfer.distributed.kv_transfer.multi import MultiConnectorScheduler
+
+        return MultiConnectorScheduler(transfer, tier)
+
+    @property
+    def _transfer_connector(self):
+        c = self.kv_connector
+        return None if self.config.kv_transfer is None else getattr(c, "transfer", c)
+
+    @property
+    def _tier_connector(self):
+        c = self.kv_connector
+        return None if self.config.kv_offload is None else getattr(c, "tier", c)
+
+    def _make_transfer_connector(self):
         kt = self.config.kv_transfer
         if kt is None:
             return None
@@ -270,9 +288,8 @@ class EngineCore:
             prompt_tokens_cached=sum(s.prompt_tokens_cached for s in self.schedulers),
             prompt_tokens_received=sum(s.prompt_tokens_received for s in self.schedulers),
             generation_tokens=sum(s.generation_tokens for s in self.schedulers),
-            kv_transfer=self.kv_connector.stats.snapshot() if self.config.kv_transfer is not None else None,
-            kv_offload=(self.kv_connector.stats.snapshot() if self.config.kv_offload is not None
-                        and self.kv_connector is not None else None),
+            kv_transfer=self._transfer_connector.stats.snapshot() if self._transfer_connector else None,
+            kv_offload=self._tier_connector.stats.snapshot() if self._tier_connector else None,
             num_held_for_transfer=sum(len(s.held) for s in self.schedulers),
             rank_loads=[(len(s.running), len(s.waiting) + len(s.waiting_remote), p.num_free_blocks, p.num_blocks,
                          kv.usage) for s, p, kv in zip(self.schedulers, pools, self.kvs)],

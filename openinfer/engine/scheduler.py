@@ -196,7 +196,7 @@ class Scheduler:
     def _release_held(self, rid: str) -> None:
         req = self.held.pop(rid, None)
         if req is not None:
-            self.kv.free(req)
+            self._free_kv(req)  # its reader is done: an offloading tier may keep the prompt's blocks
 
     # -- the step ----------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

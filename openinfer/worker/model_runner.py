@@ -114,9 +114,15 @@ class ModelRunner:
         from openinfer.distributed.kv_transfer.offload_worker import OffloadingConnectorWorker
         from openinfer.worker.kv_tensors import kv_block_tensors
 
-        self.kv_connector = OffloadingConnectorWorker(backend, location, fingerprint)
-        return self.kv_connector.register_kv_caches(
-            kv_block_tensors(self.model, [s.name for s in self.kv_cache_spec()]))
+        tier = OffloadingConnectorWorker(backend, location, fingerprint)
+        info = tier.register_kv_caches(kv_block_tensors(self.model, [s.name for s in self.kv_cache_spec()]))
+        if self.kv_connector is None:
+            self.kv_connector = tier
+        else:  # beside prefill/decode disaggregation's connector
+            from openinfer.distributed.kv_transfer.multi import MultiConnectorWorker
+
+            self.kv_connector = MultiConnectorWorker(self.kv_connector, tier)
+        return info
 
     @torch.inference_mode()
     def profile_run(self) -> None:

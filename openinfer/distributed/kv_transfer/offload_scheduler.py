@@ -322,8 +322,8 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
                 self._unpin(rid)
                 self.stats.load_failures += 1
                 logger.warning("KV tier: request %s: reading its prefix failed (%s); computing it", rid, why)
-        self.stats.bytes_loaded += out.bytes_received
-        self.stats.load_seconds += out.seconds_receiving
+        self.stats.bytes_loaded += out.tier_bytes_loaded
+        self.stats.load_seconds += out.tier_load_seconds
         for group, h in out.tier_invalid:
             self._drop((group, h), evicted=False)
         for group, h, num_bytes in out.tier_stored:

@@ -120,8 +120,8 @@ class OffloadingConnectorWorker(KVConnectorWorker):
             except Exception as e:  # a bug, not a bad file: recompute all the same
                 logger.exception("KV tier: reading request %s's prefix failed", rid)
                 nbytes, secs, err, bad = 0, 0.0, f"{type(e).__name__}: {e}", None
-            out.bytes_received += nbytes
-            out.seconds_receiving += secs
+            out.tier_bytes_loaded += nbytes
+            out.tier_load_seconds += secs
             if err:
                 out.failed_recving[rid] = err
                 if bad is not None:
