@@ -172,8 +172,9 @@ def valid_values(ckpt_copy: Path) -> dict[str, typing.Any]:
                 kv_offloading_size=1.0, kv_offloading_path=str(ckpt_copy.parent / "kv_tier"))
 
 
-# Fields whose only valid value today is their default (vLLM's flag, one backend implemented): any other value
-# must be refused by name rather than ignored.
+# Fields whose other valid values need an outside service to mean anything (kv_offloading_backend "redis": a shared
+# store's URL, reached at engine start): here an unknown value must be refused by name rather than ignored
+# (tests/test_kv_tier.py builds engines with "redis").
 ONE_CHOICE = {"kv_offloading_backend": ("lmcache", {"kv_offloading_size": 1.0})}
 
 
