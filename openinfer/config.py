@@ -501,6 +501,55 @@ class KVTransferConfig:
         return _parse_json_config(cls, value, "kv_transfer_config", ("kv_connector", "kv_role"))
 
 
+# native: files in a local folder (--kv-offloading-path DIR); redis: a Redis / Valkey server that instances share
+# (--kv-offloading-path redis://host:port[/db]; openinfer's addition to vLLM's choices).
+KV_OFFLOADING_BACKENDS = ("native", "redis")
+
+
+@dataclass(frozen=True)
+class KVOffloadConfig:
+    """A second KV tier (vLLM's ``--kv-offloading-backend`` / ``--kv-offloading-size``): full blocks that leave the
+    pool are kept in files under ``path`` (openinfer's own flag; default: a temporary folder removed at shutdown),
+    at most ``size_gb`` GiB, and a prompt whose prefix is there is loaded instead of recomputed
+    (distributed/kv_transfer/offload_*.py). ``native``: files on a local disk (vLLM's native backend keeps CPU
+    memory; a tmpfs path is that). ``redis``: a Redis / Valkey server at ``path`` (a redis:// URL) shared by every
+    instance of the same model and settings; the server's own memory policy bounds it."""
+
+    size_gb: float
+    backend: str = "native"
+    path: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.backend not in KV_OFFLOADING_BACKENDS:
+            raise ValueError(f"kv_offloading_backend={self.backend!r}; choose one of "
+                             f"{', '.join(KV_OFFLOADING_BACKENDS)}")
+        v = self.size_gb
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            raise ValueError(f"kv_offloading_size must be a number of GiB > 0, got {v!r}")
+        if self.backend == "redis" and not (self.path or "").startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"kv_offloading_backend='redis' needs kv_offloading_path=redis://host:port[/db] (the "
+                             f"shared store's address), got {self.path!r}")
+
+    @property
+    def size_bytes(self) -> int:
+        return int(self.size_gb * (1 << 30))
+
+    def check_path(self) -> None:
+        """At start-up: the folder exists (or can be made) and files can be written there (ValueError naming
+        --kv-offloading-path otherwise), so a bad path fails before the model loads, not at the first store."""
+        if self.path is None or self.backend != "native":
+            return  # a shared store is reached at engine start (a clear error if it cannot be)
+        import tempfile
+
+        try:
+            os.makedirs(self.path, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=self.path, prefix=".probe-"):
+                pass
+        except OSError as e:
+            raise ValueError(f"kv_offloading_path={self.path!r} is not a writable folder: {e.strerror or e}") \
+                from None
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Built from ``EngineArgs.create_engine_config`` (engine_args.py), the one list of user settings."""
@@ -519,6 +568,7 @@ class EngineConfig:
     # Where the default sampling settings come from (vLLM's --generation-config): "auto" = the checkpoint's
     # generation_config.json, "vllm" = none (SamplingParams' own defaults), else a folder holding one.
     generation_config: str = "auto"
+    kv_offload: KVOffloadConfig | None = None
 
     def __post_init__(self) -> None:
         if self.generation_config not in ("auto", "vllm") and not os.path.isdir(self.generation_config):
@@ -540,6 +590,16 @@ class EngineConfig:
             if self.speculative is not None:
                 raise ValueError("kv_transfer_config with speculative_config is not supported: the drafting "
                                  "model's KV is not transferred")
+        if self.kv_offload is not None:
+            if self.parallel.world_size > 1:
+                raise ValueError("kv_offloading_size needs one rank (tensor_parallel_size=1, data_parallel_size=1): "
+                                 "the tier's files hold one rank's whole blocks")
+            if self.speculative is not None:
+                raise ValueError("kv_offloading_size with speculative_config is not supported yet: the drafting "
+                                 "model's KV is not offloaded")
+            if not self.cache.enable_prefix_caching:
+                raise ValueError("kv_offloading_size needs enable_prefix_caching: the tier is keyed by the prefix "
+                                 "cache's block hashes")
 
 
 def engine_config_to_json(config: EngineConfig) -> str:
@@ -555,6 +615,7 @@ def engine_config_to_json(config: EngineConfig) -> str:
         "structured_outputs_backend": config.structured_outputs_backend, "tokenizer_mode": config.tokenizer_mode,
         "kv_transfer": asdict(config.kv_transfer) if config.kv_transfer else None,
         "kernel": asdict(config.kernel), "generation_config": config.generation_config,
+        "kv_offload": asdict(config.kv_offload) if config.kv_offload else None,
     })
 
 
@@ -574,4 +635,5 @@ def engine_config_from_json(text: str) -> EngineConfig:
                         tokenizer_mode=d.get("tokenizer_mode", "auto"),
                         kv_transfer=KVTransferConfig.parse(d.get("kv_transfer")),
                         kernel=KernelConfig(**d["kernel"]) if d.get("kernel") else KernelConfig(),
-                        generation_config=d.get("generation_config", "auto"))
+                        generation_config=d.get("generation_config", "auto"),
+                        kv_offload=KVOffloadConfig(**d["kv_offload"]) if d.get("kv_offload") else None)

@@ -97,6 +97,14 @@ class EngineArgs:
     kv_transfer_config: str | None = _arg(None, "prefill/decode disaggregation as JSON (vLLM's), e.g. "
                                                 "'{\"kv_connector\": \"NixlConnector\", \"kv_role\": \"kv_both\"}' "
                                                 "(roles: kv_producer, kv_consumer, kv_both)")
+    kv_offloading_size: float | None = _arg(None, "a second KV tier of this many GiB (vLLM's flag): full blocks "
+                                                  "leaving the pool are kept in files and a prompt whose prefix is "
+                                                  "there loads it instead of recomputing (default: no tier)")
+    kv_offloading_backend: str = _arg("native", "the second tier's backend (vLLM's flag): native (files on a "
+                                                "local disk, --kv-offloading-path)")
+    kv_offloading_path: str | None = _arg(None, "folder of the second tier's files; the same folder, model and "
+                                                "settings reuse them after a restart (default: a temporary folder "
+                                                "removed at shutdown)")
     chat_template: str | None = _arg(None, "a jinja2 chat template, as a string or a file "
                                            "(default: the tokenizer's)")
     generation_config: str = _arg("auto", "default sampling settings: auto (the checkpoint's "
@@ -164,7 +172,8 @@ class EngineArgs:
         ``chat_template`` is not part of it: it goes to ``LLMEngine(config, chat_template=...)``."""
         from openinfer.assets_path import default_model_path
         from openinfer.config import (AttentionBackend, CacheConfig, EngineConfig, KernelConfig, ModelConfig,
-                                      ParallelConfig, KVTransferConfig, SchedulerConfig, SpeculativeConfig)
+                                      KVOffloadConfig, ParallelConfig, KVTransferConfig, SchedulerConfig,
+                                      SpeculativeConfig)
 
         model = ModelConfig.from_path(self.model or default_model_path(), dtype=self.dtype,
                                       device=self.device, max_model_len=self.max_model_len,
@@ -204,6 +213,13 @@ class EngineArgs:
                             num_kv_blocks=self.num_kv_blocks, kv_cache_dtype=self.kv_cache_dtype)
         if cache.fp8_kv:
             _check_kv_cache_dtype(cache.kv_cache_dtype, model.architecture, speculative)
+        kv_offload = None
+        if self.kv_offloading_size is not None:
+            kv_offload = KVOffloadConfig(size_gb=self.kv_offloading_size, backend=self.kv_offloading_backend,
+                                         path=self.kv_offloading_path)
+            kv_offload.check_path()
+        elif self.kv_offloading_path is not None:
+            raise ValueError("kv_offloading_path needs kv_offloading_size (the tier's size in GiB)")
         return EngineConfig(
             model=model,
             cache=cache,
@@ -220,6 +236,7 @@ class EngineArgs:
             kv_transfer=KVTransferConfig.parse(self.kv_transfer_config),
             kernel=KernelConfig.from_env(self.kernel_backend),
             generation_config=self.generation_config,
+            kv_offload=kv_offload,
         )
 
 

@@ -44,6 +44,26 @@ class KVLoad(msgspec.Struct):
     push: bool = False  # the producer writes into local_block_ids (send_type PUT) instead of this side reading
 
 
+class TierBlock(msgspec.Struct, array_like=True):
+    """One full block of one KV group (its index in the model's group order) moving between the pool and the
+    offloading tier: its prefix-cache chain key (the chain hash, its parent's and its tokens - for a group block
+    spanning several ordinary blocks, the key of the last one: what the tier's file is named by and checked
+    against) and its pool block."""
+
+    group: int
+    block_hash: int
+    parent_hash: int
+    token_ids: list[int]
+    block_id: int
+
+
+class TierLoad(msgspec.Struct):
+    """A waiting request's prefix blocks to read from the tier into freshly allocated pool blocks."""
+
+    req_id: str
+    blocks: list[TierBlock]
+
+
 class KVConnectorMetadata(msgspec.Struct):
     """What the scheduler side of a KV connector tells its worker side each step; a producer also names the
     requests it now holds for a remote decoder (request id -> block ids per group, -1 = none there) and those it
@@ -52,6 +72,10 @@ class KVConnectorMetadata(msgspec.Struct):
     loads: list[KVLoad] = []
     held: dict[str, list[list[int]]] = {}
     released: list[str] = []
+    # The offloading tier: blocks to copy out of the pool (before this step's forward may overwrite them) and write
+    # to the tier, and prefixes to read back.
+    tier_stores: list[TierBlock] = []
+    tier_loads: list[TierLoad] = []
 
 
 class KVConnectorOutput(msgspec.Struct):
@@ -64,6 +88,13 @@ class KVConnectorOutput(msgspec.Struct):
     sending_started: list[str] = []  # producer: held requests a push write now reads from (they must not expire)
     bytes_received: int = 0
     seconds_receiving: float = 0.0
+    # The offloading tier: blocks now in its files ((group, chain hash) -> file bytes); entries found stale or
+    # corrupt while loading (dropped, their files removed); a write that failed (the tier turns itself off).
+    tier_stored: list[tuple[int, int, int]] = []  # (group, chain hash, file bytes)
+    tier_invalid: list[tuple[int, int]] = []  # (group, chain hash)
+    tier_store_error: str = ""
+    tier_bytes_loaded: int = 0
+    tier_load_seconds: float = 0.0
 
     @property
     def empty(self) -> bool:

@@ -169,11 +169,19 @@ def valid_values(ckpt_copy: Path) -> dict[str, typing.Any]:
                 speculative_config='{"method": "ngram", "num_speculative_tokens": 2}',
                 structured_outputs_backend="llguidance", tokenizer_mode="deepseek_v4",
                 kv_transfer_config='{"kv_connector": "NixlConnector", "kv_role": "kv_both"}',
-                gpu_memory_utilization=0.5, scheduling_policy="priority", generation_config="vllm")
+                gpu_memory_utilization=0.5, scheduling_policy="priority", generation_config="vllm",
+                kv_offloading_size=1.0, kv_offloading_path=str(ckpt_copy.parent / "kv_tier"))
+
+
+# Fields whose other valid values need an outside service to mean anything (kv_offloading_backend "redis": a shared
+# store's URL, reached at engine start): here an unknown value must be refused by name rather than ignored
+# (tests/test_kv_tier.py builds engines with "redis").
+ONE_CHOICE = {"kv_offloading_backend": ("lmcache", {"kv_offloading_size": 1.0})}
 
 
 COMPANIONS = {name: {"enable_expert_parallel": True} for name in
               ("enable_eplb", "num_redundant_experts", "eplb_step_interval")}
+COMPANIONS["kv_offloading_path"] = {"kv_offloading_size": 1.0}
 
 
 def test_every_field_reaches_the_engine(ckpt, ckpt_copy, monkeypatch):
@@ -182,8 +190,11 @@ def test_every_field_reaches_the_engine(ckpt, ckpt_copy, monkeypatch):
     monkeypatch.setattr(llm_mod, "LLMEngine", lambda config, chat_template=None: built.append(
         (config, chat_template)))
     values = valid_values(ckpt_copy)
-    missing = {f.name for f in FIELDS} - set(values)
+    missing = {f.name for f in FIELDS} - set(values) - set(ONE_CHOICE)
     assert not missing, f"add a valid non-default value for the new EngineArgs field(s) {missing} here"
+    for name, (other, companion) in ONE_CHOICE.items():
+        with pytest.raises(ValueError, match=name):
+            llm_mod.build_engine(EngineArgs(model=str(ckpt), **companion, **{name: other}))
     for name, value in values.items():
         # A field that is only valid beside another (EPLB needs expert parallelism) is compared with and without
         # itself on top of that companion.

@@ -140,8 +140,7 @@ def test_auto_tool_choice_needs_a_tool_parser():
 
 
 def test_issue_refusals(capsys):
-    for argv, why in ((["--kv-offloading-size", "8"], "not yet"), (["--kv-offloading-backend", "native"], "not yet"),
-                      (["--limit-mm-per-prompt", '{"image": 2}'], "text-only"),
+    for argv, why in ((["--limit-mm-per-prompt", '{"image": 2}'], "text-only"),
                       (["--no-enable-chunked-prefill"], "always chunks"), (["-pp", "2"], "pipeline")):
         err = refused(capsys, *argv)
         assert f"supported by vLLM, not by openinfer: {argv[0]} (" in err and why in err

@@ -25,7 +25,7 @@ from openinfer.engine.kv_plan import plan_kv_blocks
 from openinfer.engine.request import Request, RequestStatus
 from openinfer.engine.scheduler import Scheduler
 from openinfer.engine.spec_stats import SpecDecodeStats
-from openinfer.distributed.kv_transfer.stats import KVTransferStats
+from openinfer.distributed.kv_transfer.stats import KVOffloadStats, KVTransferStats
 from openinfer.executor.abstract import Executor, ExecutorFailed
 from openinfer.kv_cache_interface import bytes_per_token, kv_startup_message
 from openinfer.kv_events import KVEventBatch
@@ -69,6 +69,7 @@ class EngineStats:
     prompt_tokens_received: int = 0
     generation_tokens: int = 0
     kv_transfer: KVTransferStats | None = None
+    kv_offload: KVOffloadStats | None = None  # the offloading tier's counters (None without one)
     num_held_for_transfer: int = 0  # ended requests whose blocks wait for a remote reader
     # Per data-parallel replica, in rank order: (running, waiting, free blocks and blocks of its first KV group,
     # KV usage over all its groups) - what a router's /get_load asks per dp_rank.
@@ -96,6 +97,7 @@ class EngineCore:
         self.executor.initialize_kv_cache(self.num_kv_blocks)
         self.kvs = [KVCacheManager(self.kv_specs, self.num_kv_blocks, cache.block_size, cache.enable_prefix_caching)
                     for _ in range(config.parallel.data_parallel_size)]
+        self._tier_tmpdir: str | None = None  # the offloading tier's own temporary folder (no path given)
         self.kv_connector = self._make_kv_connector()
         self.schedulers = [Scheduler(sched, kv, self.kv_connector) for kv in self.kvs]
         self._replica_of: dict[str, int] = {}  # request id -> data-parallel replica
@@ -106,6 +108,29 @@ class EngineCore:
     def _make_kv_connector(self):
         """The scheduler side of the configured KV connector (pure Python), told where its worker side's side
         channel listens (the worker picked the port when its cache was registered)."""
+        transfer = self._make_transfer_connector()
+        if self.config.kv_offload is None:
+            return transfer
+        from openinfer.engine.kv_tier import make_offloading_connector
+
+        tier, self._tier_tmpdir = make_offloading_connector(self.config, self.kv_specs, self.executor)
+        if transfer is None:
+            return tier
+        from openinfer.distributed.kv_transfer.multi import MultiConnectorScheduler
+
+        return MultiConnectorScheduler(transfer, tier)
+
+    @property
+    def _transfer_connector(self):
+        c = self.kv_connector
+        return None if self.config.kv_transfer is None else getattr(c, "transfer", c)
+
+    @property
+    def _tier_connector(self):
+        c = self.kv_connector
+        return None if self.config.kv_offload is None else getattr(c, "tier", c)
+
+    def _make_transfer_connector(self):
         kt = self.config.kv_transfer
         if kt is None:
             return None
@@ -263,7 +288,8 @@ class EngineCore:
             prompt_tokens_cached=sum(s.prompt_tokens_cached for s in self.schedulers),
             prompt_tokens_received=sum(s.prompt_tokens_received for s in self.schedulers),
             generation_tokens=sum(s.generation_tokens for s in self.schedulers),
-            kv_transfer=self.kv_connector.stats.snapshot() if self.kv_connector is not None else None,
+            kv_transfer=self._transfer_connector.stats.snapshot() if self._transfer_connector else None,
+            kv_offload=self._tier_connector.stats.snapshot() if self._tier_connector else None,
             num_held_for_transfer=sum(len(s.held) for s in self.schedulers),
             rank_loads=[(len(s.running), len(s.waiting) + len(s.waiting_remote), p.num_free_blocks, p.num_blocks,
                          kv.usage) for s, p, kv in zip(self.schedulers, pools, self.kvs)],
@@ -277,6 +303,8 @@ class EngineCore:
         """Start recording BlockStored / BlockRemoved / AllBlocksCleared in every replica's cache."""
         if not all(kv.record_events() for kv in self.kvs):
             raise ValueError("KV cache events need prefix caching and a whole-life KV group of block_size tokens")
+        if self.kv_connector is not None:
+            self.kv_connector.record_events()  # an offloading tier's stores and evictions (medium "DISK")
 
     def take_kv_events(self) -> list[KVEventBatch]:
         """What the caches recorded since the last call, one batch per data-parallel replica that has any."""
@@ -284,9 +312,26 @@ class EngineCore:
         out = []
         for rank, kv in enumerate(self.kvs):
             events = kv.take_events()
+            if rank == 0 and self.kv_connector is not None:
+                events += self.kv_connector.take_events()
             if events:
                 out.append(KVEventBatch(now, events, rank))
         return out
 
     def shutdown(self) -> None:
+        if (self.config.kv_offload is not None and self.kv_connector is not None and self.dead_reason is None
+                and self.kv_connector.has_unsent_stores):
+            # Blocks released by the last step are still to be copied out: one empty step hands them over (the
+            # worker side finishes its writes when it shuts down), so a restart finds them.
+            from openinfer.step_io import SchedulerOutput
+
+            try:
+                self.executor.execute_model([SchedulerOutput(kv_connector_metadata=self.kv_connector
+                                                             .build_connector_meta())])
+            except Exception:
+                logger.exception("KV tier: handing over the last stores failed")
         self.executor.shutdown()
+        if self._tier_tmpdir is not None:
+            import shutil
+
+            shutil.rmtree(self._tier_tmpdir, ignore_errors=True)

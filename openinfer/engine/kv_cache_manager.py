@@ -85,6 +85,27 @@ class KVCacheManager:
         """Per group; ``placeholder`` stands for a released (or never needed) position of a sliding group."""
         return [g.block_ids(request_id, placeholder) for g in self.groups]
 
+    def full_block_keys(self, req: Request, num_full_blocks: int) -> list[BlockKey]:
+        """Chain keys (parent hash, token ids) of the request's first ``num_full_blocks`` full blocks; their chain
+        hashes are ``req.block_hashes[:num_full_blocks]`` afterwards."""
+        return self._block_keys(req, num_full_blocks)
+
+    def blocks_to_offer(self, req: Request, keys: list[BlockKey]) -> list[list[int]]:
+        """Per group, the pool block holding each of the request's group blocks whose keys ``keys`` cover (-1: none):
+        its table's, or - where a sliding group already released it - the pool's cached block for that key while
+        it has not been evicted (its rows are intact until the next forward)."""
+        out = []
+        for g in self.groups:
+            table = g.tables.get(req.request_id, [])
+            ids = []
+            for j in range(min(len(keys) // g.ratio, len(table))):
+                b = table[j]
+                if b is None:
+                    b = g.pool.get_cached_block(g.key_of(keys, j))
+                ids.append(-1 if b is None else b.block_id)
+            out.append(ids)
+        return out
+
     def _block_keys(self, req: Request, num_full_blocks: int) -> list[BlockKey]:
         """Chain keys of the request's first ``num_full_blocks`` full blocks (hashes memoised on the request so
         each block is hashed once in its life)."""

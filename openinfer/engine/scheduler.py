@@ -14,7 +14,12 @@ With a KV connector (disaggregated prefill/decode, distributed/kv_transfer/): a 
 another instance gets its blocks, then waits in ``waiting_remote`` (WAITING_FOR_REMOTE_KVS) without holding back
 the queue; once read it rejoins the front of the queue with all but its last prompt token computed (a failed read:
 with none, it computes its prompt here). A request run for a remote decoder keeps its blocks after it ends
-(``held``) until the reader is done or the connector's timeout passes.
+(``held``) until the reader is done or the connector's timeout passes. An offloading tier is a connector too: a
+waiting request whose prefix past the pool's hit is in the tier is parked the same way while the tier reads it into
+fresh blocks, and rejoins with those tokens computed; blocks going back to the pool (a request ended or was
+preempted) are offered to it to store. A request whose read is done waits with its blocks until it is scheduled;
+such blocks are taken back (the request will look its prefix up again) before any running request is preempted or
+when the head of the queue cannot start: waiting requests holding blocks would otherwise wait for each other.
 """
 from __future__ import annotations
 
@@ -47,7 +52,8 @@ class Scheduler:
         self.connector = connector
         self.waiting_remote: dict[str, Request] = {}  # blocks allocated, prompt KV being read from elsewhere
         self.held: dict[str, Request] = {}  # ended, blocks kept for a remote reader
-        self._remote_hit: dict[str, int] = {}  # parked request -> its local prefix hit, in tokens
+        # Parked request -> (its local prefix hit, the tokens the connector supplies past it).
+        self._remote_hit: dict[str, tuple[int, int]] = {}
         # Ended while their read was in flight: the blocks are freed when the worker side reports the read over
         # (done, failed or timed out), never while it may still be writing into them.
         self._orphan_loads: dict[str, Request] = {}
@@ -133,6 +139,17 @@ class Scheduler:
             if hold:
                 self.held[req.request_id] = req
                 return
+        # A failed step may have left its blocks unwritten: nothing of an errored request is offered for storing.
+        self._free_kv(req, offer=status != RequestStatus.FINISHED_ERROR)
+
+    def _free_kv(self, req: Request, offer: bool = True) -> None:
+        """Give the request's blocks back to the pool, offering the connector (an offloading tier) its full blocks
+        of computed KV first."""
+        if offer and self.connector is not None and self.connector.stores_blocks:
+            n = min(req.num_computed_tokens, req.num_tokens) // self.kv.block_size
+            if n > 0:
+                keys = self.kv.full_block_keys(req, n)
+                self.connector.blocks_released(req, keys, self.kv.blocks_to_offer(req, keys))
         self.kv.free(req)
 
     @property
@@ -160,10 +177,10 @@ class Scheduler:
         if req.times.first_scheduled_s is None:
             req.times.first_scheduled_s = time.monotonic()
         self.waiting_remote[req.request_id] = req
-        self._remote_hit[req.request_id] = num_hit
+        self._remote_hit[req.request_id] = (num_hit, num_ext)
         # Sliding groups: the producer released (sent -1 for) the blocks behind what a query at the last prompt
         # token reads; none of ours there is ever filled, so it must not be held, nor cached for prefix hits.
-        self.kv.release_stale_blocks(req, req.num_prompt_tokens - 1)
+        self.kv.release_stale_blocks(req, min(num_hit + num_ext, req.num_tokens - 1))
         self.connector.update_state_after_alloc(req, params, self.kv.block_ids(req.request_id, placeholder=-1),
                                                 [len(g) for g in hit.blocks])
         return True
@@ -184,11 +201,12 @@ class Scheduler:
             req = self.waiting_remote.pop(rid, None)
             if req is None:
                 continue  # aborted meanwhile
-            num_hit = self._remote_hit.pop(rid, 0)
-            req.num_computed_tokens = req.num_prompt_tokens - 1  # the last one runs here: its logits sample
+            num_hit, num_ext = self._remote_hit.pop(rid, (0, 0))
+            # Never the last token: it runs here, its logits sample (a remote prefill supplies the whole prompt).
+            req.num_computed_tokens = min(num_hit + num_ext, req.num_tokens - 1)
             req.num_cached_tokens = req.num_computed_tokens
             self.prompt_tokens_cached += num_hit
-            self.prompt_tokens_received += req.num_computed_tokens - num_hit
+            self.prompt_tokens_received += max(0, min(req.num_computed_tokens, req.num_prompt_tokens) - num_hit)
             req.status = RequestStatus.WAITING
             back.append(req)
         for rid, why in out.failed_recving.items():
@@ -208,7 +226,7 @@ class Scheduler:
     def _release_held(self, rid: str) -> None:
         req = self.held.pop(rid, None)
         if req is not None:
-            self.kv.free(req)
+            self._free_kv(req)  # its reader is done: an offloading tier may keep the prompt's blocks
 
     # -- the step ----------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -233,6 +251,8 @@ class Scheduler:
             while (blocks := self.kv.allocate_slots(req, num_new + self.config.num_lookahead_tokens)) is None:
                 if spec:  # short of blocks: verify no drafts this step rather than preempt anyone for them
                     num_new, spec = num_new - len(spec), []
+                    continue
+                if self._reclaim_waiting_blocks():
                     continue
                 # Newest admitted goes first (under the priority policy: the lowest priority, also the tail).
                 # Requests are visited in order, so the tail was not scheduled yet this step (or it is ``req``).
@@ -268,15 +288,18 @@ class Scheduler:
                                                             time.monotonic()))
                 continue
             hit, num_hit = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else (None, 0)
-            if (self.connector is not None and req.num_computed_tokens == 0
-                    and req.sampling_params.kv_transfer_params is not None):
+            if self.connector is not None and req.num_computed_tokens == 0:
                 parked = self._admit_remote(req, hit, num_hit)
                 if parked is False:
+                    if self._reclaim_waiting_blocks(keep=req):
+                        continue
                     break
                 if parked:
                     continue
             num_new = min(req.num_tokens - req.num_computed_tokens - num_hit, budget)
             if self.kv.allocate_slots(req, num_new + self.config.num_lookahead_tokens, hit) is None:
+                if self._reclaim_waiting_blocks(keep=req):
+                    continue  # the same head again, its hit looked up afresh
                 break
             self.waiting.popleft()
             if req.num_cached_tokens < 0:
@@ -351,10 +374,23 @@ class Scheduler:
                    req.max_model_len - req.num_tokens - 1)
         return spec[:max(room, 0)]
 
+    def _reclaim_waiting_blocks(self, keep: Request | None = None) -> bool:
+        """Take back the blocks of waiting requests whose prefix KV was read (by a KV connector) but which have not
+        run yet: they restart from their prompt's lookup. True if any block came back."""
+        freed = False
+        for r in self.waiting:
+            if r is not keep and r.num_computed_tokens > 0:
+                self._free_kv(r)
+                r.num_computed_tokens = 0
+                freed = True
+        if freed:
+            logger.debug("took back the blocks of waiting requests whose prefix was read, for the queue's head")
+        return freed
+
     def _preempt(self, req: Request) -> None:
         """Preemption by recompute: drop the KV, keep the tokens, go back to the front of the queue."""
         req.spec_token_ids, req.spec_confidence = [], []
-        self.kv.free(req)
+        self._free_kv(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1

@@ -32,6 +32,7 @@ from openinfer.server.messages import (
     EngineEvent,
     RequestUpdate,
     Shutdown,
+    KVOffloadSnapshot,
     StatsSnapshot,
 )
 from openinfer.server.metrics import ServerMetrics
@@ -268,6 +269,7 @@ class AsyncEngine:
             *_transfer_fields(s),
             consecutive_failed_steps=s.consecutive_failed_steps,
             rank_loads=list(s.rank_loads),
+            kv_offload=KVOffloadSnapshot(**vars(s.kv_offload)) if s.kv_offload is not None else None,
         )
 
     def _run(self) -> None:

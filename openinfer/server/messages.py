@@ -78,6 +78,24 @@ class ControlReply(msgspec.Struct, tag=True, frozen=True):
     value: int | str | None = None
 
 
+class KVOffloadSnapshot(msgspec.Struct, frozen=True):
+    """The offloading tier's counters (distributed/kv_transfer/stats.py KVOffloadStats), as published."""
+
+    queries: int = 0
+    hits: int = 0
+    loads: int = 0
+    load_failures: int = 0
+    load_seconds: float = 0.0
+    bytes_loaded: int = 0
+    blocks_stored: int = 0
+    bytes_stored: int = 0
+    blocks_evicted: int = 0
+    blocks_invalid: int = 0
+    num_blocks: int = 0
+    bytes_used: int = 0
+    enabled: bool = True
+
+
 class StatsSnapshot(msgspec.Struct, frozen=True):
     """Engine state published by the core thread after every loop iteration (read by /metrics, /health)."""
 
@@ -115,6 +133,7 @@ class StatsSnapshot(msgspec.Struct, frozen=True):
     kv_held_requests: int = 0
     consecutive_failed_steps: int = 0  # steps in a row whose forward failed: /health/ready turns 503 past a bound
     rank_loads: list[tuple[int, int, int, int, float]] = []  # per data-parallel replica (EngineStats.rank_loads)
+    kv_offload: KVOffloadSnapshot | None = None  # the offloading tier (None without one)
 
 
 class EngineDead(msgspec.Struct, tag=True, frozen=True):

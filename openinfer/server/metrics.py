@@ -116,6 +116,9 @@ class _EngineStatsCollector(Collector):
         self.source = source
         self.prefix = prefix
 
+    def _offload_metrics(self, t) -> Iterator[Metric]:
+        return _offload_families(self.prefix, self.model_name, t)
+
     def collect(self) -> Iterator[Metric]:
         s = self.source()
         labels = [self.model_name]
@@ -192,9 +195,44 @@ class _EngineStatsCollector(Collector):
                       s.kv_sends_expired)
         yield gauge("kv_transfer_held_requests", "Finished requests whose KV blocks wait for a remote reader.",
                     s.kv_held_requests)
+        if s.kv_offload is not None:
+            yield from self._offload_metrics(s.kv_offload)
         yield gauge("spec_decode_mean_accepted_length", "Tokens per verification: accepted drafts + 1 (1 without "
                     "speculation).", SpecDecodeStats(s.spec_num_drafts, s.spec_num_draft_tokens,
                                                  s.spec_num_accepted_tokens).mean_accepted_length)
+
+
+def _offload_families(prefix: str, model_name: str, t) -> Iterator[Metric]:
+    """The offloading tier's figures, labelled with vLLM's medium name for it ("DISK")."""
+    labels = [model_name, "DISK"]
+    for name, doc, value, kind in (
+        ("kv_offload_queries", "Prompt tokens (full blocks past the pool's hit) looked up in the tier.", t.queries,
+         CounterMetricFamily),
+        ("kv_offload_hits", "Prompt tokens found in the tier (loaded instead of computed).", t.hits,
+         CounterMetricFamily),
+        ("kv_offload_misses", "Prompt tokens looked up in the tier and not found.", t.queries - t.hits,
+         CounterMetricFamily),
+        ("kv_offload_loads", "Requests whose prefix was read from the tier.", t.loads, CounterMetricFamily),
+        ("kv_offload_load_failures", "Tier reads that found a stale, corrupt or missing file (recomputed).",
+         t.load_failures, CounterMetricFamily),
+        ("kv_offload_load_seconds", "Seconds spent reading from the tier (sum over reads; with "
+         "kv_offload_loads, the mean load latency).", t.load_seconds, CounterMetricFamily),
+        ("kv_offload_bytes_in", "KV bytes read from the tier into the pool.", t.bytes_loaded, CounterMetricFamily),
+        ("kv_offload_bytes_out", "KV bytes written from the pool to the tier.", t.bytes_stored,
+         CounterMetricFamily),
+        ("kv_offload_blocks_stored", "Blocks written to the tier.", t.blocks_stored, CounterMetricFamily),
+        ("kv_offload_blocks_evicted", "Blocks evicted from the tier (LRU, to stay within its size).",
+         t.blocks_evicted, CounterMetricFamily),
+        ("kv_offload_blocks_invalid", "Tier entries dropped as stale or corrupt.", t.blocks_invalid,
+         CounterMetricFamily),
+        ("kv_offload_blocks", "Blocks in the tier.", t.num_blocks, GaugeMetricFamily),
+        ("kv_offload_bytes_used", "Bytes of the tier's files.", t.bytes_used, GaugeMetricFamily),
+        ("kv_offload_enabled", "1 while the tier works, 0 once a failed write turned it off.", int(t.enabled),
+         GaugeMetricFamily),
+    ):
+        m = kind(prefix + name, doc, labels=["model_name", "medium"])
+        m.add_metric(labels, value)
+        yield m
 
 
 class ServerMetrics:

@@ -9,7 +9,6 @@ _NO_LORA = "LoRA adapters are not implemented"
 _NO_HUB = "openinfer loads a local checkpoint folder; it downloads nothing"
 _NO_GRAPHS = "openinfer captures no CUDA graphs and does not torch.compile the model"
 _DP_EXTERNAL = "multi-node data parallelism is not implemented; --data-parallel-size runs its replicas here"
-_NOT_YET_KV_TIER = "not yet: no host-memory KV tier in this build"
 
 TABLE: list[VllmFlag] = [
     # -- ModelConfig -------------------------------------------------------------------------------------------
@@ -123,8 +122,8 @@ TABLE: list[VllmFlag] = [
     refuse("--mamba-cache-dtype", "openinfer has no Mamba models"),
     refuse("--mamba-ssm-cache-dtype", "openinfer has no Mamba models"),
     refuse("--mamba-block-size", "openinfer has no Mamba models"),
-    refuse("--kv-offloading-size", _NOT_YET_KV_TIER),
-    refuse("--kv-offloading-backend", _NOT_YET_KV_TIER),
+    same("--kv-offloading-size"),
+    same("--kv-offloading-backend"),
     # -- MultiModalConfig --------------------------------------------------------------------------------------
     refuse("--limit-mm-per-prompt", _NO_MM, ok=('{"image": 0}',)),  # any all-zero limits are accepted
     refuse("--enable-mm-embeds", _NO_MM, takes_value=False, negatable=True),

@@ -109,6 +109,21 @@ class ModelRunner:
         return self.kv_connector.register_kv_caches(
             kv_block_tensors(self.model, [s.name for s in self.kv_cache_spec()]))
 
+    def init_kv_offload(self, backend: str, location: str, fingerprint: str) -> dict:
+        """Start the offloading tier's worker side over the bound cache (every group's stores)."""
+        from openinfer.distributed.kv_transfer.offload_worker import OffloadingConnectorWorker
+        from openinfer.worker.kv_tensors import kv_block_tensors
+
+        tier = OffloadingConnectorWorker(backend, location, fingerprint)
+        info = tier.register_kv_caches(kv_block_tensors(self.model, [s.name for s in self.kv_cache_spec()]))
+        if self.kv_connector is None:
+            self.kv_connector = tier
+        else:  # beside prefill/decode disaggregation's connector
+            from openinfer.distributed.kv_transfer.multi import MultiConnectorWorker
+
+            self.kv_connector = MultiConnectorWorker(self.kv_connector, tier)
+        return info
+
     @torch.inference_mode()
     def profile_run(self) -> None:
         """One forward at max_num_batched_tokens against a throwaway cache, so the activation peak is paid (and,

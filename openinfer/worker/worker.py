@@ -112,5 +112,9 @@ class Worker:
         """Start the KV connector's worker side over the bound cache; returns where its side channel listens."""
         return self.model_runner.init_kv_connector(engine_id)
 
+    def init_kv_offload(self, backend: str, location: str, fingerprint: str) -> dict:
+        """Start the offloading tier's worker side over the bound cache; returns its bytes per block of each group."""
+        return self.model_runner.init_kv_offload(backend, location, fingerprint)
+
     def execute_model(self, scheduler_output: SchedulerOutput, lockstep: bool = False) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output, lockstep)

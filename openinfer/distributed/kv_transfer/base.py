@@ -11,6 +11,12 @@ Scheduler side, called by the scheduler:
 - ``request_finished(req, block_ids)``: whether to keep the blocks after the request ends (someone else will read
   them) and the ``kv_transfer_params`` to return to the client.
 - ``expired_sends(now)``: held requests whose reader never came; their blocks go back to the pool.
+- ``blocks_released(req, keys, block_ids)``: the request's blocks go back to the pool (it ended or was
+  preempted); its first ``len(keys)`` blocks hold computed KV of known tokens (an offloading tier stores them).
+
+A connector that reads a prefix (``get_num_new_matched_tokens`` > 0, asynchronously) supplies exactly that many
+tokens past the local hit: once its read is done they count as computed (never the last prompt token: its logits
+are needed).
 
 Worker side, called by the model runner every step (also steps with nothing to compute, while the scheduler side
 has work in flight): ``start_load_kv(meta)``, ``wait_for_save()`` after the forward, ``get_finished()``.
@@ -29,12 +35,22 @@ class ConnectorRequest(Protocol):
     request_id: str
     prompt_token_ids: list[int]
     num_computed_tokens: int
+    all_token_ids: list[int]  # prompt + generated
+    block_hashes: list[int]  # prefix-cache chain hashes of its full blocks hashed so far
+    sampling_params: Any
 
     @property
     def num_prompt_tokens(self) -> int: ...
 
+    @property
+    def num_tokens(self) -> int: ...
+
 
 class KVConnectorScheduler(ABC):
+    # Whether ``blocks_released`` does anything (an offloading tier): the scheduler skips computing its arguments
+    # otherwise.
+    stores_blocks: bool = False
+
     @abstractmethod
     def validate_params(self, params: dict[str, Any] | None, num_prompt_tokens: int, block_size: int) -> None:
         """Raise ValueError naming the field when a request's kv_transfer_params cannot be served here."""
@@ -72,6 +88,17 @@ class KVConnectorScheduler(ABC):
 
     def set_side_channel(self, info: dict[str, Any]) -> None:
         """Where the worker side listens (it picks the port at start-up); advertised in kv_transfer_params."""
+
+    def blocks_released(self, req: ConnectorRequest, keys: list[tuple[int, tuple[int, ...]]],
+                        block_ids: list[list[int]]) -> None:
+        """Blocks going back to the pool; ``keys[i]`` is the chain key (parent hash, token ids) of block i, whose
+        computed KV sits in ``block_ids[g][i]`` of each group g (-1: none there)."""
+
+    def record_events(self) -> None:
+        """Start recording KV events (kv_events.py) for the connector's own tier."""
+
+    def take_events(self) -> list:
+        return []
 
 
 class KVConnectorWorker(ABC):
