@@ -185,3 +185,22 @@ def test_llama_block_steps_aside_for_bias_and_qk_norm(kernel_ops, monkeypatch, t
     runs = _both_ways(monkeypatch, path, make_prompts((12, 4, 25, 9), seed=9), dtype="float32")
     _assert_same_bits(runs)
     assert runs["1"][1]["llama"] == 0
+
+
+@pytest.mark.parametrize("types,runs_block", [
+    ({"ffn_down": "Q8_0"}, True),
+    # Q4_K_M's layer: q / k in Q4_K, v in Q6_K, so the fused projection has two kernels and the layer stays in Python
+    ({"attn_v": "Q6_K", "ffn_down": "Q6_K"}, False),
+])
+def test_llama_block_runs_gguf_linears(kernel_ops, monkeypatch, tmp_path, types, runs_block):
+    """A GGUF file's Llama layers: the block calls the GGUF kernel on the file's blocks, as GGUFWeight.matmul does;
+    the same bits either way."""
+    from gguf_writer import write_gguf
+
+    qtype = "Q4_K" if "attn_v" in types else "Q4_1"
+    path, _ = write_gguf(tmp_path, "llama", qtype, types, **(dict(hidden=256, intermediate=512)
+                                                            if qtype == "Q4_K" else {}))
+    runs = _both_ways(monkeypatch, path, make_prompts((5, 17, 33, 3), seed=14), max_model_len=256)
+    _assert_same_bits(runs)
+    calls = runs["1"][1]["llama"]
+    assert (calls >= 2 * 11) if runs_block else calls == 0, calls

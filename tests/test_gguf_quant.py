@@ -195,8 +195,13 @@ def test_linear_load_quantized_takes_gguf_parts(kernel_ops):
     np.testing.assert_allclose(lin(x).double().numpy(), x.double().numpy() @ w.T.astype(np.float64), rtol=1e-4,
                                atol=1e-4)
     assert torch.equal(lin.dense_weight(), torch.from_numpy(w))
-    # the fused Llama decode block has no GGUF kernel: such a layer keeps its Python path (this linear's matmul)
+    # a fused weight of two types has no one kernel in the Llama decode block: its layer keeps the Python path
     assert decode_blocks.layer_linear(lin) is None
+    one = Linear(256, 6, bias=False)
+    one.load_quantized(GGUFWeight("Q4_K", torch.from_numpy(datas[0]), (6, 256), torch.float32))
+    data, scales, kind, code = decode_blocks.layer_linear(one)
+    assert data is one._quant.data and scales is None and kind == decode_blocks.LINEAR_KINDS["gguf"]
+    assert code == int(gguf.GGMLQuantizationType.Q4_K)
 
 
 def test_bad_input_is_a_value_error():

@@ -7,8 +7,8 @@ layer, ~10 % of a batch-1 step of the Llama bench checkpoint).
 Each function returns None when the block cannot take the call, and the module runs its Python path: not on the
 CPU, kernels unavailable or ``OPENINFER_CPU_KERNELS=0``, ``OPENINFER_DECODE_BLOCKS=0``, a step with a prefill in
 it, more than one rank, weights not in the panel layout (native-bf16 oneDNN, MXFP4 / FP8 experts, quantised ones
-other than the Llama block's W4A8 / W8A8 / weight-only int8 / symmetric int4 linears, and those two weight-only ones
-from the row count where their Python path decodes to fp32), biases, an fp8 cache (DeepSeek attention) or a cache in
+other than the Llama block's W4A8 / W8A8 / weight-only int8 / symmetric int4 / GGUF linears (a fused GGUF projection
+of two types excepted), and the weight-only ones from the row count where their Python path decodes to fp32), biases, an fp8 cache (DeepSeek attention) or a cache in
 another dtype than the activations (Llama), Qwen3's q / k norms.
 """
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 
 from openinfer.forward_context import get_forward_context
 from openinfer.layers import cpu_ops, dispatch
+from openinfer.layers.gguf_quant import GGUF_DEQUANT_ROWS, GGUFWeight
 from openinfer.layers.quant_linear import LOWBIT_DEQUANT_ROWS
 
 
@@ -84,7 +85,7 @@ def moe_block(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None, 
 
 
 # how cpu_kernels/decode_blocks.cpp's layer_linear runs each Llama linear
-LINEAR_KINDS = {"panels": 0, "w4a8": 1, "w8a8": 2, "int8": 3, "int4": 4}
+LINEAR_KINDS = {"panels": 0, "w4a8": 1, "w8a8": 2, "int8": 3, "int4": 4, "gguf": 5}
 
 
 def layer_linear(linear) -> tuple[torch.Tensor, torch.Tensor | None, int, int] | None:
@@ -95,7 +96,11 @@ def layer_linear(linear) -> tuple[torch.Tensor, torch.Tensor | None, int, int] |
     if q is None:
         panels = linear_panels(linear)
         return None if panels is None else (panels, None, LINEAR_KINDS["panels"], 0)
-    if linear.bias is not None or q.method not in LINEAR_KINDS or q.zero_corr is not None:
+    if linear.bias is not None or getattr(q, "method", None) not in LINEAR_KINDS:
+        return None
+    if q.method == "gguf":  # a GGUF file's blocks as they are; a fused weight of mixed types has no one kernel
+        return None if not isinstance(q, GGUFWeight) else (q.data, None, LINEAR_KINDS["gguf"], q.code)
+    if q.zero_corr is not None:
         return None
     return q.qweight, q.scales, LINEAR_KINDS[q.method], q.group
 
@@ -104,7 +109,8 @@ def _max_rows(lins) -> float:
     """The row count from which a step leaves these linears to their Python path: weight-only int8 / int4 switch
     to a decoded GEMM from ``LOWBIT_DEQUANT_ROWS`` rows, which the block does not do (inf: no such linear)."""
     kinds = {v: k for k, v in LINEAR_KINDS.items()}
-    return min((LOWBIT_DEQUANT_ROWS.get(kinds[lin[2]], math.inf) for lin in lins), default=math.inf)
+    rows = dict(LOWBIT_DEQUANT_ROWS, gguf=GGUF_DEQUANT_ROWS)
+    return min((rows.get(kinds[lin[2]], math.inf) for lin in lins), default=math.inf)
 
 
 def _llama_layer_weights(layer) -> tuple | None:

@@ -117,16 +117,21 @@ at::Tensor moe_block(const at::Tensor& x, const at::Tensor& gate_w, const c10::o
 // scales, group the int4 / w4a8 group; QuantizedWeight.matmul: x widened to fp32 and zero-padded to the packed width,
 // the kernel's fp32 result back in x's dtype). Kinds 3 / 4 only below their decoded-GEMM row count: the caller
 // (layers/decode_blocks.py) keeps the Python path for larger steps.
-enum LinearKind : int64_t { kPanels = 0, kW4A8 = 1, kW8A8 = 2, kInt8 = 3, kInt4 = 4 };
+enum LinearKind : int64_t { kPanels = 0, kW4A8 = 1, kW8A8 = 2, kInt8 = 3, kInt4 = 4, kGGUF = 5 };
 
 at::Tensor layer_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& scales,
                         int64_t kind, int64_t group, int64_t n) {
   if (kind == kPanels) return oi::panel_linear(x, w, n, c10::nullopt);
-  TORCH_CHECK(kind >= kW4A8 && kind <= kInt4 && scales.has_value() && scales->size(0) == n,
-              "llama_decode_layer: a linear is kind 0 (panels), 1 (w4a8), 2 (w8a8), 3 (int8) or 4 (int4), quantised "
-              "ones with scales [n, ...]");
   at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
   at::Tensor y = at::empty({x.size(0), n}, x.options().dtype(at::kFloat));
+  if (kind == kGGUF) {  // the file's block bytes [n, row bytes]; ``group`` carries the GGML type code
+    TORCH_CHECK(w.size(0) == n, "llama_decode_layer: a GGUF linear's data must have n rows");
+    oi::gguf_gemm(y, xf.contiguous(), w, group);
+    return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+  }
+  TORCH_CHECK(kind >= kW4A8 && kind <= kInt4 && scales.has_value() && scales->size(0) == n,
+              "llama_decode_layer: a linear is kind 0 (panels), 1 (w4a8), 2 (w8a8), 3 (int8), 4 (int4) or 5 "
+              "(GGUF), quantised ones 1-4 with scales [n, ...]");
   if (kind == kW4A8 || kind == kInt4) {  // packed two per byte, K padded
     const int64_t kp = w.size(1) * 2;
     if (kp != xf.size(1)) xf = at::constant_pad_nd(xf, {0, kp - xf.size(1)});

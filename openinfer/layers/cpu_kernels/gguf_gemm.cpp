@@ -569,6 +569,13 @@ void gguf_dequantize(at::Tensor out, const at::Tensor& data, int64_t qtype) {
 
 }  // namespace
 
+namespace oi {
+// for decode_blocks.cpp's fused Llama layer (kernels.h)
+void gguf_gemm(at::Tensor y, const at::Tensor& x, const at::Tensor& data, int64_t qtype) {
+  gguf_linear(std::move(y), x, data, qtype, c10::nullopt);
+}
+}  // namespace oi
+
 TORCH_LIBRARY_FRAGMENT(openinfer_cpu, m) {
   m.def("gguf_linear(Tensor(a!) y, Tensor x, Tensor data, int qtype, Tensor? bias) -> ()");
   m.impl("gguf_linear", c10::DispatchKey::CPU, &gguf_linear);

@@ -47,4 +47,6 @@ void int4_linear(at::Tensor y, const at::Tensor& x, const at::Tensor& qweight, c
 void moe_experts_panels(at::Tensor out, const at::Tensor& rows, const at::Tensor& counts, const at::Tensor& p13,
                         const at::Tensor& p2, double limit);
 
+// y [M, N] = x [M, K] fp32 . W^T, W a GGUF block-quantized matrix (rows of the file's bytes; gguf_gemm.cpp)
+void gguf_gemm(at::Tensor y, const at::Tensor& x, const at::Tensor& data, int64_t qtype);
 }  // namespace oi
