@@ -383,9 +383,13 @@ class SpeculativeConfig:
     def check_target(self, model: ModelConfig, parallel: ParallelConfig) -> None:
         """Start-up checks against the target: the method must have what it needs (MTP layers, a draft with the
         target's vocabulary)."""
-        if parallel.world_size > 1:
-            raise ValueError("speculative_config with tensor_parallel_size / data_parallel_size > 1 is not supported "
-                             "yet; run speculative decoding in one process")
+        # Tensor parallel: every rank of the replica verifies the same drafts (the scheduler's) against the same
+        # all-gathered logits and takes its driver's accepted tokens (model_runner.py); a proposer with weights
+        # runs on every rank over its TP-sharded layers. Data-parallel replicas are not yet wired for it.
+        if parallel.data_parallel_size > 1:
+            raise ValueError(f"speculative_config (method={self.method!r}) with data_parallel_size="
+                             f"{parallel.data_parallel_size} is not supported yet; use data_parallel_size=1 "
+                             "(tensor_parallel_size may be > 1)")
         if self.method == "mtp":
             n = int(model.hf_config.get("num_nextn_predict_layers", 0) or 0)
             if n < 1:
