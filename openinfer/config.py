@@ -292,7 +292,8 @@ class ParallelConfig:
 
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
-    # Routed experts split over every rank (instead of each expert's intermediate split over the TP ranks).
+    # Routed experts split over every rank (instead of each expert's intermediate split over the TP ranks): the
+    # expert-parallel size is tensor_parallel_size x data_parallel_size, as vLLM's; attention stays TP-sharded.
     enable_expert_parallel: bool = False
     # Expert load balancing: count tokens per expert, and every eplb_step_interval steps re-place the experts
     # (plus num_redundant_experts replicas of the busiest) over the ranks.
@@ -316,9 +317,6 @@ class ParallelConfig:
             raise ValueError(f"num_redundant_experts must be an integer >= 0, got {self.num_redundant_experts!r}")
         if not isinstance(self.eplb_step_interval, int) or self.eplb_step_interval < 1:
             raise ValueError(f"eplb_step_interval must be an integer >= 1, got {self.eplb_step_interval!r}")
-        if self.enable_expert_parallel and self.tensor_parallel_size > 1:
-            raise ValueError("enable_expert_parallel with tensor_parallel_size > 1 is not supported yet: use "
-                             "data_parallel_size for the expert-parallel ranks (tensor_parallel_size=1)")
         if self.distributed_executor_backend == "uni" and self.world_size > 1:
             raise ValueError(f"distributed_executor_backend='uni' runs one rank in the engine's process, but "
                              f"tensor_parallel_size={self.tensor_parallel_size} x data_parallel_size="

@@ -72,6 +72,22 @@ def test_v3(v3, layout):
     llm.engine.shutdown()
 
 
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2, enable_expert_parallel=True),
+                                    dict(tensor_parallel_size=2, data_parallel_size=2, enable_expert_parallel=True)],
+                         ids=["tp2-ep2", "tp2xdp2-ep4"])
+def test_v3_tensor_times_expert_parallel(v3, layout):
+    """Attention split over the TP ranks, the routed experts over all TP x DP ranks (vLLM's EP size): each TP rank
+    sends its share of the replica's tokens through the all-to-all, so a one-token decode leaves one rank's share
+    empty; with two replicas and one request the other replica idles through dummy forwards."""
+    kw = dict(dtype="float32", num_kv_blocks=48, max_num_batched_tokens=32)  # chunked prefill (40-token prompt)
+    one = run(LLM(str(v3), **kw), V3_PROMPTS)
+    llm = LLM(str(v3), **kw, **layout)
+    same(run(llm, V3_PROMPTS), one)
+    same(run(llm, V3_PROMPTS[1:2]), one[1:2])  # one request: single-token steps (and an idle replica)
+    assert all(kv.all_free() for kv in llm.engine.core.kvs)
+    llm.engine.shutdown()
+
+
 def test_v3_four_expert_parallel_ranks(v3):
     kw = dict(dtype="float32", num_kv_blocks=48, max_num_batched_tokens=32)
     one = run(LLM(str(v3), **kw), V3_PROMPTS[:3])

@@ -221,7 +221,6 @@ def test_max_model_len_has_one_home(ckpt):
     (dict(distributed_executor_backend="slurm"), r"distributed_executor_backend='slurm'; choose one of"),
     (dict(tensor_parallel_size=2, distributed_executor_backend="uni"), r"'uni' runs one rank"),
     (dict(data_parallel_size=0), r"data_parallel_size must be an integer >= 1, got 0"),
-    (dict(enable_expert_parallel=True, tensor_parallel_size=2), r"enable_expert_parallel with tensor_parallel"),
     (dict(enable_eplb=True), r"enable_eplb / num_redundant_experts place experts over expert-parallel ranks"),
     (dict(enable_expert_parallel=True, num_redundant_experts=-1), r"num_redundant_experts must be an integer >= 0"),
     (dict(enable_expert_parallel=True, eplb_step_interval=0), r"eplb_step_interval must be an integer >= 1"),
