@@ -382,12 +382,14 @@ class SpeculativeConfig:
         """Start-up checks against the target: the method must have what it needs (MTP layers, a draft with the
         target's vocabulary)."""
         # Tensor parallel: every rank of the replica verifies the same drafts (the scheduler's) against the same
-        # all-gathered logits and takes its driver's accepted tokens (model_runner.py); a proposer with weights
-        # runs on every rank over its TP-sharded layers. Data-parallel replicas are not yet wired for it.
-        if parallel.data_parallel_size > 1:
-            raise ValueError(f"speculative_config (method={self.method!r}) with data_parallel_size="
-                             f"{parallel.data_parallel_size} is not supported yet; use data_parallel_size=1 "
-                             "(tensor_parallel_size may be > 1)")
+        # all-gathered logits, so all take the same accepted tokens; a proposer with weights runs on every rank over
+        # its TP-sharded layers. Data parallel: each replica drafts and verifies its own requests; replicas in
+        # lockstep (expert parallel) pad the proposer's forwards with dummies (proposers/__init__.py), which the
+        # MTP proposer does and a draft model does not yet.
+        if parallel.lockstep and self.method == "draft_model":
+            raise ValueError(f"speculative_config.method='draft_model' with enable_expert_parallel and "
+                             f"data_parallel_size={parallel.data_parallel_size} is not supported yet; use 'mtp' or "
+                             "'ngram', or data_parallel_size=1")
         if self.method == "mtp":
             n = int(model.hf_config.get("num_nextn_predict_layers", 0) or 0)
             if n < 1:

@@ -196,6 +196,10 @@ class EngineArgs:
 
                 if not uses_dspark(model.architecture):  # DSpark blocks load with the target (proposers/dspark.py)
                     resolve_mtp_class(model.architecture)  # the architecture has an MTP layer openinfer can run
+                elif parallel.lockstep:  # its block forward has no dummy step for idle replicas yet
+                    raise ValueError(f"speculative_config.method='mtp' (DSpark on {model.architecture}) with "
+                                     f"enable_expert_parallel and data_parallel_size={parallel.data_parallel_size} "
+                                     "is not supported yet; use data_parallel_size=1")
         cache = CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
                             kv_cache_memory_gb=self.kv_cache_memory_gb, memory_utilization=self.memory_utilization,
                             gpu_memory_utilization=self.gpu_memory_utilization,

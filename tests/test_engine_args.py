@@ -229,8 +229,9 @@ def test_max_model_len_has_one_home(ckpt):
     (dict(speculative_config='{"method": "ngram", "num_speculative_tokens": 0}'),
      r"num_speculative_tokens must be an integer in \[1, 16\], got 0"),
     (dict(speculative_config='{"method": "ngram", "k": 2}'), r"speculative_config has unknown keys \['k'\]"),
-    (dict(speculative_config='{"method": "ngram", "num_speculative_tokens": 2}', data_parallel_size=2),
-     r"speculative_config \(method='ngram'\) with data_parallel_size=2 is not supported yet"),
+    (dict(speculative_config={"method": "draft_model", "num_speculative_tokens": 2, "model": "/nonexistent"},
+          data_parallel_size=2, enable_expert_parallel=True),
+     r"method='draft_model' with enable_expert_parallel and data_parallel_size=2 is not supported yet"),
     (dict(structured_outputs_backend="outlines"), r"structured_outputs_backend='outlines'; choose one of"),
     (dict(tokenizer_mode="mistral"), r"tokenizer_mode='mistral'; choose one of auto, deepseek_v4, deepseek_v32"),
 ])

@@ -149,7 +149,7 @@ class ModelRunner:
         if sched.empty:
             if not lockstep:
                 return ModelRunnerOutput()
-            self._dummy_forward()
+            self._pad_proposer(self._dummy_forward(), 0)
             return ModelRunnerOutput(expert_load=self._after_forward())
         inputs = batch.prepare(sched)
         # Rows of hidden needed for logits: the last known token of each sampling sequence (and each of its
@@ -178,6 +178,7 @@ class ModelRunner:
             hidden = self.model(inputs.input_ids, inputs.positions)
 
         out = ModelRunnerOutput()
+        proposer_forwards = 0
         if logit_rows:
             logits = self.model.compute_logits(hidden[logit_rows])  # sample() casts to fp32 where it needs
             masks = sched.grammar_bitmask
@@ -190,6 +191,9 @@ class ModelRunner:
                 out.spec_token_ids = self.proposer.propose(
                     ProposeInputs(inputs.rows, [r for r, _ in plain + spec], hidden, batch))
                 out.spec_confidence = self.proposer.confidence()
+                proposer_forwards = self.proposer.forwards
+        if lockstep:
+            self._pad_proposer(hidden, proposer_forwards)
         for r, first in plp:
             with self._row(out, r):
                 out.prompt_logprobs[r.state.req_id] = self._prompt_logprobs(hidden, r, first)
@@ -262,7 +266,14 @@ class ModelRunner:
         """Expert load balancing counts forwards (every rank runs the same ones) and rebalances between them."""
         return self.rebalancer.stats if self.rebalancer.after_step() else None
 
-    def _dummy_forward(self) -> None:
+    def _pad_proposer(self, hidden: torch.Tensor, done: int) -> None:
+        """Under data-parallel lockstep: the proposer's remaining forwards of the step as dummies (proposers/
+        __init__.py, ``lockstep_forwards``), so every replica's ranks meet the same collectives."""
+        if self.proposer is not None:
+            for _ in range(self.proposer.lockstep_forwards - done):
+                self.proposer.dummy_forward(hidden, self._dummy_blocks, self.input_batch)
+
+    def _dummy_forward(self) -> torch.Tensor:
         """One token through the model on the scratch block, nothing sampled: this replica has no work, but its
         ranks must take part in the collectives (expert-parallel all-to-all) another replica's step runs."""
         names = self.input_batch.group_names
@@ -270,7 +281,7 @@ class ModelRunner:
                                      self.input_batch.tokens_per_block, self.block_size, self.device)
         md.is_dummy = True
         with set_forward_context(md):
-            self.model(torch.zeros(1, dtype=torch.long, device=self.device), md.positions)
+            return self.model(torch.zeros(1, dtype=torch.long, device=self.device), md.positions)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, r: ScheduledRow, first: int) -> list[dict[int, float]]:
         """Logprob of prompt token p+1 given tokens <= p, for each prompt position p in this chunk."""
