@@ -9,9 +9,11 @@ import contextlib
 import logging
 import time
 
+import msgspec
 import torch
 
 from openinfer.config import EngineConfig
+from openinfer.distributed.parallel_state import get_tp_group
 from openinfer.forward_context import AttentionMetadata, set_forward_context
 from openinfer import envs
 from openinfer.layers import dispatch
@@ -187,6 +189,7 @@ class ModelRunner:
             for r, first in spec:
                 with self._row(out, r):
                     self._verify(logits[first:first + len(r.drafts) + 1], r, out, masks.get(r.state.req_id))
+            self._take_driver_tokens(out, [r for r, _ in plain + spec])
             if self.proposer is not None:
                 out.spec_token_ids = self.proposer.propose(
                     ProposeInputs(inputs.rows, [r for r, _ in plain + spec], hidden, batch))
@@ -251,6 +254,35 @@ class ModelRunner:
                                 self.generator, allowed_masks=self._masks(mask, len(r.drafts) + 1, logits.shape[1]))
         out.sampled[st.req_id] = [self._token(t, raw_lp, j, st.sampling_params.logprobs) for j, t in enumerate(tokens)]
         self.input_batch.append_sampled(r, tokens)
+
+    def _take_driver_tokens(self, out: ModelRunnerOutput, rows: list[ScheduledRow]) -> None:
+        """Tensor parallel: the replica's first rank's sampled and accepted tokens become every rank's (the engine
+        reads that rank's). Every rank samples from the same all-gathered logits with the same seeded generator,
+        so they agree already; this makes a disagreement (a row that failed on one rank only, a device whose
+        sampling is not bitwise reproducible) impossible to turn into ranks whose requests differ in length, whose
+        next forwards would then feed different tokens to the same sharded layers."""
+        tp = get_tp_group()
+        if tp.world_size == 1:
+            return
+        mine = {r.state.req_id: [t.token_id for t in out.sampled[r.state.req_id]] if r.state.req_id in out.sampled
+                else None for r in rows}
+        driver = msgspec.msgpack.decode(tp.broadcast_bytes(msgspec.msgpack.encode(mine)))
+        if tp.is_first_rank or driver == mine:
+            return
+        for r in rows:
+            st, got, want = r.state, mine[r.state.req_id], driver[r.state.req_id]
+            if got == want:
+                continue
+            keep = len(st.token_ids) - len(got or [])
+            del st.token_ids[keep:]
+            del st.output_token_ids[keep - st.num_prompt_tokens:]
+            if want is None:
+                out.sampled.pop(st.req_id, None)
+                out.failed.setdefault(st.req_id, "failed on the replica's first rank")
+            else:
+                out.failed.pop(st.req_id, None)
+                out.sampled[st.req_id] = [SampledToken(t) for t in want]
+                self.input_batch.append_sampled(r, want)
 
     def _masks(self, data: bytes | None, num_rows: int, vocab_size: int) -> torch.Tensor | None:
         return None if data is None else unpack_bitmask(data, num_rows, vocab_size, self.device)
