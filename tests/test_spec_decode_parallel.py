@@ -39,10 +39,10 @@ TP2 = {"tensor_parallel_size": 2}
 DP2_EP = {"data_parallel_size": 2, "enable_expert_parallel": True}
 
 
-def compare(path: Path, prompts, spec: dict, layout: dict = TP2) -> tuple:
+def compare(path: Path, prompts, spec: dict, layout: dict = TP2, **extra) -> tuple:
     """One process and ``layout`` with the same proposer, twice each (the second pass hits the prefix cache); under
     data parallel a third pass of one request leaves the other replica idle throughout."""
-    kw = dict(dtype="float32", kv_cache_memory_gb=0.02, max_num_batched_tokens=16, speculative_config=spec)
+    kw = dict(dtype="float32", kv_cache_memory_gb=0.02, max_num_batched_tokens=16, speculative_config=spec, **extra)
     results = []
     for lay in ({}, layout):
         llm = LLM(str(path), **kw, **lay)
@@ -107,3 +107,15 @@ def test_ngram_dp2_ep_on_deepseek_v3(v3_mtp):
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     drafts, _, accepted, per_pos = compare(v3_mtp, prompts, spec, DP2_EP)
     assert drafts > 0 and accepted > 0
+
+
+def test_mtp_k2_dp2_ep_on_deepseek_v4(tmp_path):
+    """V4's MTP block (loaded with the target, hash-routed and scored MoE layers) pads the same way."""
+    from test_deepseek_v4 import _generator, _prompts, write_release_with_mtp
+
+    hf_style = _generator().make_checkpoint(tmp_path / "tiny", "tiny", seed=0)
+    write_release_with_mtp(hf_style, tmp_path / "release")
+    prompts = [p[:len(p) // 2] * 2 + p for p in _prompts(1, [3, 17, 33])]
+    drafts, draft_tokens, _, _ = compare(tmp_path / "release", prompts, {"method": "mtp", "num_speculative_tokens": 2},
+                                         DP2_EP, tokenizer=str(hf_style), max_model_len=256)
+    assert draft_tokens > drafts
