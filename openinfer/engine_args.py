@@ -188,6 +188,16 @@ class EngineArgs:
             from openinfer.models.registry import check_parallel
 
             check_parallel(model.architecture, parallel)  # the class's supported_parallel_modes
+        experts = model.hf_config.get("n_routed_experts")
+        if parallel.enable_expert_parallel and parallel.world_size > 1 and experts:
+            # The EP size is every rank (TP x DP): checked here, not as a worker's load error.
+            slots = int(experts) + parallel.num_redundant_experts
+            if slots % parallel.world_size:
+                raise ValueError(
+                    f"enable_expert_parallel spreads n_routed_experts={experts} + num_redundant_experts="
+                    f"{parallel.num_redundant_experts} over tensor_parallel_size={parallel.tensor_parallel_size} x "
+                    f"data_parallel_size={parallel.data_parallel_size} = {parallel.world_size} ranks: the ranks must "
+                    "divide the experts evenly")
         speculative = SpeculativeConfig.parse(self.speculative_config)
         if speculative is not None:
             speculative.check_target(model, parallel)

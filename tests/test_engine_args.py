@@ -8,6 +8,7 @@ No model is built except in the KV-sizing test (the engine is replaced by a reco
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 import subprocess
 import sys
@@ -273,3 +274,20 @@ def test_engine_args_import_and_flags_without_torch():
             "assert (a.max_model_len, a.enable_prefix_caching) == (64, False), a\n"
             "assert 'torch' not in sys.modules, 'engine_args imported torch'\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_expert_parallel_ranks_must_divide_the_experts(tmp_path):
+    """EP size = TP x DP: more ranks than experts (or a size that splits them unevenly) is a start-up error naming
+    the expert count and both parallel sizes, before any worker starts."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from make_deepseek_checkpoint import make_v3
+
+    path = make_v3(tmp_path, "tiny")
+    experts = json.loads((Path(path) / "config.json").read_text())["n_routed_experts"]
+    for tp, dp in ((1, experts * 2), (2, 3)):
+        with pytest.raises(ValueError, match=rf"n_routed_experts={experts} \+ num_redundant_experts=0 over "
+                                             rf"tensor_parallel_size={tp} x data_parallel_size={dp}"):
+            EngineArgs(model=str(path), tensor_parallel_size=tp, data_parallel_size=dp,
+                       enable_expert_parallel=True).create_engine_config()
+    EngineArgs(model=str(path), tensor_parallel_size=2, data_parallel_size=2,
+               enable_expert_parallel=True).create_engine_config()  # 4 ranks divide them: accepted
