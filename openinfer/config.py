@@ -292,7 +292,8 @@ class ParallelConfig:
 
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
-    # Routed experts split over every rank (instead of each expert's intermediate split over the TP ranks).
+    # Routed experts split over every rank (instead of each expert's intermediate split over the TP ranks): the
+    # expert-parallel size is tensor_parallel_size x data_parallel_size, as vLLM's; attention stays TP-sharded.
     enable_expert_parallel: bool = False
     # Expert load balancing: count tokens per expert, and every eplb_step_interval steps re-place the experts
     # (plus num_redundant_experts replicas of the busiest) over the ranks.
@@ -316,9 +317,6 @@ class ParallelConfig:
             raise ValueError(f"num_redundant_experts must be an integer >= 0, got {self.num_redundant_experts!r}")
         if not isinstance(self.eplb_step_interval, int) or self.eplb_step_interval < 1:
             raise ValueError(f"eplb_step_interval must be an integer >= 1, got {self.eplb_step_interval!r}")
-        if self.enable_expert_parallel and self.tensor_parallel_size > 1:
-            raise ValueError("enable_expert_parallel with tensor_parallel_size > 1 is not supported yet: use "
-                             "data_parallel_size for the expert-parallel ranks (tensor_parallel_size=1)")
         if self.distributed_executor_backend == "uni" and self.world_size > 1:
             raise ValueError(f"distributed_executor_backend='uni' runs one rank in the engine's process, but "
                              f"tensor_parallel_size={self.tensor_parallel_size} x data_parallel_size="
@@ -383,9 +381,15 @@ class SpeculativeConfig:
     def check_target(self, model: ModelConfig, parallel: ParallelConfig) -> None:
         """Start-up checks against the target: the method must have what it needs (MTP layers, a draft with the
         target's vocabulary)."""
-        if parallel.world_size > 1:
-            raise ValueError("speculative_config with tensor_parallel_size / data_parallel_size > 1 is not supported "
-                             "yet; run speculative decoding in one process")
+        # Tensor parallel: every rank of the replica verifies the same drafts (the scheduler's) against the same
+        # all-gathered logits and takes its first rank's accepted tokens (ModelRunner._take_driver_tokens); a
+        # proposer with weights runs on every rank over its TP-sharded layers. Data parallel: each replica drafts
+        # and verifies its own requests; replicas in lockstep (expert parallel) pad the proposer's forwards with
+        # dummies (proposers/__init__.py), which the MTP proposer does and a draft model does not yet.
+        if parallel.lockstep and self.method == "draft_model":
+            raise ValueError(f"speculative_config.method='draft_model' with enable_expert_parallel and "
+                             f"data_parallel_size={parallel.data_parallel_size} is not supported yet; use 'mtp' or "
+                             "'ngram', or data_parallel_size=1")
         if self.method == "mtp":
             n = int(model.hf_config.get("num_nextn_predict_layers", 0) or 0)
             if n < 1:

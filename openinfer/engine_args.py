@@ -199,6 +199,16 @@ class EngineArgs:
             from openinfer.models.registry import check_parallel
 
             check_parallel(model.architecture, parallel)  # the class's supported_parallel_modes
+        experts = model.hf_config.get("n_routed_experts")
+        if parallel.enable_expert_parallel and parallel.world_size > 1 and experts:
+            # The EP size is every rank (TP x DP): checked here, not as a worker's load error.
+            slots = int(experts) + parallel.num_redundant_experts
+            if slots % parallel.world_size:
+                raise ValueError(
+                    f"enable_expert_parallel spreads n_routed_experts={experts} + num_redundant_experts="
+                    f"{parallel.num_redundant_experts} over tensor_parallel_size={parallel.tensor_parallel_size} x "
+                    f"data_parallel_size={parallel.data_parallel_size} = {parallel.world_size} ranks: the ranks must "
+                    "divide the experts evenly")
         speculative = SpeculativeConfig.parse(self.speculative_config)
         if speculative is not None:
             speculative.check_target(model, parallel)
@@ -207,6 +217,10 @@ class EngineArgs:
 
                 if not uses_dspark(model.architecture):  # DSpark blocks load with the target (proposers/dspark.py)
                     resolve_mtp_class(model.architecture)  # the architecture has an MTP layer openinfer can run
+                elif parallel.lockstep:  # its block forward has no dummy step for idle replicas yet
+                    raise ValueError(f"speculative_config.method='mtp' (DSpark on {model.architecture}) with "
+                                     f"enable_expert_parallel and data_parallel_size={parallel.data_parallel_size} "
+                                     "is not supported yet; use data_parallel_size=1")
         cache = CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
                             kv_cache_memory_gb=self.kv_cache_memory_gb, memory_utilization=self.memory_utilization,
                             gpu_memory_utilization=self.gpu_memory_utilization,

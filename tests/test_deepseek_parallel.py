@@ -1,7 +1,8 @@
 """DeepSeek-V3 and V4 across ranks (gloo on 127.0.0.1, one worker process per rank): tensor parallel (heads, MLA's
 latent replicated, experts split along their intermediate dimension, V4's output groups, sinks and indexer heads)
 and data parallel + expert parallel (experts split over the ranks, tokens to their experts by all-to-all, idle
-replicas stepping with dummy batches). Greedy tokens identical to one process."""
+replicas stepping with dummy batches), and both at once (TP x EP: attention over the TP ranks, experts over every rank).
+Greedy tokens identical to one process."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -72,6 +73,22 @@ def test_v3(v3, layout):
     llm.engine.shutdown()
 
 
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2, enable_expert_parallel=True),
+                                    dict(tensor_parallel_size=2, data_parallel_size=2, enable_expert_parallel=True)],
+                         ids=["tp2-ep2", "tp2xdp2-ep4"])
+def test_v3_tensor_times_expert_parallel(v3, layout):
+    """Attention split over the TP ranks, the routed experts over all TP x DP ranks (vLLM's EP size): each TP rank
+    sends its share of the replica's tokens through the all-to-all, so a one-token decode leaves one rank's share
+    empty; with two replicas and one request the other replica idles through dummy forwards."""
+    kw = dict(dtype="float32", num_kv_blocks=48, max_num_batched_tokens=32)  # chunked prefill (40-token prompt)
+    one = run(LLM(str(v3), **kw), V3_PROMPTS)
+    llm = LLM(str(v3), **kw, **layout)
+    same(run(llm, V3_PROMPTS), one)
+    same(run(llm, V3_PROMPTS[1:2]), one[1:2])  # one request: single-token steps (and an idle replica)
+    assert all(kv.all_free() for kv in llm.engine.core.kvs)
+    llm.engine.shutdown()
+
+
 def test_v3_four_expert_parallel_ranks(v3):
     kw = dict(dtype="float32", num_kv_blocks=48, max_num_batched_tokens=32)
     one = run(LLM(str(v3), **kw), V3_PROMPTS[:3])
@@ -83,8 +100,9 @@ def test_v3_four_expert_parallel_ranks(v3):
 @pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2),
                                     dict(data_parallel_size=2, enable_expert_parallel=True),
                                     dict(tensor_parallel_size=2, data_parallel_size=2),
-                                    dict(data_parallel_size=4, enable_expert_parallel=True)],
-                         ids=["tp2", "dp2-ep2", "tp2xdp2", "dp4-ep4"])
+                                    dict(data_parallel_size=4, enable_expert_parallel=True),
+                                    dict(tensor_parallel_size=2, enable_expert_parallel=True)],
+                         ids=["tp2", "dp2-ep2", "tp2xdp2", "dp4-ep4", "tp2-ep2"])
 def test_v4(v4, layout):
     kw = dict(dtype="float32", max_model_len=128, num_kv_blocks=48, max_num_batched_tokens=32)
     one = run(LLM(str(v4), **kw), V4_PROMPTS)

@@ -8,6 +8,7 @@ No model is built except in the KV-sizing test (the engine is replaced by a reco
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 import subprocess
 import sys
@@ -232,7 +233,6 @@ def test_max_model_len_has_one_home(ckpt):
     (dict(distributed_executor_backend="slurm"), r"distributed_executor_backend='slurm'; choose one of"),
     (dict(tensor_parallel_size=2, distributed_executor_backend="uni"), r"'uni' runs one rank"),
     (dict(data_parallel_size=0), r"data_parallel_size must be an integer >= 1, got 0"),
-    (dict(enable_expert_parallel=True, tensor_parallel_size=2), r"enable_expert_parallel with tensor_parallel"),
     (dict(enable_eplb=True), r"enable_eplb / num_redundant_experts place experts over expert-parallel ranks"),
     (dict(enable_expert_parallel=True, num_redundant_experts=-1), r"num_redundant_experts must be an integer >= 0"),
     (dict(enable_expert_parallel=True, eplb_step_interval=0), r"eplb_step_interval must be an integer >= 1"),
@@ -241,6 +241,9 @@ def test_max_model_len_has_one_home(ckpt):
     (dict(speculative_config='{"method": "ngram", "num_speculative_tokens": 0}'),
      r"num_speculative_tokens must be an integer in \[1, 16\], got 0"),
     (dict(speculative_config='{"method": "ngram", "k": 2}'), r"speculative_config has unknown keys \['k'\]"),
+    (dict(speculative_config={"method": "draft_model", "num_speculative_tokens": 2, "model": "/nonexistent"},
+          data_parallel_size=2, enable_expert_parallel=True),
+     r"method='draft_model' with enable_expert_parallel and data_parallel_size=2 is not supported yet"),
     (dict(structured_outputs_backend="outlines"), r"structured_outputs_backend='outlines'; choose one of"),
     (dict(tokenizer_mode="mistral"), r"tokenizer_mode='mistral'; choose one of auto, deepseek_v4, deepseek_v32"),
 ])
@@ -282,3 +285,20 @@ def test_engine_args_import_and_flags_without_torch():
             "assert (a.max_model_len, a.enable_prefix_caching) == (64, False), a\n"
             "assert 'torch' not in sys.modules, 'engine_args imported torch'\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_expert_parallel_ranks_must_divide_the_experts(tmp_path):
+    """EP size = TP x DP: more ranks than experts (or a size that splits them unevenly) is a start-up error naming
+    the expert count and both parallel sizes, before any worker starts."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from make_deepseek_checkpoint import make_v3
+
+    path = make_v3(tmp_path, "tiny")
+    experts = json.loads((Path(path) / "config.json").read_text())["n_routed_experts"]
+    for tp, dp in ((1, experts * 2), (2, 3)):
+        with pytest.raises(ValueError, match=rf"n_routed_experts={experts} \+ num_redundant_experts=0 over "
+                                             rf"tensor_parallel_size={tp} x data_parallel_size={dp}"):
+            EngineArgs(model=str(path), tensor_parallel_size=tp, data_parallel_size=dp,
+                       enable_expert_parallel=True).create_engine_config()
+    EngineArgs(model=str(path), tensor_parallel_size=2, data_parallel_size=2,
+               enable_expert_parallel=True).create_engine_config()  # 4 ranks divide them: accepted

@@ -63,6 +63,19 @@ class GroupCoordinator:
         dist.all_gather(parts, buf, group=self.cpu_group)
         return [bytes(p[:int(s)].numpy()) for p, s in zip(parts, sizes)]
 
+    def broadcast_bytes(self, data: bytes, src: int = 0) -> bytes:
+        """Group rank ``src``'s ``data`` on every rank, over the CPU group (what other ranks pass is ignored)."""
+        if self.world_size == 1:
+            return data
+        root = self.ranks[src]
+        n = torch.tensor([len(data)], dtype=torch.int64)
+        dist.broadcast(n, root, group=self.cpu_group)
+        buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank_in_group == src and data
+               else torch.empty(int(n), dtype=torch.uint8))
+        if int(n):
+            dist.broadcast(buf, root, group=self.cpu_group)
+        return bytes(buf.numpy())
+
     def all_reduce_cpu(self, x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         """A control-plane reduction over the CPU group (e.g. "does any rank have work")."""
         if self.world_size > 1:

@@ -249,8 +249,9 @@ class DeepseekExperts(nn.Module):
 
     @property
     def reduces_over_tp(self) -> bool:
-        """Each rank computes a partial sum over its slice of every expert: the caller all-reduces."""
-        return self.shard is not None
+        """Each rank's output is a partial sum the caller all-reduces over the tensor-parallel ranks: a slice of
+        every expert (TP without EP), or under TP x EP the routed rows of this rank's share of the tokens."""
+        return self.shard is not None or (self.ep.world_size > 1 and self.tp.world_size > 1)
 
     def _local_slots(self, expert: int) -> list[int]:
         if self.map is not None:
@@ -363,6 +364,25 @@ class DeepseekExperts(nn.Module):
         if self.ep.world_size == 1:
             return fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.swiglu_limit,
                                  packed=self._packed, out=out, panels=self._panels)
+        if self.tp.world_size == 1:
+            return self._expert_parallel(x, topk_weights, topk_ids, out)
+        # TP x EP: the replica's TP ranks hold the same tokens. Each sends only its contiguous share of them
+        # through the all-to-all (so every (token, expert) pair is computed once in the deployment) and adds their
+        # combined rows onto its rows of ``out``; zero elsewhere, so the caller's TP all-reduce of out (shared
+        # experts' partial sums + routed rows) gives every rank the whole result. A share may be empty (fewer
+        # tokens than ranks): the rank still joins the all-to-all.
+        t, n, me = x.shape[0], self.tp.world_size, self.tp.rank_in_group
+        lo, hi = t * me // n, t * (me + 1) // n
+        dst = out if out is not None else torch.zeros_like(x)
+        share = dst[lo:hi]
+        routed = self._expert_parallel(x[lo:hi], topk_weights[lo:hi], topk_ids[lo:hi], share)
+        if routed.data_ptr() != share.data_ptr() and hi > lo:
+            share.copy_(routed)
+        return dst
+
+    def _expert_parallel(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                         out: torch.Tensor | None) -> torch.Tensor:
+        """Every (token, expert) pair of ``x`` to the rank holding the expert and back (expert_parallel.py)."""
         slots = topk_ids if self.map is None else self.map.to_slots(topk_ids)
         if self.count_load:
             md = peek_forward_context()

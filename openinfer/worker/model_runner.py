@@ -9,9 +9,11 @@ import contextlib
 import logging
 import time
 
+import msgspec
 import torch
 
 from openinfer.config import EngineConfig
+from openinfer.distributed.parallel_state import get_tp_group
 from openinfer.forward_context import AttentionMetadata, set_forward_context
 from openinfer import envs
 from openinfer.layers import dispatch
@@ -164,7 +166,7 @@ class ModelRunner:
         if sched.empty:
             if not lockstep:
                 return ModelRunnerOutput()
-            self._dummy_forward()
+            self._pad_proposer(self._dummy_forward(), 0)
             return ModelRunnerOutput(expert_load=self._after_forward())
         inputs = batch.prepare(sched)
         # Rows of hidden needed for logits: the last known token of each sampling sequence (and each of its
@@ -193,6 +195,7 @@ class ModelRunner:
             hidden = self.model(inputs.input_ids, inputs.positions)
 
         out = ModelRunnerOutput()
+        proposer_forwards = 0
         if logit_rows:
             logits = self.model.compute_logits(hidden[logit_rows])  # sample() casts to fp32 where it needs
             masks = sched.grammar_bitmask
@@ -201,10 +204,14 @@ class ModelRunner:
             for r, first in spec:
                 with self._row(out, r):
                     self._verify(logits[first:first + len(r.drafts) + 1], r, out, masks.get(r.state.req_id))
+            self._take_driver_tokens(out, [r for r, _ in plain + spec])
             if self.proposer is not None:
                 out.spec_token_ids = self.proposer.propose(
                     ProposeInputs(inputs.rows, [r for r, _ in plain + spec], hidden, batch))
                 out.spec_confidence = self.proposer.confidence()
+                proposer_forwards = self.proposer.forwards
+        if lockstep:
+            self._pad_proposer(hidden, proposer_forwards)
         for r, first in plp:
             with self._row(out, r):
                 out.prompt_logprobs[r.state.req_id] = self._prompt_logprobs(hidden, r, first)
@@ -263,6 +270,35 @@ class ModelRunner:
         out.sampled[st.req_id] = [self._token(t, raw_lp, j, st.sampling_params.logprobs) for j, t in enumerate(tokens)]
         self.input_batch.append_sampled(r, tokens)
 
+    def _take_driver_tokens(self, out: ModelRunnerOutput, rows: list[ScheduledRow]) -> None:
+        """Tensor parallel: the replica's first rank's sampled and accepted tokens become every rank's (the engine
+        reads that rank's). Every rank samples from the same all-gathered logits with the same seeded generator,
+        so they agree already; this makes a disagreement (a row that failed on one rank only, a device whose
+        sampling is not bitwise reproducible) impossible to turn into ranks whose requests differ in length, whose
+        next forwards would then feed different tokens to the same sharded layers."""
+        tp = get_tp_group()
+        if tp.world_size == 1:
+            return
+        mine = {r.state.req_id: [t.token_id for t in out.sampled[r.state.req_id]] if r.state.req_id in out.sampled
+                else None for r in rows}
+        driver = msgspec.msgpack.decode(tp.broadcast_bytes(msgspec.msgpack.encode(mine)))
+        if tp.is_first_rank or driver == mine:
+            return
+        for r in rows:
+            st, got, want = r.state, mine[r.state.req_id], driver[r.state.req_id]
+            if got == want:
+                continue
+            keep = len(st.token_ids) - len(got or [])
+            del st.token_ids[keep:]
+            del st.output_token_ids[keep - st.num_prompt_tokens:]
+            if want is None:
+                out.sampled.pop(st.req_id, None)
+                out.failed.setdefault(st.req_id, "failed on the replica's first rank")
+            else:
+                out.failed.pop(st.req_id, None)
+                out.sampled[st.req_id] = [SampledToken(t) for t in want]
+                self.input_batch.append_sampled(r, want)
+
     def _masks(self, data: bytes | None, num_rows: int, vocab_size: int) -> torch.Tensor | None:
         return None if data is None else unpack_bitmask(data, num_rows, vocab_size, self.device)
 
@@ -277,7 +313,14 @@ class ModelRunner:
         """Expert load balancing counts forwards (every rank runs the same ones) and rebalances between them."""
         return self.rebalancer.stats if self.rebalancer.after_step() else None
 
-    def _dummy_forward(self) -> None:
+    def _pad_proposer(self, hidden: torch.Tensor, done: int) -> None:
+        """Under data-parallel lockstep: the proposer's remaining forwards of the step as dummies (proposers/
+        __init__.py, ``lockstep_forwards``), so every replica's ranks meet the same collectives."""
+        if self.proposer is not None:
+            for _ in range(self.proposer.lockstep_forwards - done):
+                self.proposer.dummy_forward(hidden, self._dummy_blocks, self.input_batch)
+
+    def _dummy_forward(self) -> torch.Tensor:
         """One token through the model on the scratch block, nothing sampled: this replica has no work, but its
         ranks must take part in the collectives (expert-parallel all-to-all) another replica's step runs."""
         names = self.input_batch.group_names
@@ -285,7 +328,7 @@ class ModelRunner:
                                      self.input_batch.tokens_per_block, self.block_size, self.device)
         md.is_dummy = True
         with set_forward_context(md):
-            self.model(torch.zeros(1, dtype=torch.long, device=self.device), md.positions)
+            return self.model(torch.zeros(1, dtype=torch.long, device=self.device), md.positions)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, r: ScheduledRow, first: int) -> list[dict[int, float]]:
         """Logprob of prompt token p+1 given tokens <= p, for each prompt position p in this chunk."""

@@ -43,6 +43,17 @@ class Proposer(abc.ABC):
     def free_kv_cache(self) -> None:
         pass
 
+    # Forwards through collective layers (expert-parallel MoE) each step under data-parallel lockstep: every rank
+    # runs exactly this many (``forwards`` of them real in the last ``propose``, the rest ``dummy_forward``), so
+    # replicas with different accepted lengths, nothing to draft or no work at all meet in the same all-to-alls.
+    lockstep_forwards: int = 0
+    forwards: int = 0
+
+    def dummy_forward(self, hidden: torch.Tensor, scratch: dict[str, int], batch: InputBatch) -> None:
+        """One token through the drafting module on the scratch blocks (``scratch``: group -> block), ``hidden``
+        a row of the target's hidden state of the step (or of its dummy forward); nothing is drafted."""
+        raise NotImplementedError(f"{type(self).__name__} cannot step in data-parallel lockstep")
+
     @abc.abstractmethod
     def propose(self, step: ProposeInputs) -> dict[str, list[int]]:
         """``{request id: drafts}`` for the rows of ``step`` that sampled."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from openinfer.config import EngineConfig
-from openinfer.forward_context import set_forward_context
+from openinfer.forward_context import AttentionMetadata, set_forward_context
 from openinfer.layers.linear import prepack_linears
 from openinfer.worker.input_batch import CachedRequestState
 from openinfer.worker.loader import load_mtp_layer
@@ -38,8 +38,18 @@ class MtpProposer(DraftingModel):
             prepack_linears(layer)
         super().__init__(layer, config.speculative.num_speculative_tokens, config.model.max_model_len,
                          config.cache.block_size, device)
+        self.lockstep_forwards = self.k  # one catch-up forward, then at most k - 1 chain steps
+
+    def dummy_forward(self, hidden: torch.Tensor, scratch: dict[str, int], batch) -> None:
+        md = AttentionMetadata.build([1], [1], {g: [[scratch[self.prefix + g]]] for g in self._groups},
+                                     {g: batch.tokens_per_block[self.prefix + g] for g in self._groups},
+                                     self.block_size, self.device)
+        md.is_dummy = True
+        with set_forward_context(md):
+            self.module(torch.zeros(1, dtype=torch.long, device=self.device), md.positions, hidden[:1])
 
     def propose(self, step: ProposeInputs) -> dict[str, list[int]]:
+        self.forwards = 0
         batch = step.batch
         gidx = self.group_rows(batch)
         sampled = {r.state.req_id for r in step.sampled if len(r.state.token_ids) < self.max_model_len}
@@ -63,6 +73,7 @@ class MtpProposer(DraftingModel):
         with set_forward_context(md):
             out = self.module(torch.tensor(ids, dtype=torch.long, device=self.device), md.positions,
                               step.hidden[rows])
+        self.forwards += 1
         last = torch.tensor([n for _, _, n, _ in spans], device=self.device).cumsum(0) - 1
         pick = [i for i, s in enumerate(spans) if s[0].req_id in sampled]
         if not pick:
@@ -82,6 +93,7 @@ class MtpProposer(DraftingModel):
             md = self.metadata([1] * len(live), [p + 1 for p in pos], live_states, batch, gidx)
             with set_forward_context(md):
                 h = self.module(tokens[live], md.positions, prev[live])
+            self.forwards += 1
             t = self.module.compute_logits(h).max(dim=-1).indices
             prev, tokens, states = h, t, live_states
             for st, tok in zip(states, t.tolist()):
