@@ -58,6 +58,22 @@ class AllBlocksCleared(KVCacheEvent):
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
+class EventRecorder:
+    """The events a component (the block pool, the KV tier) records once asked to, until they are taken."""
+
+    _events: list[KVEvent] | None = None  # None: not recording
+
+    def record_events(self) -> None:
+        if self._events is None:
+            self._events = []
+
+    def take_events(self) -> list[KVEvent]:
+        if not self._events:
+            return []
+        out, self._events = self._events, []
+        return out
+
+
 class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float  # time.time() when the engine step that produced the events ended
     events: list[KVEvent]

@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from openinfer.kv_events import MEDIUM, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, external_hash
+from openinfer.kv_events import (MEDIUM, AllBlocksCleared, BlockRemoved, BlockStored, EventRecorder, KVEvent,
+                                 external_hash)
 
 BlockKey = tuple[int, tuple[int, ...]]
 
@@ -38,7 +39,7 @@ class KVBlock:
         return f"KVBlock({self.block_id}, ref={self.ref_cnt}, cached={self.key is not None})"
 
 
-class BlockPool:
+class BlockPool(EventRecorder):
     """Owns every block. Free blocks sit in an ordered queue: new allocations take from the front (least
     recently freed first), so cached prefixes freed last survive longest (LRU eviction)."""
 
@@ -52,15 +53,6 @@ class BlockPool:
         self._cached: dict[BlockKey, KVBlock] = {}
         self._events: list[KVEvent] | None = None  # None: not recording
 
-    def record_events(self) -> None:
-        if self._events is None:
-            self._events = []
-
-    def take_events(self) -> list[KVEvent]:
-        if not self._events:
-            return []
-        out, self._events = self._events, []
-        return out
 
     @property
     def num_free_blocks(self) -> int:

@@ -37,7 +37,7 @@ from openinfer.distributed.kv_transfer.base import ConnectorRequest, KVConnector
 from openinfer.distributed.kv_transfer.stats import KVOffloadStats
 from openinfer.distributed.kv_transfer.tier_files import SUFFIX, TierFileError, file_name, read_header
 from openinfer.distributed.kv_transfer.tier_store import DirStore, RedisStore, TierStoreError
-from openinfer.kv_events import BlockRemoved, BlockStored, KVEvent, external_hash
+from openinfer.kv_events import BlockRemoved, BlockStored, EventRecorder, KVEvent, external_hash
 from openinfer.step_io import KVConnectorMetadata, KVConnectorOutput, TierBlock, TierLoad
 
 logger = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ class _Entry:
     num_bytes: int
 
 
-class OffloadingConnectorScheduler(KVConnectorScheduler):
+class OffloadingConnectorScheduler(EventRecorder, KVConnectorScheduler):
     stores_blocks = True
 
     def __init__(self, config: KVOffloadConfig, store: DirStore | RedisStore, fingerprint: str, block_size: int,
@@ -357,15 +357,6 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         return bool(self._loading or self._new_loads or self._new_stores or self._storing)
 
     # -- KV events ---------------------------------------------------------------------------------------------
-    def record_events(self) -> None:
-        if self._events is None:
-            self._events = []
-
-    def take_events(self) -> list[KVEvent]:
-        if not self._events:
-            return []
-        out, self._events = self._events, []
-        return out
 
 
 def _unlink(path: Path) -> None:
