@@ -56,8 +56,9 @@ import numpy as np
 import llama_cpp
 spec = json.load(open(sys.argv[1]))
 out = {"version": llama_cpp.__version__}
+# logits_all: llama-cpp-python 0.3.x keeps ``scores`` (what greedy reads here) only with it on
 llm = llama_cpp.Llama(model_path=spec["gguf"], n_ctx=spec["n_ctx"], n_batch=spec["n_ctx"], n_threads=spec["threads"],
-                      logits_all=False, verbose=False)
+                      logits_all=True, verbose=False)
 seqs = []
 for ids in spec["prompts"]:
     llm.reset()
@@ -72,8 +73,6 @@ for ids in spec["prompts"]:
     seqs.append(got)
     print(f"llama.cpp: prompt {len(seqs)} / {len(spec['prompts'])}", file=sys.stderr, flush=True)
 out["sequences"] = seqs
-llm = llama_cpp.Llama(model_path=spec["gguf"], n_ctx=spec["n_ctx"], n_batch=spec["n_ctx"], n_threads=spec["threads"],
-                      logits_all=True, verbose=False)
 nll, n = 0.0, 0
 for chunk in spec["chunks"]:
     llm.reset()

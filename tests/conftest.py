@@ -19,6 +19,21 @@ def pytest_configure(config):
 
     init_logging()
     logging.getLogger("openinfer").propagate = True
+    if not hasattr(config, "workerinput"):  # the main process (xdist's controller, or a plain run)
+        _build_kernels_once()
+
+
+def _build_kernels_once() -> None:
+    """Build the C++ kernels (or load the cached build) before any test starts. Otherwise the first test to need
+    them builds them (minutes on a busy 2-core host), often in a subprocess that a test's timeout may kill mid-build;
+    torch's build lock left behind then holds every later process for OPENINFER_KERNEL_LOCK_STALE_S. A failed build
+    is not raised here: each test that needs the kernels fails with the build's error (``kernel_ops``)."""
+    from openinfer.layers import dispatch
+
+    try:
+        dispatch.active()
+    except Exception:  # noqa: BLE001 (reported by the tests that need the kernels)
+        pass
 
 
 @pytest.fixture
