@@ -20,9 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# llama.cpp architecture name -> the HF architecture openinfer builds for it. deepseek2 (llama.cpp's name for the
-# DeepSeek-V2/V3 layout) is not mapped: its converters split kv_b into attn_k_b / attn_v_b and differ by version.
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# llama.cpp architecture names openinfer runs; the config names "gguf:<name>", which the model registry maps to the
+# family's class. deepseek2 (llama.cpp's name for the DeepSeek-V2/V3 layout) is not among them: its converters
+# split kv_b into attn_k_b / attn_v_b and differ by version.
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
 # Tensor types openinfer runs: plain ones become ordinary parameters, the block-quantized ones stay packed
 # (layers/gguf_quant.py).
 PLAIN_TYPES = ("F32", "F16", "BF16")
@@ -124,7 +125,7 @@ def gguf_config(path: str | os.PathLike) -> dict[str, Any]:
     head_dim = int(get("attention.key_length", hidden // heads))
     vocab = int(get("vocab_size", len(reader.fields["tokenizer.ggml.tokens"].data)))
     cfg: dict[str, Any] = {
-        "architectures": [ARCHITECTURES[arch]],
+        "architectures": [f"gguf:{arch}"],
         "model_type": arch,
         "hidden_size": hidden,
         "intermediate_size": int(get("feed_forward_length", required=True)),

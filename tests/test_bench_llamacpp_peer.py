@@ -61,7 +61,7 @@ def test_detect_without_and_with_a_bad_python(tmp_path):
 def test_gguf_type():
     assert [lp.gguf_type(d, None) for d in ("float32", "bfloat16", "float16")] == ["f32", "bf16", "f16"]
     assert lp.gguf_type("float32", "q4_0") == "q4_0"
-    with pytest.raises(ValueError, match="--llamacpp-quant takes one of q8_0, q4_0, got 'q2_k'"):
+    with pytest.raises(ValueError, match="--llamacpp-quant takes one of q8_0, q4_0, q4_k_m, got 'q2_k'"):
         lp.gguf_type("float32", "q2_k")
     with pytest.raises(ValueError, match="--dtype 'auto' has no GGUF type"):
         lp.gguf_type("auto", None)

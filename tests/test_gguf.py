@@ -66,7 +66,7 @@ def test_folder_with_one_gguf_and_its_config(tmp_path):
     gguf_path, _ = write_gguf(tmp_path, "llama", "Q8_0")
     mc = ModelConfig.from_path(tmp_path)  # the folder: its one .gguf (hf/ has no config.json at this level)
     assert mc.gguf_file == str(gguf_path.resolve())
-    assert mc.architecture == "LlamaForCausalLM" and mc.dtype == torch.float32
+    assert mc.architecture == "gguf:llama" and mc.dtype == torch.float32
     cfg = mc.hf_config
     assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
             cfg["head_dim"], cfg["vocab_size"]) == (64, 2, 4, 2, 16, 263)

@@ -136,8 +136,8 @@ def check_weights(args: argparse.Namespace, peers: list[str]) -> dict[str, Any]:
 def main(args: argparse.Namespace) -> int:
     batches = resolve_workload(args)
     peers = parse_peers(args.peers)
+    statuses = [detect(p, args.vllm_python, args.llamacpp_python) for p in peers]  # a bad --*-python first
     weights = check_weights(args, peers)
-    statuses = [detect(p, args.vllm_python, args.llamacpp_python) for p in peers]
     for s in statuses:
         if s["status"] == "installed" and s["peer"] not in RUNNERS:
             s["status"] = "installed, not run"

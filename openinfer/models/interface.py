@@ -204,6 +204,11 @@ class DSparkTarget(CausalLM):
         """Target features of tokens at ``positions`` -> their draft-block keys."""
 
     @abstractmethod
+    def dspark_context_positions(self, accepted: torch.Tensor, window: int, k: int) -> torch.Tensor:
+        """Accepted positions [B] -> the positions [B, window] whose keys a draft block of ``k`` reads (-1 before
+        the sequence start)."""
+
+    @abstractmethod
     def propose_over_keys(self, keys: torch.Tensor, ctx_pos: torch.Tensor, golden: torch.Tensor,
                           block_size: int | None = None):
         """Draft tokens (and their confidence) over paged context keys."""

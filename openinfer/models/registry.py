@@ -19,6 +19,10 @@ _MODELS: dict[str, tuple[str, str]] = {
     "DeepseekV4ForCausalLM": ("openinfer.models.deepseek_v4", "DeepseekV4ForCausalLM"),
     "DeepseekV41ForCausalLM": ("openinfer.models.deepseek_v41", "DeepseekV41ForCausalLM"),
     "DeepseekV3ForCausalLM": ("openinfer.models.deepseek_v3", "DeepseekV3ForCausalLM"),
+    # GGUF files name llama.cpp's architecture (gguf_file.py writes "gguf:<general.architecture>")
+    "gguf:llama": ("openinfer.models.llama", "LlamaForCausalLM"),
+    "gguf:qwen2": ("openinfer.models.llama", "Qwen2ForCausalLM"),
+    "gguf:qwen3": ("openinfer.models.llama", "Qwen3ForCausalLM"),
 }
 
 

@@ -25,7 +25,7 @@ from openinfer.models.deepseek_v41.attention import Attention, StepState
 from openinfer.models.deepseek_v41.cache import (FULL, WINDOW, LayerCache, StepIndex, bytes_per_block,
                                                  check_block_size, lookback_tokens)
 from openinfer.models.deepseek_v41.config import DeepseekV41Config
-from openinfer.models.deepseek_v41.dspark import DSparkDrafter, target_features
+from openinfer.models.deepseek_v41.dspark import DSparkDrafter, draft_positions, target_features
 from openinfer.models.deepseek_v41.engram import Engram, compressed_vocabulary, table_sizes
 from openinfer.models.deepseek_v41.hc import ShiftedHyperConnection, apply_pre, first_pre, hc_post
 from openinfer.models.deepseek_v41.moe import MoE
@@ -231,6 +231,9 @@ class DeepseekV41ForCausalLM(DSparkTarget):
         """DSpark drafts after the accepted tokens whose target features are ``features`` (dspark.py)."""
         return self.mtp.propose(features, ctx_pos, golden, self.model.embed_tokens, self.lm_head,
                                 self.model.rotary["main"], block_size=block_size)
+
+    def dspark_context_positions(self, accepted: torch.Tensor, window: int, k: int) -> torch.Tensor:
+        return draft_positions(accepted, window, k)[0]
 
     def dspark_context_keys(self, features: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """[N, targets*D] target features of tokens at ``positions`` -> their draft-block keys [N, blocks, d]."""

@@ -26,7 +26,6 @@ import torch
 
 from openinfer.config import EngineConfig
 from openinfer.kv_cache_interface import KVGroupSpec
-from openinfer.models.deepseek_v41.dspark import draft_positions
 from openinfer.models.interface import DSparkTarget
 from openinfer.worker.proposers import ProposeInputs
 from openinfer.worker.proposers.drafting import DraftingModel
@@ -106,7 +105,7 @@ class DSparkProposer(DraftingModel):
         if not states:
             return {}
         accepted = torch.tensor([len(st.token_ids) - 2 for st in states], device=self.device)  # a = L - 2
-        ctx_pos, _ = draft_positions(accepted, self.window, self.k)
+        ctx_pos = self.target.dspark_context_positions(accepted, self.window, self.k)
         keys = torch.stack([store[slots(st.block_ids[g], p.clamp(min=0))] for st, p in zip(states, ctx_pos)])
         golden = torch.tensor([st.token_ids[-1] for st in states], dtype=torch.long, device=self.device)
         tokens, confidence = self.target.propose_over_keys(keys, ctx_pos, golden, block_size=self.k)
