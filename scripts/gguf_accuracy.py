@@ -112,8 +112,13 @@ def openinfer_run(gguf: str, backend: str, prompts: list[list[int]], chunks: lis
     llm = LLM(model=gguf, dtype="float32", kernel_backend=backend, max_model_len=1024, max_num_seqs=32)
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
-    res = {"sequences": [list(o.outputs[0].token_ids) for o in outs], "generate_s": time.perf_counter() - t0}
+                        SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=2), use_tqdm=False)
+    # per generated position, the gap between openinfer's top two log-probs (= the logit gap): how close a call
+    # the greedy choice was where another engine chose differently
+    gaps = [[float(a - b) for a, b in (sorted(d.values(), reverse=True)[:2] for d in o.outputs[0].logprobs)]
+            for o in outs]
+    res = {"sequences": [list(o.outputs[0].token_ids) for o in outs], "top2_gaps": gaps,
+           "generate_s": time.perf_counter() - t0}
     if chunks:
         outs = llm.generate([{"prompt_token_ids": c} for c in chunks],
                             SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
@@ -180,11 +185,17 @@ def main() -> None:
     print("transformers done", flush=True)
 
     ppl_ours = math.exp(packed["nll"] / packed["scored"])
+    lc_cmp = compare(packed["sequences"], lc["sequences"])
+    # where llama.cpp first chose another token: openinfer's own margin there (top-1 minus top-2 log-prob)
+    margins = [packed["top2_gaps"][i][j] for i, j in enumerate(lc_cmp["matched_prefix"])
+               if j < min(len(packed["sequences"][i]), len(lc["sequences"][i]))]
+    lc_cmp["openinfer_top2_gap_at_divergence"] = {"count": len(margins), "max": max(margins, default=None),
+                                                  "median": sorted(margins)[len(margins) // 2] if margins else None}
     ppl_lc = math.exp(lc["nll"] / lc["scored"])
     result = {
         "gguf": Path(gguf).name, "prompts": len(prompts), "max_tokens": args.max_tokens, "eos": eos,
         "llama_cpp_python": lc["version"],
-        "openinfer_packed_vs_llamacpp": compare(packed["sequences"], lc["sequences"]),
+        "openinfer_packed_vs_llamacpp": lc_cmp,
         "openinfer_dequantised_vs_transformers_fp32": compare(deq["sequences"], hf),
         "openinfer_packed_vs_openinfer_dequantised": compare(packed["sequences"], deq["sequences"]),
         "perplexity": {"text": "tests/data/factbook_backgrounds.txt", "tokens": len(ids), "ctx": args.ctx,
@@ -192,6 +203,8 @@ def main() -> None:
                        "llamacpp": ppl_lc, "relative_difference": ppl_ours / ppl_lc - 1.0},
         "sample": {"prompt": PROMPTS[0], "openinfer": tok.decode(packed["sequences"][0]),
                    "llamacpp": tok.decode(lc["sequences"][0])},
+        "sequences": {"openinfer_packed": packed["sequences"], "llamacpp": lc["sequences"],
+                      "openinfer_dequantised": deq["sequences"], "transformers_fp32": hf},
         "command": " ".join(sys.argv),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -200,6 +213,8 @@ def main() -> None:
               "openinfer_packed_vs_openinfer_dequantised"):
         r = result[k]
         print(f"{k}: {r['identical']} / {r['of']} identical, mean matched prefix {r['mean_matched_prefix']:.1f}")
+    print(f"openinfer's top-2 log-prob gap where llama.cpp first differs: "
+          f"{result['openinfer_packed_vs_llamacpp']['openinfer_top2_gap_at_divergence']}")
     p = result["perplexity"]
     print(f"perplexity over {p['scored_tokens']} tokens: openinfer {p['openinfer']:.4f}, llama.cpp "
           f"{p['llamacpp']:.4f} ({100 * p['relative_difference']:+.3f} %)")
