@@ -125,11 +125,11 @@ def test_model_group():
 
 
 def test_server_group():
-    args, _, _ = serve("--host", "0.0.0.0", "--port", "9001", "--api-key", "k1", "k2", "--uvicorn-log-level", "info",
+    args, _, _ = serve("--host", "localhost", "--port", "9001", "--api-key", "k1", "k2", "--uvicorn-log-level", "info",
                        "--reasoning-parser", "deepseek_v4", "--tool-call-parser", "deepseek_v4",
                        "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',
                        "--kv-transfer-config", '{"kv_connector": "NixlConnector", "kv_role": "kv_both"}')
-    assert (args.host, args.port, args.api_key, args.uvicorn_log_level) == ("0.0.0.0", 9001, ["k1", "k2"], "info")
+    assert (args.host, args.port, args.api_key, args.uvicorn_log_level) == ("localhost", 9001, ["k1", "k2"], "info")
     assert (args.reasoning_parser, args.tool_call_parser) == ("deepseek_v4", "deepseek_v4")
     assert '"ngram"' in args.speculative_config and "NixlConnector" in args.kv_transfer_config
 
