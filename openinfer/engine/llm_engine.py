@@ -106,6 +106,15 @@ class LLMEngine:
     def place_images(self, prompt: PromptType, ids: list[int]) -> tuple[list[int], list[MMImage]]:
         """A prompt dict's ``multi_modal_data`` (vLLM's: ``{"image": PIL image or list of them}``) placed at its
         image placeholder tokens (multimodal/processor.py); the prompt unchanged without images."""
+        placed = prompt.get("mm_images") if isinstance(prompt, dict) else None
+        if placed:  # placed already (the server's chat path): each image must sit on placeholder positions
+            token = VisionGeometry.from_hf(self.config.model.hf_config).image_token_id
+            for m in placed:
+                if m.offset < 0 or any(t != token for t in ids[m.offset:m.offset + m.length]) \
+                        or m.offset + m.length > len(ids):
+                    raise ValueError(f"an image placed at [{m.offset}, {m.offset + m.length}) is not on image "
+                                     f"placeholder tokens (id {token})")
+            return ids, list(placed)
         data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
         if not data:
             return ids, []
