@@ -379,7 +379,8 @@ class RequestValidator:
                         texts.append(image_placeholder)
                         continue
                     if part.type != "text" or part.text is None:
-                        raise APIError(f"messages[{i}]: only text content parts are supported, got {part.type!r}",
+                        raise APIError(f"messages[{i}]: only text (and image_url) content parts are supported, got "
+                                       f"{part.type!r}",
                                        400, f"messages.{i}.content")
                     texts.append(part.text)
                 content = "\n".join(texts)
