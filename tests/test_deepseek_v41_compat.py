@@ -140,8 +140,8 @@ def test_vision_layout_is_deepinfers():
 
 
 def test_checkpoint_with_the_vision_tower_serves_text(ckpt, vl_ckpt):
-    """DeepInfer's released layout (vision_config, vision.* / aligner.* / image_* tensors) loads; openinfer does
-    not build the tower and serves text with exactly the tokens of the text-only checkpoint."""
+    """DeepInfer's released layout (vision_config, vision.* / aligner.* / image_* tensors) loads (the tower built)
+    and serves text with exactly the tokens of the text-only checkpoint."""
     from openinfer import LLM, SamplingParams
     cfg = json.loads((vl_ckpt / "config.json").read_text())
     assert cfg["vision_config"]["hidden_size"] == 32

@@ -218,3 +218,29 @@ def test_text_only_serving_skips_the_tower(tmp_path):
         mc.with_mm_limits('{"image": 1, "video": 2}')
     assert json.loads(json.dumps(mc.with_mm_limits({"image": 2, "video": 0}).limit_mm_per_prompt)) == \
         {"image": 2, "video": 0}
+
+
+@torch.inference_mode()
+def test_image_rows_route_with_bias_vl():
+    """An image row selects its experts with ffn.gate.bias_vl in place of the text bias (DeepInfer's image_bias
+    under images_seq_mask); the text rows of the same batch are untouched."""
+    from openinfer.models.deepseek_v41.config import DeepseekV41Config
+    from openinfer.models.deepseek_v41.moe import MoE
+    from tests.test_deepseek_v41_compat import _text
+
+    torch.manual_seed(0)
+    moe = MoE(DeepseekV41Config.from_hf(_text()))
+    for p in moe.parameters():
+        p.copy_(torch.randn(p.shape) * 0.1)
+    moe.gate.bias_vl.copy_(torch.randn(moe.gate.bias_vl.shape) * 3)  # large: image rows pick other experts
+    x = torch.randn(6, moe.gate.weight.shape[1])
+    rows = torch.tensor([False, True, True, False, True, False])
+    mixed = moe(x, image_rows=rows)
+    text = moe(x)
+    text_bias = moe.gate.e_score_correction_bias.clone()
+    moe.gate.e_score_correction_bias.copy_(moe.gate.bias_vl)
+    as_image = moe(x)
+    moe.gate.e_score_correction_bias.copy_(text_bias)
+    torch.testing.assert_close(mixed[~rows], text[~rows])
+    torch.testing.assert_close(mixed[rows], as_image[rows])
+    assert not torch.allclose(mixed[rows], text[rows])
