@@ -7,10 +7,11 @@
   then each d x d patch cell (zero-padded at the grid's right / bottom) is concatenated channel-major
   (F.unfold's order) and projected: Linear(E d^2, D) -> GELU -> Linear(D, D).
 
-The 2D RoPE: a head's dims split in halves rotated as pairs (i, i + head_dim/2) (flash-attn's non-interleaved
-rotary, which DeepInfer's ``apply_rotary`` is called as); the first quarter of frequencies turns with the patch
-row, the second with the column (DeepInfer's rope table columns (cos_row, cos_col, sin_row, sin_col)); this is
-HF Qwen2-VL's vision RoPE, which tests/test_deepseek_v41_vision.py uses as its reference.
+The 2D RoPE: a head's dims split in halves rotated as pairs (i, i + head_dim/2) (TileKernels' non-interleaved
+``apply_rotary``, which DeepInfer calls with its table's first half as cos, second as sin); the first quarter of
+frequencies turns with the patch row, the second with the column (DeepInfer's rope table columns (cos_row, cos_col,
+sin_row, sin_col)); this is HF Qwen2-VL's vision RoPE, which tests/test_deepseek_v41_vision.py uses as its
+reference.
 
 DeepInfer fixes the ViT's shape in constants (patch 14, width 1024, 32 blocks, 16 heads, MLP 2.7x rounded up to
 a multiple of 128); config.json's ``vision_config`` may restate them (``num_hidden_layers``,
