@@ -82,6 +82,10 @@ def test_openai_and_anthropic_clients_answer_an_image_question(server, media):
                                          "data": base64.b64encode(png).decode()}}]}])
     assert msg.content[0].text == first.choices[0].message.content
     assert msg.usage.input_tokens == first.usage.prompt_tokens
+    # /tokenize and count_tokens count the image's positions as the model sees them
+    tok = httpx.post(server.url + "/tokenize", json={"model": "tiny", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is it?"}, {"type": "image_url", "image_url": {"url": _data_url(png)}}]}]})
+    assert tok.status_code == 200 and tok.json()["count"] == first.usage.prompt_tokens
 
 
 def test_bad_images_are_400s_and_nothing_is_fetched(server, media, tmp_path):
