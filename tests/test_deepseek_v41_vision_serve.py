@@ -40,8 +40,12 @@ def media(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, media):
-    ckpt = _generator().make_checkpoint(tmp_path_factory.mktemp("v41vl") / "tiny", "tiny", seed=0, vision="tiny")
+def ckpt(tmp_path_factory):
+    return _generator().make_checkpoint(tmp_path_factory.mktemp("v41vl") / "tiny", "tiny", seed=0, vision="tiny")
+
+
+@pytest.fixture(scope="module")
+def server(ckpt, media):
     with_args = ("--dtype", "float32", "--max-model-len", "256", "--num-kv-blocks", "64",
                  "--limit-mm-per-prompt", '{"image": 2}', "--allowed-local-media-path", str(media))
     s = ServerProcess(ckpt, *with_args, startup_timeout_s=300)
@@ -86,6 +90,35 @@ def test_openai_and_anthropic_clients_answer_an_image_question(server, media):
     tok = httpx.post(server.url + "/tokenize", json={"model": "tiny", "messages": [{"role": "user", "content": [
         {"type": "text", "text": "what is it?"}, {"type": "image_url", "image_url": {"url": _data_url(png)}}]}]})
     assert tok.status_code == 200 and tok.json()["count"] == first.usage.prompt_tokens
+
+
+PREFIX = "describe the picture, " * 4  # 88 characters: blocks of text before the image
+
+
+def test_prefix_cache_and_chunks_over_an_image(server, ckpt):
+    """A repeated prompt reuses cached blocks over its image; the same text with another image reuses only the
+    blocks before it. The server's answer (one prefill step, prefix caching on) equals the offline engine's with
+    16-token prefill chunks (the image split across chunks) and prefix caching off."""
+    client = server.client()
+    png = _png(300, 200, 5)  # past the token budget: 32 positions
+    first = _ask(client, _data_url(png), PREFIX)
+    again = _ask(client, _data_url(png), PREFIX)
+    other = _ask(client, _data_url(_png(300, 200, 6)), PREFIX)
+    same_hit = again.usage.prompt_tokens_details.cached_tokens
+    other_hit = other.usage.prompt_tokens_details.cached_tokens
+    assert again.choices[0].message.content == first.choices[0].message.content
+    assert same_hit >= first.usage.prompt_tokens - 16 and other_hit < len(PREFIX) < same_hit
+
+    # the same chat rendering, with the placeholder where the image part was (as the server renders it)
+    ids = httpx.post(server.url + "/tokenize", json={"model": "tiny", "messages": [
+        {"role": "user", "content": PREFIX + "\n<｜deepseek_image｜>"}]}).json()["tokens"]
+    from openinfer import LLM, SamplingParams
+    llm = LLM(str(ckpt), dtype="float32", max_model_len=256, num_kv_blocks=64, max_num_batched_tokens=16,
+              enable_prefix_caching=False)
+    prompt = {"prompt_token_ids": ids, "multi_modal_data": {"image": Image.open(io.BytesIO(png))}}
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.prompt_token_ids) == first.usage.prompt_tokens
+    assert out.outputs[0].text == first.choices[0].message.content
 
 
 def test_bad_images_are_400s_and_nothing_is_fetched(server, media, tmp_path):
