@@ -26,6 +26,8 @@ def read_image_url(url: object, field: str, allowed_local_media_path: str | None
         return decode_image(_data_url_bytes(url, field), field)
     parsed = urlparse(url)
     if parsed.scheme == "file":
+        if parsed.netloc not in ("", "localhost"):
+            raise ValueError(f"{field}: a file:// URL names a local path (file:///path), not host {parsed.netloc!r}")
         return decode_image(_local_file_bytes(unquote(parsed.path), field, allowed_local_media_path), field)
     shown = url if len(url) <= 80 else url[:77] + "..."
     raise ValueError(f"{field}: {shown!r} is not a data: URL or a file:// URL; openinfer fetches nothing from the "

@@ -22,6 +22,7 @@ renders in OpenAI's error shape, or Anthropic's on /v1/messages (errors.py). The
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import uuid
@@ -142,7 +143,8 @@ class RequestValidator:
         messages = self.chat_messages(req.messages, self.images.placeholder if self.images else None, urls)
         if urls:
             self.images.check_count(len(urls))
-        images = [self.images.read(url, where) for url, where in urls]
+        # decoding is CPU work: off the event loop
+        images = [await asyncio.to_thread(self.images.read, url, where) for url, where in urls]
         # The template copies every message's text into the prompt: too many characters cannot fit the context,
         # and are refused before the template and the tokenizer spend time on them.
         self.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
