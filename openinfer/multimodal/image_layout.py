@@ -17,6 +17,10 @@ import math
 from dataclasses import dataclass
 
 
+# The architectures whose vision tower openinfer builds (models/deepseek_v41/vision.py).
+IMAGE_ARCHITECTURES = ("DeepseekV41ForCausalLM",)
+
+
 class TokenType(enum.IntEnum):
     """DeepInfer's ``multimodal_tokens.TokenType`` values (its wire format), for the positions of one image."""
 
@@ -37,11 +41,19 @@ class VisionGeometry:
     max_wh_ratio: float | None
     image_token_id: int
 
+    @staticmethod
+    def takes_images(hf_config: dict) -> bool:
+        """A checkpoint whose images openinfer can place: DeepSeek-V4.1 with its vision_config (another model's
+        vision_config describes a tower openinfer does not build)."""
+        archs = hf_config.get("architectures") or [""]
+        return archs[0] in IMAGE_ARCHITECTURES and isinstance(hf_config.get("vision_config"), dict)
+
     @classmethod
     def from_hf(cls, hf_config: dict) -> VisionGeometry:
-        vc = hf_config.get("vision_config")
-        if not isinstance(vc, dict):
-            raise ValueError("this model takes no image input (its config.json has no vision_config)")
+        if not cls.takes_images(hf_config):
+            raise ValueError("this model takes no image input (openinfer takes images for DeepSeek-V4.1 "
+                             "checkpoints with a vision_config)")
+        vc = hf_config["vision_config"]
 
         def positive(d: dict, key: str, where: str) -> int:
             v = d.get(key)

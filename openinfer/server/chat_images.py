@@ -30,7 +30,7 @@ class ChatImages:
     def for_engine(cls, model_config: Any, tokenizer: Any) -> ChatImages | None:
         """None when the model takes no images (no vision_config, or --limit-mm-per-prompt '{"image": 0}')."""
         limits = model_config.limit_mm_per_prompt or {}
-        if "vision_config" not in model_config.hf_config or limits.get("image") == 0:
+        if not VisionGeometry.takes_images(model_config.hf_config) or limits.get("image") == 0:
             return None
         geometry = VisionGeometry.from_hf(model_config.hf_config)
         placeholder = tokenizer.convert_ids_to_tokens(geometry.image_token_id)
@@ -55,6 +55,7 @@ class ChatImages:
 
 
 def no_images(field: str) -> APIError:
-    return APIError(f"{field}: this model takes no image input (its config.json has no vision_config, or the "
-                    f"server was started with --limit-mm-per-prompt '{{\"image\": 0}}')", 400,
+    return APIError(f"{field}: this model takes no image input (openinfer takes images for DeepSeek-V4.1 "
+                    f"checkpoints with a vision_config, unless started with --limit-mm-per-prompt "
+                    f"'{{\"image\": 0}}')", 400,
                     field.replace("[", ".").replace("]", ""))
