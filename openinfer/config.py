@@ -6,6 +6,8 @@ with a message naming the field, never deep inside a step.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import enum
 import json
 import os
@@ -120,6 +122,32 @@ class ModelConfig:
     tokenizer_path: str
     # --quantization: the linear weights kept low-bit, quantised at load (layers/quant_linear.py); None = as loaded
     quantization: str | None = None
+    # --limit-mm-per-prompt (vLLM's): most items of each modality one prompt may carry; None = no limit. An image
+    # limit of 0 on a model with a vision tower serves text only, without building the tower (hf_config then
+    # carries ``_text_only``).
+    limit_mm_per_prompt: dict[str, int] | None = None
+    # --allowed-local-media-path (vLLM's): the folder requests may name image files in (file:// URLs); None = none.
+    allowed_local_media_path: str | None = None
+
+    def with_mm_limits(self, text: str | dict | None) -> ModelConfig:
+        """``--limit-mm-per-prompt`` applied: JSON (or a dict) of modality -> count, e.g. ``{"image": 0}``."""
+        if text is None:
+            return self
+        try:
+            limits = json.loads(text) if isinstance(text, str) else text
+        except json.JSONDecodeError as e:
+            raise ValueError(f"limit_mm_per_prompt is not valid JSON: {e}") from None
+        if not isinstance(limits, dict) or any(
+                not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in limits.values()):
+            raise ValueError(f"limit_mm_per_prompt must map modalities to counts >= 0, e.g. '{{\"image\": 0}}', "
+                             f"got {text!r}")
+        other = sorted(k for k, v in limits.items() if k != "image" and v)
+        if other:  # a zero limit on another modality is what openinfer does anyway
+            raise ValueError(f"limit_mm_per_prompt: openinfer takes images only; {other} must be 0")
+        hf = dict(self.hf_config)
+        if limits.get("image") == 0:
+            hf["_text_only"] = True
+        return dataclasses.replace(self, hf_config=hf, limit_mm_per_prompt=dict(limits))
 
     @property
     def architecture(self) -> str:

@@ -11,11 +11,13 @@ imported inside ``create_engine_config``, through config.py's resolvers.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import json
 import types
 import typing
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from openinfer import vllm_compat
@@ -94,6 +96,12 @@ class EngineArgs:
                                                    "xgrammar (an optional extra: pip install 'openinfer[xgrammar]')")
     tokenizer_mode: str = _arg("auto", "how chat messages become a prompt: auto (the tokenizer's chat template) | "
                                        "deepseek_v4 / deepseek_v32 (DeepSeek's own encoders: DSML tools, thinking modes)")
+    limit_mm_per_prompt: str | None = _arg(None, "vLLM's: most items of each modality one prompt may carry, as "
+                                                 "JSON, e.g. '{\"image\": 2}'; '{\"image\": 0}' serves a vision "
+                                                 "checkpoint text-only without building its vision tower "
+                                                 "(default: no limit)")
+    allowed_local_media_path: str | None = _arg(None, "vLLM's: a folder whose files requests may name as images "
+                                                      "(file:// URLs); default: none (data: URLs only)")
     kv_transfer_config: str | None = _arg(None, "prefill/decode disaggregation as JSON (vLLM's), e.g. "
                                                 "'{\"kv_connector\": \"NixlConnector\", \"kv_role\": \"kv_both\"}' "
                                                 "(roles: kv_producer, kv_consumer, kv_both)")
@@ -178,6 +186,12 @@ class EngineArgs:
         model = ModelConfig.from_path(self.model or default_model_path(), dtype=self.dtype,
                                       device=self.device, max_model_len=self.max_model_len,
                                       tokenizer=self.tokenizer, quantization=self.quantization)
+        model = model.with_mm_limits(self.limit_mm_per_prompt)
+        if self.allowed_local_media_path is not None:
+            if not Path(self.allowed_local_media_path).is_dir():
+                raise ValueError(f"allowed_local_media_path {self.allowed_local_media_path!r} is not a folder")
+            model = dataclasses.replace(model, allowed_local_media_path=str(Path(self.allowed_local_media_path)
+                                                                            .resolve()))
         if model.quantization is not None:
             _check_quantization(model.quantization, model.architecture, self.enable_eplb)
         ckpt_quant = model.checkpoint_quantization

@@ -80,6 +80,12 @@ class AttentionMetadata:
     # the next steps of the same requests read must stay complete. Set by the model runner only when nothing else
     # reads the hidden states and no later request can resume from this step's blocks (prefix caching off).
     output_rows: torch.Tensor | None = None
+    # Image input (multimodal models): the step's rows whose embeddings come from the vision tower instead of the
+    # token embedding ([M] int64 into the flat batch) and those embeddings ([M, hidden]); ``image_rows`` [T] bool
+    # marks every row of an image's positions (its markers too: DeepSeek-V4.1 routes them with bias_vl).
+    mm_rows: torch.Tensor | None = None
+    mm_embeds: torch.Tensor | None = None
+    image_rows: torch.Tensor | None = None
     _decode_bias: dict = field(default_factory=dict, repr=False)
     _decode_mask: torch.Tensor | None = field(default=None, repr=False)
 

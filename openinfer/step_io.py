@@ -14,6 +14,23 @@ import msgspec
 from openinfer.sampling_params import SamplingParams
 
 
+class MMImage(msgspec.Struct, array_like=True):
+    """One image of a prompt, preprocessed (multimodal/processor.py): it fills prompt positions ``[offset, offset +
+    length)`` (the image's start / row / newline / end tokens), its ViT grid is ``n_vit_w x n_vit_h`` patches, and
+    ``pixels`` is the resized image, ``width x height`` RGB bytes (HWC uint8), before padding to the grid.
+    ``content_hash`` (sha256 hex of the pixels and their size) keys the prefix cache: two different images never
+    share cached KV."""
+
+    offset: int
+    length: int
+    n_vit_w: int
+    n_vit_h: int
+    width: int
+    height: int
+    pixels: bytes
+    content_hash: str
+
+
 class NewRequestData(msgspec.Struct):
     req_id: str
     prompt_token_ids: list[int]
@@ -21,6 +38,7 @@ class NewRequestData(msgspec.Struct):
     block_ids: list[list[int]]  # per KV group
     num_computed_tokens: int  # tokens already in the cache (prefix hit); this step computes from here
     output_token_ids: list[int] = []  # generated before a preemption: recomputed together with the prompt
+    mm_images: list[MMImage] = []  # the prompt's images, in prompt order
 
 
 class CachedRequestData(msgspec.Struct):

@@ -64,12 +64,18 @@ SIZES: dict[str, dict[str, Any]] = {
 }
 # The vision tower (vision_config + vision.* / aligner.* / image_* tensors): DeepInfer's ViT shape is fixed in
 # vision_encoder/vit.py (patch 14, width 1024, 32 blocks, 16 heads, MLP 2.7x rounded up to 128; aligner
-# downsample_mlp_gelu of depth 2); "tiny" keeps its names at a test-sized width.
+# downsample_mlp_gelu of depth 2); "tiny" keeps its names at a test-sized width. The image processor's settings
+# (max_image_tokens, min_pixels, max_wh_ratio: DeepInfer's hugging_face/processor.py reads them from vision_config)
+# are test values, not the released checkpoint's (which DeepInfer's source does not state).
 VISION: dict[str, dict[str, int]] = {
     "deepinfer": dict(hidden_size=1024, depth=32, mlp_hidden=2816, patch_size=14, downsample_ratio=3,
-                      num_attention_heads=16),
-    "tiny": dict(hidden_size=32, depth=2, mlp_hidden=64, patch_size=14, downsample_ratio=2, num_attention_heads=2),
+                      num_attention_heads=16, max_image_tokens=1024, min_pixels=3136, max_wh_ratio=8),
+    "tiny": dict(hidden_size=32, depth=2, mlp_hidden=64, patch_size=14, downsample_ratio=2, num_attention_heads=2,
+                 max_image_tokens=32, min_pixels=784, max_wh_ratio=4),
 }
+# The image placeholder DeepInfer looks up in the tokenizer (multimodal_tokens.py CANDIDATE_IMAGE_PLACEHOLDER_TOKENS);
+# the tiny char tokenizer's last filler token becomes it.
+IMAGE_TOKEN = "<｜deepseek_image｜>"
 COMMON = dict(hidden_act="silu", attention_bias=False, attention_dropout=0.0, num_key_value_heads=1,
               scoring_func="sqrtsoftplus", topk_method="noaux_tc", norm_topk_prob=True, routed_scaling_factor=1.5,
               swiglu_limit=10.0, hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, rms_norm_eps=1e-6,
@@ -249,10 +255,29 @@ def make_checkpoint(out: str | Path, size: str = "tiny", seed: int = 0, std: flo
         v = VISION[vision]
         cfg["vision_config"] = {"hidden_size": v["hidden_size"], "downsample_ratio": v["downsample_ratio"],
                                 "num_hidden_layers": v["depth"], "num_attention_heads": v["num_attention_heads"],
-                                "patch_size": v["patch_size"], "intermediate_size": v["mlp_hidden"]}
+                                "patch_size": v["patch_size"], "intermediate_size": v["mlp_hidden"],
+                                "max_image_tokens": v["max_image_tokens"], "min_pixels": v["min_pixels"],
+                                "max_wh_ratio": v["max_wh_ratio"]}
+        cfg["image_token_id"] = text["vocab_size"] - 1
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     write_char_tokenizer(out, text["vocab_size"])
+    if vision is not None:
+        add_image_token(out, text["vocab_size"] - 1)
     return out
+
+
+def add_image_token(out: Path, token_id: int) -> None:
+    """Rename filler token ``token_id`` of the char tokenizer to the image placeholder, as a special token (matched
+    whole in text, before the character split)."""
+    path = out / "tokenizer.json"
+    tok = json.loads(path.read_text())
+    vocab = tok["model"]["vocab"]
+    old = next(t for t, i in vocab.items() if i == token_id)
+    del vocab[old]
+    vocab[IMAGE_TOKEN] = token_id
+    tok["added_tokens"].append({"id": token_id, "content": IMAGE_TOKEN, "single_word": False, "lstrip": False,
+                                "rstrip": False, "normalized": False, "special": True})
+    path.write_text(json.dumps(tok, ensure_ascii=False))
 
 
 def main() -> None:

@@ -90,7 +90,10 @@ def test_text_stream_matches(client):
      "'nope', which is not among the tools"),
     ({"max_tokens": 5, "messages": MESSAGES, "tools": [{"description": "no name"}]}, "tools.0.name"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
-     "unsupported content block 'image'"),
+     "source.type must be 'base64' or 'url'"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "aGk="}}]}]},
+     "this model takes no image input"),
 ])
 def test_bad_requests_are_anthropic_400s(server, body, words):
     r = httpx.post(server.url + "/v1/messages", json={"model": "tiny", **body}, timeout=60)

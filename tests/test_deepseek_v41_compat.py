@@ -140,8 +140,8 @@ def test_vision_layout_is_deepinfers():
 
 
 def test_checkpoint_with_the_vision_tower_serves_text(ckpt, vl_ckpt):
-    """DeepInfer's released layout (vision_config, vision.* / aligner.* / image_* tensors) loads; openinfer does
-    not build the tower and serves text with exactly the tokens of the text-only checkpoint."""
+    """DeepInfer's released layout (vision_config, vision.* / aligner.* / image_* tensors) loads (the tower built)
+    and serves text with exactly the tokens of the text-only checkpoint."""
     from openinfer import LLM, SamplingParams
     cfg = json.loads((vl_ckpt / "config.json").read_text())
     assert cfg["vision_config"]["hidden_size"] == 32
@@ -194,6 +194,13 @@ def test_config_json_has_every_key_deepinfer_reads(vl_ckpt):
     assert di._build_dflash_cfg(hf).dspark_block_size == text["dspark_block_size"]
     assert di._build_engram(hf, vl_ckpt).engram_layer_ids == text["engram_layer_ids"]
     assert di._build_vision(hf)[1].params.input_dim == hf["vision_config"]["hidden_size"]
+    # DeepInfer's image processor settings (hugging_face/processor.py), as openinfer's geometry reads them.
+    from openinfer.multimodal.image_layout import VisionGeometry
+    proc = oracles.load("deepinfer/hugging_face/processor.py", "load_processor_config").load_processor_config(vl_ckpt)
+    g = VisionGeometry.from_hf(hf)
+    assert (g.patch_size, g.downsample_ratio, g.max_image_tokens, g.min_pixels, g.max_wh_ratio, g.image_token_id) \
+        == tuple(proc[k] for k in ("patch_size", "downsample_ratio", "max_image_tokens", "min_pixels",
+                                   "max_wh_ratio", "image_token_id"))
     source = ast.parse((oracles.source_root() / rel).read_text())
     fn = next(f for f in source.body if isinstance(f, ast.FunctionDef) and f.name == "load_hf_model_config")
     scopes = {"hf": hf, "text": text, "quant": hf["quantization_config"]}

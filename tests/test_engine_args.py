@@ -171,7 +171,8 @@ def valid_values(ckpt_copy: Path) -> dict[str, typing.Any]:
                 structured_outputs_backend="llguidance", tokenizer_mode="deepseek_v4",
                 kv_transfer_config='{"kv_connector": "NixlConnector", "kv_role": "kv_both"}',
                 gpu_memory_utilization=0.5, scheduling_policy="priority", generation_config="vllm",
-                kv_offloading_size=1.0, kv_offloading_path=str(ckpt_copy.parent / "kv_tier"))
+                kv_offloading_size=1.0, kv_offloading_path=str(ckpt_copy.parent / "kv_tier"),
+                limit_mm_per_prompt='{"image": 0}', allowed_local_media_path=str(ckpt_copy.parent))
 
 
 # Fields whose other valid values need an outside service to mean anything (kv_offloading_backend "redis": a shared

@@ -70,8 +70,7 @@ def test_every_refused_flag_is_named_with_its_reason(capsys, flag):
 
 
 @pytest.mark.parametrize("argv", [["--pipeline-parallel-size", "1"], ["-pp", "1"], ["--cpu-offload-gb", "0"],
-                                  ["--load-format", "safetensors"], ["--no-enable-lora"], ["--task", "generate"],
-                                  ["--limit-mm-per-prompt", '{"image": 0, "video": 0}']])
+                                  ["--load-format", "safetensors"], ["--no-enable-lora"], ["--task", "generate"]])
 def test_a_refused_flag_at_openinfers_own_behaviour_is_a_no_op(argv):
     _, _, lines = serve(*argv)
     assert len(lines) == 1 and lines[0].startswith(argv[0] + ": accepted for vLLM compatibility")
@@ -140,8 +139,7 @@ def test_auto_tool_choice_needs_a_tool_parser():
 
 
 def test_issue_refusals(capsys):
-    for argv, why in ((["--limit-mm-per-prompt", '{"image": 2}'], "text-only"),
-                      (["--no-enable-chunked-prefill"], "always chunks"), (["-pp", "2"], "pipeline")):
+    for argv, why in ((["--no-enable-chunked-prefill"], "always chunks"), (["-pp", "2"], "pipeline")):
         err = refused(capsys, *argv)
         assert f"supported by vLLM, not by openinfer: {argv[0]} (" in err and why in err
 
@@ -208,11 +206,10 @@ def test_llm_keywords(caplog):
                             "max_num_seqs": 4, "gpu_memory_utilization": 0.5, "no_such_keyword": 1,
                             "limit_mm_per_prompt": {"image": 0}}, FIELDS)
     assert out == {"num_kv_blocks": 64, "kv_cache_memory_gb": 1.0, "max_num_seqs": 4, "gpu_memory_utilization": 0.5,
-                   "no_such_keyword": 1}  # the unknown one is left for EngineArgs.from_kwargs to name
+                   "no_such_keyword": 1, "limit_mm_per_prompt": {"image": 0}}  # unknown ones: EngineArgs names them
     assert "LLM(trust_remote_code=True): accepted for vLLM compatibility" in caplog.text
     for bad, why in (({"enable_lora": True}, "LoRA"), ({"pipeline_parallel_size": 2}, "pipeline"),
-                     ({"enable_chunked_prefill": False}, "always chunks"), ({"hf_token": "t"}, "downloads nothing"),
-                     ({"limit_mm_per_prompt": {"image": 1}}, "text-only")):  # {"image": 0} is accepted
+                     ({"enable_chunked_prefill": False}, "always chunks"), ({"hf_token": "t"}, "downloads nothing")):
         with pytest.raises(ValueError, match=f"supported by vLLM, not by openinfer: {next(iter(bad))}.*{why}"):
             split_llm_kwargs(bad, FIELDS)
 

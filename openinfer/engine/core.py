@@ -159,7 +159,7 @@ class EngineCore:
         if request.request_id in self._replica_of:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         req = Request(request.request_id, request.prompt_token_ids, request.sampling_params, self.max_model_len,
-                      request.arrival_s, request.priority)
+                      request.arrival_s, request.priority, request.mm_images)
         spec = request.sampling_params.structured_outputs
         if spec is not None:
             if self.grammar_compiler is None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import msgspec
 
 from openinfer.sampling_params import SamplingParams
+from openinfer.step_io import MMImage
 
 
 class EngineCoreRequest(msgspec.Struct):
@@ -18,6 +19,7 @@ class EngineCoreRequest(msgspec.Struct):
     sampling_params: SamplingParams  # validated, with the model's eos ids filled in
     arrival_s: float  # time.monotonic() when the request arrived (TTFT counts from here)
     priority: int = 0  # vLLM's: lower first, under the "priority" scheduling policy
+    mm_images: list[MMImage] = []  # the prompt's images (multimodal/processor.py), in prompt order
 
 
 class EngineCoreOutput(msgspec.Struct):

@@ -113,7 +113,10 @@ class KVCacheManager:
         keys = []
         parent = ROOT_HASH
         for i in range(num_full_blocks):
-            key = chain_key(parent, tuple(req.all_token_ids[i * bs:(i + 1) * bs]))
+            salt = req.block_salt(i * bs, (i + 1) * bs) if req.mm_images else ()
+            # An image's positions hold the same placeholder id whatever the image: its content hash goes into
+            # the chain (and so into every later block's key too).
+            key = chain_key(hash((parent, salt)) if salt else parent, tuple(req.all_token_ids[i * bs:(i + 1) * bs]))
             if i < len(req.block_hashes):
                 parent = req.block_hashes[i]
             else:

@@ -12,6 +12,8 @@ import logging
 import time
 from typing import Any
 
+from PIL import Image
+
 from openinfer.config import EngineConfig
 from openinfer.engine.core import EngineCore, EngineDeadError, EngineStats
 from openinfer.engine.output_processor import OutputProcessor
@@ -19,6 +21,9 @@ from openinfer.engine.parallel_sampling import ParentRequest
 from openinfer.engine.request import RequestStatus, check_priority
 from openinfer.kv_events import KVEventBatch
 from openinfer.logging_utils import init_logging
+from openinfer.multimodal.image_layout import VisionGeometry
+from openinfer.multimodal.processor import expand_prompt
+from openinfer.step_io import MMImage
 from openinfer.outputs import RequestOutput
 from openinfer.request_limits import DEFAULT_LIMITS, RequestLimits
 from openinfer.sampling_params import SamplingParams
@@ -98,6 +103,34 @@ class LLMEngine:
             raise ValueError(f"prompt has {len(ids)} tokens, but max_model_len is {limit}: the prompt plus at "
                              f"least one generated token must fit")
 
+    def place_images(self, prompt: PromptType, ids: list[int]) -> tuple[list[int], list[MMImage]]:
+        """A prompt dict's ``multi_modal_data`` (vLLM's: ``{"image": PIL image or list of them}``) placed at its
+        image placeholder tokens (multimodal/processor.py); the prompt unchanged without images."""
+        placed = prompt.get("mm_images") if isinstance(prompt, dict) else None
+        if placed:  # placed already (the server's chat path): each image must sit on placeholder positions
+            token = VisionGeometry.from_hf(self.config.model.hf_config).image_token_id
+            for m in placed:
+                if m.offset < 0 or any(t != token for t in ids[m.offset:m.offset + m.length]) \
+                        or m.offset + m.length > len(ids):
+                    raise ValueError(f"an image placed at [{m.offset}, {m.offset + m.length}) is not on image "
+                                     f"placeholder tokens (id {token})")
+            return ids, list(placed)
+        data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if not data:
+            return ids, []
+        if not isinstance(data, dict) or set(data) - {"image"}:
+            raise ValueError(f"multi_modal_data takes only 'image', got {sorted(data) if isinstance(data, dict) else type(data).__name__}")
+        images = data["image"] if isinstance(data["image"], list) else [data["image"]]
+        if not images:
+            return ids, []
+        if not all(isinstance(i, Image.Image) for i in images):
+            raise ValueError("multi_modal_data['image'] must be a PIL image or a list of them")
+        mc = self.config.model
+        limit = (mc.limit_mm_per_prompt or {}).get("image")
+        if limit == 0:
+            raise ValueError("image input is off for this engine (--limit-mm-per-prompt '{\"image\": 0}')")
+        return expand_prompt(ids, images, VisionGeometry.from_hf(mc.hf_config), limit)
+
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
                     arrival_s: float | None = None, priority: int = 0) -> str:
         """Validate and enqueue; raises ValueError (and changes nothing) for bad input. What ``step()`` returns
@@ -108,6 +141,7 @@ class LLMEngine:
         params.validate()
         params.check_limits(self.config.model.vocab_size, self.request_limits)
         text, ids = self.tokenize_prompt(prompt)
+        ids, mm_images = self.place_images(prompt, ids)
         self.validate_prompt_ids(ids)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.output_processor.parents:
@@ -115,7 +149,8 @@ class LLMEngine:
         arrival_s = time.monotonic() if arrival_s is None else arrival_s
         parent = ParentRequest(request_id, ids, params.clone(eos_token_ids=self.eos_token_ids,
                                                              bad_words_token_ids=self._bad_words_ids(params)),
-                               arrival_s, share_prefix=self.config.cache.enable_prefix_caching, priority=priority)
+                               arrival_s, share_prefix=self.config.cache.enable_prefix_caching, priority=priority,
+                               mm_images=mm_images)
         initial = parent.initial()
         self.core.add_request(initial[0])  # raises if it can never fit; nothing is registered yet
         self.output_processor.add(parent, text, arrival_s)

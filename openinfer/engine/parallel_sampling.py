@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from openinfer.engine.core_io import EngineCoreRequest
 from openinfer.sampling_params import SamplingParams
+from openinfer.step_io import MMImage
 
 
 def child_id(request_id: str, index: int, n: int) -> str:
@@ -18,7 +19,7 @@ def child_id(request_id: str, index: int, n: int) -> str:
 
 class ParentRequest:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_s: float,
-                 share_prefix: bool, priority: int = 0) -> None:
+                 share_prefix: bool, priority: int = 0, mm_images: list[MMImage] | None = None) -> None:
         self.request_id = request_id
         self.params = params
         self.children: list[EngineCoreRequest] = []
@@ -27,7 +28,7 @@ class ParentRequest:
             if params.n > 1 and params.seed is not None:
                 child_params = params.clone(seed=params.seed + i)
             self.children.append(EngineCoreRequest(child_id(request_id, i, params.n), prompt_token_ids,
-                                                   child_params, arrival_s, priority))
+                                                   child_params, arrival_s, priority, list(mm_images or [])))
         # Siblings the engine core has not seen yet (only with prefix sharing; otherwise all start at once).
         self.held_back: list[EngineCoreRequest] = self.children[1:] if share_prefix else []
 

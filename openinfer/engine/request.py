@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from openinfer.sampling_params import SamplingParams
+from openinfer.step_io import MMImage
 
 if TYPE_CHECKING:
     from openinfer.structured_outputs.manager import RequestGrammar
@@ -74,6 +75,7 @@ class Request:
         max_model_len: int,
         arrival_s: float | None = None,
         priority: int = 0,
+        mm_images: list[MMImage] | None = None,
     ) -> None:
         self.request_id = request_id
         # vLLM's request priority: under the "priority" scheduling policy a lower value is served first.
@@ -81,6 +83,8 @@ class Request:
         self.arrival_order = 0  # the scheduler's intake count: breaks ties between equal arrival times
         self.max_model_len = max_model_len
         self.prompt_token_ids = list(prompt_token_ids)
+        # The prompt's images (positions and pixels); their content hashes key the prefix cache (block_salts).
+        self.mm_images: list[MMImage] = list(mm_images or [])
         self.sampling_params = sampling_params
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -105,6 +109,12 @@ class Request:
         budget = max_model_len - len(self.prompt_token_ids)
         sp_max = sampling_params.max_tokens
         self.max_tokens = budget if sp_max is None else min(sp_max, budget)
+
+    def block_salt(self, start: int, end: int) -> tuple[str, ...]:
+        """Content hashes of the images overlapping token positions [start, end): part of a cached block's key,
+        so a block of image positions is only ever shared by requests with the same image there (vLLM's mm
+        hashes)."""
+        return tuple(m.content_hash for m in self.mm_images if m.offset < end and start < m.offset + m.length)
 
     @property
     def num_prompt_tokens(self) -> int:

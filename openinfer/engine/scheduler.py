@@ -329,7 +329,7 @@ class Scheduler:
                                                     time.monotonic()))
         out.new_requests = [NewRequestData(r.request_id, r.prompt_token_ids, r.sampling_params,
                                            self.kv.block_ids(r.request_id), r.num_computed_tokens,
-                                           list(r.output_token_ids)) for r in new_reqs]
+                                           list(r.output_token_ids), r.mm_images) for r in new_reqs]
         out.cached_requests = [CachedRequestData(r.request_id, ids, r.num_computed_tokens) for r, ids in cached]
         out.finished_req_ids, self._finished_ids = self._finished_ids, []
         if self.connector is not None:

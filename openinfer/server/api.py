@@ -239,12 +239,17 @@ def build_app(engine: LLMEngine, settings: ServerSettings, chat_template: str | 
         if (req.prompt is None) == (req.messages is None):
             raise APIError("send exactly one of 'prompt' or 'messages'", 400, "prompt")
         if req.messages is not None:
-            messages = validator.chat_messages(req.messages)
+            urls: list = []
+            images = validator.images
+            messages = validator.chat_messages(req.messages, images.placeholder if images else None, urls)
             validator.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
             kwargs = dict(req.chat_template_kwargs or {})
             if req.tools is not None:
                 kwargs["tools"] = req.tools
             ids = await ctx.render_chat(messages, req.add_generation_prompt, req.continue_final_message, kwargs)
+            if urls:  # the image positions counted as the model will see them
+                images.check_count(len(urls))
+                ids, _ = images.place(ids, [images.read(url, where) for url, where in urls])
         else:
             ids = await ctx.encode_prompt(req.prompt, add_special_tokens=req.add_special_tokens)
         out = {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}

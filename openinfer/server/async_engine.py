@@ -332,6 +332,8 @@ class AsyncEngine:
 
     def _add(self, cmd: AddRequest, events: list[EngineEvent]) -> None:
         prompt = {"prompt": cmd.prompt, "prompt_token_ids": cmd.prompt_token_ids}
+        if cmd.mm_images:
+            prompt["mm_images"] = cmd.mm_images
         arrival_s = time.monotonic() if cmd.arrival_s is None else cmd.arrival_s
         # Streams want what is new each step: the engine sends deltas, nobody re-derives them.
         params = cmd.params.clone(output_kind=RequestOutputKind.DELTA)

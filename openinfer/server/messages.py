@@ -13,6 +13,7 @@ from typing import Literal
 import msgspec
 
 from openinfer.sampling_params import SamplingParams
+from openinfer.step_io import MMImage
 
 # -- loop -> engine ------------------------------------------------------------------------------
 
@@ -24,6 +25,7 @@ class AddRequest(msgspec.Struct, tag=True, frozen=True):
     prompt: str | None = None
     arrival_s: float | None = None  # time.monotonic() at HTTP arrival (TTFT counts from here); None = now
     priority: int = 0  # vLLM's: lower first under the priority scheduling policy
+    mm_images: list[MMImage] = []  # the prompt's images, placed (multimodal/processor.py)
 
 
 class AbortRequests(msgspec.Struct, tag=True, frozen=True):

@@ -72,6 +72,7 @@ class CompletionRequest(GenerationRequest):
 class ContentPart(_Strict):
     type: str
     text: str | None = None
+    image_url: dict[str, Any] | None = None  # {"url": "data:image/...;base64,..." | "file://...", "detail": ...}
 
 
 class ChatMessage(_Strict):

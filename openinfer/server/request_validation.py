@@ -22,6 +22,7 @@ renders in OpenAI's error shape, or Anthropic's on /v1/messages (errors.py). The
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import uuid
@@ -30,12 +31,14 @@ from typing import Any
 
 from openinfer.request_limits import DEFAULT_LIMITS, RequestLimits, check_counts
 from openinfer.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
+from openinfer.server.chat_images import ChatImages, no_images
 from openinfer.server.chat_tools import ToolPlan, check_tools
 from openinfer.server.errors import APIError
 from openinfer.server.messages import AddRequest
 from openinfer.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, GenerationRequest
 from openinfer.server.structured import compile_or_400, from_body
 from openinfer.server.tool_parsers import ToolParser
+from openinfer.step_io import MMImage
 from openinfer.structured_outputs.manager import GrammarCompiler
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -66,6 +69,7 @@ class CheckedChat(CheckedRequest):
     plan: ToolPlan | None = None
     messages: list[dict[str, Any]] = field(default_factory=list)  # as the chat template gets them
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # chat_template_kwargs (+ the tools)
+    images: list[Any] = field(default_factory=list)  # decoded PIL images, in the order of their placeholders
 
 
 class RequestValidator:
@@ -83,7 +87,9 @@ class RequestValidator:
         defaults: SamplingParams | None = None,
         tool_parser: type[ToolParser] | None = None,
         grammar_compiler: GrammarCompiler | None = None,
+        images: ChatImages | None = None,
     ) -> None:
+        self.images = images  # None: the model takes no images (an image part is a 400)
         self.served_model_names = list(served_model_names)
         self.model_aliases = tuple(model_aliases)
         self.max_model_len = max_model_len
@@ -133,7 +139,12 @@ class RequestValidator:
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         requested = self._requested_max_tokens(
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens, param)
-        messages = self.chat_messages(req.messages)
+        urls: list[tuple[Any, str]] = []
+        messages = self.chat_messages(req.messages, self.images.placeholder if self.images else None, urls)
+        if urls:
+            self.images.check_count(len(urls))
+        # decoding is CPU work: off the event loop
+        images = [await asyncio.to_thread(self.images.read, url, where) for url, where in urls]
         # The template copies every message's text into the prompt: too many characters cannot fit the context,
         # and are refused before the template and the tokenizer spend time on them.
         self.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
@@ -152,7 +163,7 @@ class RequestValidator:
         if plan is not None:
             template_kwargs.setdefault("tools", plan.tools)
         return CheckedChat(req, model, params, requested, param, "messages", plan=plan, messages=messages,
-                           template_kwargs=template_kwargs)
+                           template_kwargs=template_kwargs, images=images)
 
     async def check_messages(self, body: Any, count_only: bool = False) -> CheckedChat:
         """Anthropic's Messages API: the body mapped onto a chat request (``anthropic_to_chat``), then checked as
@@ -161,7 +172,8 @@ class RequestValidator:
 
     # -- step 2: the engine request -------------------------------------------------------------------------
     def engine_request(self, checked: CheckedRequest, request_id: str, prompt_ids: list[int],
-                       prompt: str | None = None, arrival_s: float | None = None) -> AddRequest:
+                       prompt: str | None = None, arrival_s: float | None = None,
+                       mm_images: list[MMImage] | None = None) -> AddRequest:
         """One prompt's engine request: its ids checked, max_tokens resolved against the room they leave."""
         self.check_prompt_ids(prompt_ids, checked.prompt_param)
         max_tokens = self.resolve_max_tokens(checked.max_tokens, len(prompt_ids), checked.max_tokens_param)
@@ -169,7 +181,8 @@ class RequestValidator:
             params = dataclasses.replace(checked.params, max_tokens=max_tokens)
         except (ValueError, TypeError) as e:
             raise _sampling_error(e) from None
-        return AddRequest(request_id, prompt_ids, params, prompt, arrival_s, checked.request.priority)
+        return AddRequest(request_id, prompt_ids, params, prompt, arrival_s, checked.request.priority,
+                          list(mm_images or []))
 
     # -- the checks -------------------------------------------------------------------------------------------
     def check_model(self, name: str | None) -> str:
@@ -330,9 +343,12 @@ class RequestValidator:
             await compile_or_400(self.grammar_compiler, constraint, where)
 
     @staticmethod
-    def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    def chat_messages(messages: list[ChatMessage], image_placeholder: str | None = None,
+                      image_urls: list[tuple[Any, str]] | None = None) -> list[dict[str, Any]]:
         """OpenAI chat messages as the chat template gets them (text parts joined). Like OpenAI: a known role, text
-        parts only, and a content on every message but an assistant's that carries tool_calls."""
+        (and, for a model that takes images, image_url) parts only, and a content on every message but an
+        assistant's that carries tool_calls. An image_url part becomes ``image_placeholder`` in the text, its URL
+        appended to ``image_urls`` with the field it came from."""
         if not messages:
             raise APIError("messages must be a non-empty list", 400, "messages")
         out = []
@@ -353,9 +369,20 @@ class RequestValidator:
                 _check_tool_calls(extra["tool_calls"], i)
             if isinstance(content, list):
                 texts = []
-                for part in content:
+                for j, part in enumerate(content):
+                    if part.type == "image_url" and m.role == "user":
+                        where = f"messages[{i}].content[{j}].image_url"
+                        if image_placeholder is None or image_urls is None:
+                            raise no_images(where)
+                        if not isinstance(part.image_url, dict):
+                            raise APIError(f"Missing required parameter: '{where}' (an object with a url)", 400,
+                                           f"messages.{i}.content.{j}.image_url", "missing_required_parameter")
+                        image_urls.append((part.image_url.get("url"), f"{where}.url"))
+                        texts.append(image_placeholder)
+                        continue
                     if part.type != "text" or part.text is None:
-                        raise APIError(f"messages[{i}]: only text content parts are supported, got {part.type!r}",
+                        raise APIError(f"messages[{i}]: only text (and image_url) content parts are supported, got "
+                                       f"{part.type!r}",
                                        400, f"messages.{i}.content")
                     texts.append(part.text)
                 content = "\n".join(texts)
@@ -435,6 +462,20 @@ def _text_of(content: Any, where: str) -> str:
     return "\n".join(parts)
 
 
+def _anthropic_image_url(source: Any, at: str) -> str:
+    """An image block's ``source`` as the URL an OpenAI image_url part carries: base64 data -> a data: URL; a
+    url source as given (image_io reads only data: and permitted file:// URLs)."""
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64":
+        media, data = source.get("media_type"), source.get("data")
+        if not isinstance(media, str) or not media.startswith("image/") or not isinstance(data, str):
+            raise _fail(f"{at}.source: a base64 image needs media_type image/... and data (a string)", f"{at}.source")
+        return f"data:{media};base64,{data}"
+    if kind == "url" and isinstance(source.get("url"), str):
+        return source["url"]
+    raise _fail(f"{at}.source.type must be 'base64' or 'url', got {kind!r}", f"{at}.source.type")
+
+
 def anthropic_messages(system: Any, messages: Any) -> list[dict[str, Any]]:
     """system + messages (text, tool_use, tool_result, thinking blocks) as OpenAI chat messages."""
     if not isinstance(messages, list) or not messages:
@@ -452,12 +493,15 @@ def anthropic_messages(system: Any, messages: Any) -> list[dict[str, Any]]:
             continue
         if not isinstance(content, list):
             raise _fail(f"{where}.content must be a string or a list of content blocks", f"{where}.content")
-        texts, calls = [], []
+        texts, calls, parts = [], [], []
         for j, b in enumerate(content):
             kind = b.get("type") if isinstance(b, dict) else None
             at = f"{where}.content.{j}"
             if kind == "text" and isinstance(b.get("text"), str):
                 texts.append(b["text"])
+                parts.append({"type": "text", "text": b["text"]})
+            elif kind == "image" and m["role"] == "user":
+                parts.append({"type": "image_url", "image_url": {"url": _anthropic_image_url(b.get("source"), at)}})
             elif kind == "tool_use" and m["role"] == "assistant":
                 if not isinstance(b.get("name"), str) or not isinstance(b.get("input", {}), dict):
                     raise _fail(f"{at}: tool_use needs a name and an input object", at)
@@ -473,7 +517,9 @@ def anthropic_messages(system: Any, messages: Any) -> list[dict[str, Any]]:
                 continue  # earlier turns' thinking is not sent back to the model (as DeepSeek's encoders do)
             else:
                 raise _fail(f"{at}: unsupported content block {kind!r} for role {m['role']!r}", at)
-        if texts or calls or not content:
+        if len(parts) > len(texts):  # images among the blocks: OpenAI content parts, in block order
+            out.append({"role": m["role"], "content": parts})
+        elif texts or calls or not content:
             msg: dict[str, Any] = {"role": m["role"], "content": "\n".join(texts)}
             if calls:
                 msg["tool_calls"] = calls

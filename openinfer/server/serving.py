@@ -21,6 +21,7 @@ from openinfer.engine.llm_engine import LLMEngine
 from openinfer.engine.request import INVALID_REQUEST
 from openinfer.kv_events import KVEventsConfig
 from openinfer.request_limits import DEFAULT_LIMITS, RequestLimits
+from openinfer.server.chat_images import ChatImages
 from openinfer.server.async_engine import AsyncEngine, EngineOverloaded, EngineUnavailable, RequestStream
 from openinfer.server.body_precheck import precheck
 from openinfer.server.errors import APIError
@@ -98,6 +99,7 @@ class ServingContext:
             defaults=engine.default_sampling_params(),
             tool_parser=self.tool_parser,
             grammar_compiler=engine.grammar_compiler,
+            images=ChatImages.for_engine(engine.config.model, engine.tokenizer),
         )
 
     # -- parsing, tokenizing ----------------------------------------------------------------------

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -115,7 +117,10 @@ async def prepare_chat(ctx: ServingContext, checked: CheckedChat, request_id: st
     the chat template, and its engine request: every client mistake is a 400 by here, before the engine sees it."""
     ids = await ctx.render_chat(checked.messages, checked.request.add_generation_prompt,
                                 checked.request.continue_final_message, checked.template_kwargs)
-    add = ctx.validator.engine_request(checked, request_id, ids, None, arrival_s)
+    mm_images = []
+    if checked.images:
+        ids, mm_images = await asyncio.to_thread(ctx.validator.images.place, ids, checked.images)  # resizes: CPU
+    add = ctx.validator.engine_request(checked, request_id, ids, None, arrival_s, mm_images)
     return PreparedChat(checked.model, checked.plan, checked.messages, add, checked.template_kwargs)
 
 

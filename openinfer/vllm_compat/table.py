@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from openinfer.vllm_compat.flag import VllmFlag, bytes_to_gib, alias, noop, refuse, same
 
-_NO_MM = "openinfer serves text-only models"
+_NO_MM = "openinfer takes images (DeepSeek-V4.1) through --limit-mm-per-prompt / --allowed-local-media-path only"
 _NO_LORA = "LoRA adapters are not implemented"
 _NO_HUB = "openinfer loads a local checkpoint folder; it downloads nothing"
 _NO_GRAPHS = "openinfer captures no CUDA graphs and does not torch.compile the model"
@@ -25,8 +25,9 @@ TABLE: list[VllmFlag] = [
     same("--device"),
     same("--attention-backend"),
     refuse("--hf-config-path", "the config is read from the --model folder"),
-    refuse("--allowed-local-media-path", _NO_MM),
-    refuse("--allowed-media-domains", _NO_MM),
+    same("--allowed-local-media-path"),
+    refuse("--allowed-media-domains", "openinfer fetches no media from the network (data: URLs and "
+           "--allowed-local-media-path files only)"),
     refuse("--revision", _NO_HUB),
     noop("--code-revision", "openinfer runs no code from the checkpoint", takes_value=True),
     refuse("--rope-scaling", "the checkpoint's config.json is used as it is"),
@@ -125,7 +126,7 @@ TABLE: list[VllmFlag] = [
     same("--kv-offloading-size"),
     same("--kv-offloading-backend"),
     # -- MultiModalConfig --------------------------------------------------------------------------------------
-    refuse("--limit-mm-per-prompt", _NO_MM, ok=('{"image": 0}',)),  # any all-zero limits are accepted
+    same("--limit-mm-per-prompt"),
     refuse("--enable-mm-embeds", _NO_MM, takes_value=False, negatable=True),
     refuse("--media-io-kwargs", _NO_MM),
     refuse("--mm-processor-kwargs", _NO_MM),

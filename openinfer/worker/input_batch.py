@@ -8,7 +8,7 @@ import torch
 
 from openinfer.forward_context import AttentionMetadata
 from openinfer.sampling_params import SamplingParams
-from openinfer.step_io import SchedulerOutput
+from openinfer.step_io import MMImage, SchedulerOutput
 
 
 @dataclass
@@ -21,6 +21,10 @@ class CachedRequestState:
     token_ids: list[int]  # prompt + every token generated so far (the worker appends what it samples)
     output_token_ids: list[int]
     draft_computed: int = 0  # a draft model's KV holds this request's first draft_computed tokens
+    mm_images: list[MMImage] = field(default_factory=list)
+    # Each image's embeddings once its first position is computed, until its last one is (vLLM's encoder cache,
+    # per request: a prompt chunk may end inside an image).
+    mm_embeds: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -64,7 +68,7 @@ class InputBatch:
             self.requests[r.req_id] = CachedRequestState(
                 r.req_id, r.prompt_token_ids, r.sampling_params, [list(b) for b in r.block_ids],
                 r.num_computed_tokens, list(r.prompt_token_ids) + list(r.output_token_ids),
-                list(r.output_token_ids), draft_computed=r.num_computed_tokens)
+                list(r.output_token_ids), draft_computed=r.num_computed_tokens, mm_images=list(r.mm_images))
         for r in sched.cached_requests:
             st = self.requests[r.req_id]
             for table, new in zip(st.block_ids, r.new_block_ids):

@@ -191,6 +191,7 @@ class ModelRunner:
         if (self.skip_unread_rows and self.proposer is None and not plp and not self.config.cache.enable_prefix_caching
                 and not any(_sent_away(r) for r in inputs.rows)):
             inputs.metadata.output_rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
+        self._place_images(inputs)
         with set_forward_context(inputs.metadata):
             hidden = self.model(inputs.input_ids, inputs.positions)
 
@@ -217,6 +218,35 @@ class ModelRunner:
                 out.prompt_logprobs[r.state.req_id] = self._prompt_logprobs(hidden, r, first)
         out.expert_load = self._after_forward()
         return out
+
+    def _place_images(self, inputs) -> None:
+        """The step's image positions: their embeddings from the model's vision tower (each image encoded once,
+        when its first position is computed, and dropped after its last), and the mask of image rows."""
+        rows: list[int] = []
+        embeds: list[torch.Tensor] = []
+        off = 0
+        for r in inputs.rows:
+            st = r.state
+            known_end = r.start + r.num_tokens - len(r.drafts)
+            for i, img in enumerate(st.mm_images):
+                lo, hi = max(r.start, img.offset), min(known_end, img.offset + img.length)
+                if lo >= hi:
+                    continue
+                e = st.mm_embeds.get(i)
+                if e is None:
+                    e = st.mm_embeds[i] = self.model.embed_image(img)
+                rows.extend(range(off + lo - r.start, off + hi - r.start))
+                embeds.append(e[lo - img.offset:hi - img.offset])
+                if hi == img.offset + img.length:
+                    del st.mm_embeds[i]
+            off += r.num_tokens
+        if not rows:
+            return
+        md = inputs.metadata
+        md.mm_rows = torch.tensor(rows, dtype=torch.long, device=self.device)
+        md.mm_embeds = torch.cat(embeds)
+        md.image_rows = torch.zeros(md.num_tokens, dtype=torch.bool, device=self.device)
+        md.image_rows[md.mm_rows] = True
 
     def _sample_plain(self, logits: torch.Tensor, plain: list[tuple[ScheduledRow, int]],
                       out: ModelRunnerOutput, masks: dict[str, bytes]) -> None:

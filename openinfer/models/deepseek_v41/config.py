@@ -52,10 +52,9 @@ class DSparkConfig:
 
 @dataclass(frozen=True)
 class VisionConfig:
-    """The fields of ``vision_config`` DeepInfer reads (hugging_face/config.py ``_build_vision``: the projector's
-    input width and downsample; the ViT's shape is fixed in its vision_encoder/vit.py). openinfer does not build
-    the vision tower: a checkpoint with it serves text, its vision tensors checked by name and skipped
-    (loading.py)."""
+    """The fields of ``vision_config`` DeepInfer reads to build the model (hugging_face/config.py ``_build_vision``:
+    the projector's input width and downsample; the ViT's shape is fixed in its vision_encoder/vit.py). The tower
+    itself is vision.py (VisionTowerConfig), the image geometry multimodal/image_layout.py."""
     hidden_size: int
     downsample_ratio: int
 

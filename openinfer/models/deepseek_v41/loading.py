@@ -9,8 +9,9 @@ MXFP4 experts stay packed where their experts module keeps them (V4's rule); the
 dequantised at load.
 ``mtp.*`` (the DSpark draft blocks) builds ``model.mtp`` on first sight; a checkpoint without them loads, and
 drafting is unavailable (said once). ``mtp.N.embed`` / ``mtp.N.head`` copies are skipped, as DeepInfer skips them.
-The vision tower (``vision.*``, ``aligner.*``, ``image_start / end / newline``; config ``vision_config``) is not
-built: its tensors are checked against DeepInfer's names and skipped, so the released layout serves text.
+The vision tower (``vision.*``, ``aligner.*``, ``image_start / end / newline``; config ``vision_config``) loads
+into ``model.vision`` (vision_names.py); for text-only serving (``--limit-mm-per-prompt '{"image": 0}'``) it is
+not built and its tensors are checked against DeepInfer's names and skipped.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from collections.abc import Iterable
 import torch
 
 from openinfer.layers.fp8 import FP8_DTYPE, dequantize_fp8_block
+from openinfer.models.deepseek_v41.vision_names import IMAGE_MARKERS, is_vision_tensor, vision_param_name
 from openinfer.models.deepseek_v4.loading import _copy_shard, _expected, _keeps_packed, _targets, canonical_name
 from openinfer.models.quantized_weights import Dequantizer
 from openinfer.models.weights import WeightLoadError, copy_into
@@ -30,26 +32,21 @@ ENGRAM_TABLE = "engram.embed.weight"
 # The DSpark blocks read the backbone's embedding and head; DeepInfer skips per-block copies (names.py hf_to_model
 # maps them to nothing: "tied, HF stores only one copy, in the backbone").
 TIED_MTP_COPY = re.compile(r"^(model\.)?mtp\.\d+\.(embed|head)\.(weight|scale)$")
-# The vision tower's tensors under DeepInfer's HF names (names.py _VISION_PREFIX / _VISION_RENAME over
-# vision_encoder/vit.py and mlp_projector.py) and the image marker embeddings (containers.py MultimodalEmbedding).
-VISION_TENSOR = re.compile(r"^(model\.)?(vision\.(patch_embed\.proj\.(weight|bias)|norm\.weight"
-                           r"|blocks\.\d+\.(norm1\.weight|norm2\.weight|attn\.(wqkv|wo)\.(weight|bias)"
-                           r"|mlp\.(w1|w2)\.weight))|aligner\.(w1|w2)\.(weight|bias))$")
-IMAGE_MARKERS = ("image_start", "image_end", "image_newline")
 
 
-def _vision_tensor(model, name: str, tensor: torch.Tensor) -> bool:
-    """A tensor of the vision tower, which openinfer does not build (text-only serving): checked and skipped."""
-    plain = name.removeprefix("model.")
-    if plain not in IMAGE_MARKERS and not VISION_TENSOR.match(plain):
-        return False
+def _vision_tensor(model, name: str, tensor: torch.Tensor) -> str | None:
+    """A tensor of the vision tower: the parameter it loads into, or "" when the tower is not built (text-only
+    serving: --limit-mm-per-prompt '{"image": 0}'), after checking it belongs; None for any other tensor."""
+    if not is_vision_tensor(name):
+        return None
     if model.config.vision is None:
         raise WeightLoadError(f"checkpoint tensor {name!r} belongs to the vision tower, but config.json has no "
                               "vision_config")
+    plain = name.removeprefix("model.")
     if plain in IMAGE_MARKERS and tuple(tensor.shape) != (model.config.hidden_size,):
         raise WeightLoadError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected "
                               f"({model.config.hidden_size},): one embedding of the text width")
-    return True
+    return "" if model.vision is None else vision_param_name(name)
 
 
 class _V41Dequantizer(Dequantizer):
@@ -73,8 +70,16 @@ def load_v41_weights(model, weights: Iterable[tuple[str, torch.Tensor]]) -> set[
     for raw_name, raw_tensor in weights:
         if TIED_MTP_COPY.match(raw_name):
             continue
-        if _vision_tensor(model, raw_name, raw_tensor):
+        vision_param = _vision_tensor(model, raw_name, raw_tensor)
+        if vision_param == "":
             vision_skipped += 1
+            continue
+        if vision_param is not None:
+            if vision_param not in targets:
+                raise WeightLoadError(f"checkpoint tensor {raw_name!r} does not belong to the vision tower "
+                                      f"(mapped to {vision_param!r}; see vision_config in config.json)")
+            copy_into(targets[vision_param], raw_tensor, raw_name)
+            loaded.add(vision_param)
             continue
         for name, tensor in dequantizer.feed(raw_name, raw_tensor):
             pname, shard = canonical_name(name)
@@ -102,8 +107,8 @@ def load_v41_weights(model, weights: Iterable[tuple[str, torch.Tensor]]) -> set[
     if missing:
         raise WeightLoadError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
     if vision_skipped:
-        logger.info("DeepSeek-V4.1 vision tower not built (text-only serving; image input is not implemented): "
-                    "%d vision tensors skipped", vision_skipped)
+        logger.info("DeepSeek-V4.1 vision tower not built (text-only serving, --limit-mm-per-prompt "
+                    "'{\"image\": 0}'): %d vision tensors skipped", vision_skipped)
     if model.mtp is None and model.config.num_nextn_predict_layers:
         logger.info("checkpoint has no DSpark weights (mtp.*): the model runs, drafting is unavailable")
     return loaded

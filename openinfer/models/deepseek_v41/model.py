@@ -29,7 +29,10 @@ from openinfer.models.deepseek_v41.dspark import DSparkDrafter, draft_positions,
 from openinfer.models.deepseek_v41.engram import Engram, compressed_vocabulary, table_sizes
 from openinfer.models.deepseek_v41.hc import ShiftedHyperConnection, apply_pre, first_pre, hc_post
 from openinfer.models.deepseek_v41.moe import MoE
+from openinfer.models.deepseek_v41.vision import VisionTower, VisionTowerConfig
+from openinfer.models.deepseek_v41.vision_inputs import ImageEmbedder
 from openinfer.models.interface import DSparkShape, DSparkTarget, KVStoreOwner, KVStores, ParallelMode
+from openinfer.step_io import MMImage
 
 
 class DecoderLayer(nn.Module):
@@ -93,6 +96,9 @@ class DeepseekV41Model(nn.Module, KVStoreOwner):
         history = self.history(input_ids, step)
         state = StepState([layer.self_attn.cache for layer in self.layers])
         x = self.embed_tokens(input_ids)
+        if md.mm_rows is not None:  # image positions: the vision tower's embeddings (vision_inputs.py)
+            x = x.index_copy(0, md.mm_rows, md.mm_embeds.to(x.dtype))
+        image_rows = md.image_rows
         X = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         pre = first_pre(x.shape[0], self.cfg.hc_mult, x.device)
         targets = self.cfg.dspark.target_layer_ids if self.capture_dspark_features else ()
@@ -118,7 +124,8 @@ class DeepseekV41Model(nn.Module, KVStoreOwner):
                 state.shared_hidden = h
             X, pre = hc_post(layer.self_attn(h, step, rope, state), X, post, comb), nxt
             nxt, post, comb = layer.ffn_hc.mixes(X)
-            y = layer.mlp(layer.post_attention_layernorm(apply_pre(pre, X)))
+            images = image_rows if image_rows is None or state.rows is None else image_rows[state.rows]
+            y = layer.mlp(layer.post_attention_layernorm(apply_pre(pre, X)), image_rows=images)
             X, pre = hc_post(y, X, post, comb), nxt
         if captured:
             self.dspark_features = target_features(captured)
@@ -192,6 +199,18 @@ class DeepseekV41ForCausalLM(DSparkTarget):
             self.lm_head.tie(self.model.embed_tokens)
         # The DSpark draft blocks, built by load_weights when the checkpoint carries mtp.* tensors.
         self.mtp: DSparkDrafter | None = None
+        # The vision tower, for a checkpoint with vision_config unless text-only serving was asked for
+        # (--limit-mm-per-prompt '{"image": 0}': the config then carries _text_only and its weights are skipped).
+        self.vision: ImageEmbedder | None = None
+        if self.config.vision is not None and not hf_config.get("_text_only"):
+            tower = VisionTower(VisionTowerConfig.from_hf(hf_config["vision_config"], self.config.hidden_size))
+            self.vision = ImageEmbedder(tower)
+
+    def embed_image(self, image: MMImage) -> torch.Tensor:
+        """[image.length, hidden]: the embeddings of one image's prompt positions (markers included)."""
+        if self.vision is None:
+            raise ValueError("this model was loaded without its vision tower (text-only serving)")
+        return self.vision(image)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

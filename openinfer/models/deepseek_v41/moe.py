@@ -1,6 +1,7 @@
 """V4.1 MoE (spec §7.7): V4's sqrtsoftplus DeepSeekMoE without hash-routed layers. The checkpoint also carries
-``ffn.gate.bias_vl``, the selection bias for image tokens; held (so loading is exact) and unused while the vision
-tower is not supported. The DSpark draft blocks use fewer experts (``dspark_n_routed_experts`` /
+``ffn.gate.bias_vl``, the selection bias of image tokens: a row of an image's positions (its markers included,
+DeepInfer's ``images_seq_mask = mm_token_type >= IMAGE``) selects its experts with ``bias_vl`` in place of
+``bias``; the weights still come from the scores alone. The DSpark draft blocks use fewer experts (``dspark_n_routed_experts`` /
 ``dspark_num_experts_per_tok``) with the same widths. MXFP4 routed experts (``expert_dtype: fp4``) stay packed as
 loaded (``layers/mxfp4.py``), as V4's, unless ``OPENINFER_MXFP4_EXPERTS=dequantize``."""
 from __future__ import annotations
@@ -9,7 +10,7 @@ import dataclasses
 
 import torch
 
-from openinfer.layers.deepseek_moe import DeepseekMoE
+from openinfer.layers.deepseek_moe import DeepseekMoE, route
 from openinfer.layers.mxfp4 import packed_experts_enabled
 from openinfer.models.deepseek_v41.config import DeepseekV41Config
 
@@ -27,3 +28,18 @@ class MoE(DeepseekMoE):
         self.gate.register_parameter(
             "bias_vl", torch.nn.Parameter(torch.zeros(router.n_routed_experts, dtype=torch.float32),
                                           requires_grad=False))
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None,
+                image_rows: torch.Tensor | None = None) -> torch.Tensor:
+        if image_rows is None or not bool(image_rows.any()):
+            return super().forward(x, token_ids)
+        gate = self.gate
+        logits = x.float() @ gate.weight.float().t()
+        weights = torch.empty(x.shape[0], gate.cfg.num_experts_per_tok, dtype=torch.float32, device=x.device)
+        ids = torch.empty(weights.shape, dtype=torch.long, device=x.device)
+        for rows, bias in ((image_rows, gate.bias_vl), (~image_rows, gate.e_score_correction_bias)):
+            if bool(rows.any()):
+                weights[rows], ids[rows] = route(logits[rows], gate.cfg, bias)
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        out = self.experts(x, weights, ids, out=shared)
+        return self.experts.tp.all_reduce(out) if self.tp_reduce else out
