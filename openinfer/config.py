@@ -237,7 +237,7 @@ class ModelConfig:
 
 
 # fp8_e5m2 (vLLM's other fp8) is not offered: e4m3's extra mantissa bit is what a scale-1.0 cache wants.
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_ds_mla")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_ds_mla", "fp4", "mxfp8")
 
 
 @dataclass(frozen=True)
@@ -256,7 +256,8 @@ class CacheConfig:
     num_kv_blocks: int | None = None
     # What the cache stores (vLLM's names): "auto" = the model's dtype; "fp8" / "fp8_e4m3" = float8_e4m3fn with
     # scale 1.0 (layers/kv_quant.py); "fp8_ds_mla" = DeepSeek-V4's packed fp8 entry layout (what "fp8" selects
-    # on V4 anyway).
+    # on V4 anyway); "fp4" / "mxfp8" = DeepSeek-V4.1's compressed KV in DeepInfer's FP4 / MXFP8 (on V4.1 "fp8" is
+    # DeepInfer's choice from the config's use_fp4_sparse_kv; models/deepseek_v41/cache.py).
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:

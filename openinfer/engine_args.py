@@ -65,7 +65,9 @@ class EngineArgs:
     num_kv_blocks: int | None = _arg(None, "exact KV block count (overrides the memory-based size)")
     kv_cache_dtype: str = _arg("auto", "what the KV cache stores: auto (the model's dtype) | fp8 / fp8_e4m3 "
                                        "(float8_e4m3fn, scale 1.0: half of bf16's bytes) | fp8_ds_mla "
-                                       "(DeepSeek-V4's packed fp8 layout, what fp8 picks on V4)")
+                                       "(DeepSeek-V4's packed fp8 layout, what fp8 picks on V4) | fp4 / mxfp8 "
+                                       "(DeepSeek-V4.1: DeepInfer's compressed-KV formats; fp8 there is DeepInfer's "
+                                       "layout as the config's use_fp4_sparse_kv picks)")
     quantization: str | None = _arg(None, "keep the linear weights low-bit, quantised at load and multiplied "
                                           "packed: int8 (per output channel) | int4 (groups of 128 columns) | "
                                           "w8a8 / w4a8 (those weights times int8 activations, per token); "
@@ -290,6 +292,11 @@ def _check_kv_cache_dtype(kv_cache_dtype: str, architecture: str, speculative) -
     classes = [(architecture, resolve_model_class(architecture))]
     if speculative is not None and speculative.method == "mtp" and not uses_dspark(architecture):
         classes.append((f"{architecture} MTP", resolve_mtp_class(architecture)))
+    if (speculative is not None and speculative.method == "mtp" and uses_dspark(architecture)
+            and kv_cache_dtype != "auto"):
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} cannot be combined with DSpark drafting "
+                         f"(speculative method mtp on {architecture}): the draft blocks' key store has no quantised "
+                         "layout; use kv_cache_dtype auto")
     if speculative is not None and speculative.method == "draft_model":
         draft = json.loads(open(f"{speculative.model}/config.json").read()).get("architectures") or [""]
         classes.append((f"draft model {draft[0]}", resolve_model_class(draft[0])))

@@ -1,6 +1,6 @@
 """Print the KV bytes per token openinfer reports for model configs, without weights (models are built on
 the meta device). Usage: python scripts/kv_bytes_report.py CONFIG.json|CHECKPOINT_DIR [...] [--dtype bfloat16]
-[--block-size 16] [--kv-cache-dtype auto fp8]
+[--block-size 16] [--kv-cache-dtype auto fp8 ...]
 
 The figures are the ones the engine logs at start-up (kv_cache_interface.kv_bytes_summary); with several
 --kv-cache-dtype values each config gets a line per value and the ratio to the first."""
@@ -25,6 +25,7 @@ def _spec(hf_config: dict, dtype: torch.dtype, block_size: int, kv_cache_dtype: 
             model = resolve_model_class(hf_config["architectures"][0])(hf_config)
     finally:
         torch.set_default_dtype(prev)
+    model.use_kv_cache_dtype(kv_cache_dtype)  # as the model runner does after load
     # what the model runner hands kv_cache_spec: the model's dtype, or float8_e4m3fn for an fp8 cache
     return model.kv_cache_spec(block_size, dtype if kv_cache_dtype == "auto" else FP8_DTYPE)
 

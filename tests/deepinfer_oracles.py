@@ -141,7 +141,9 @@ def load(relpath: str, *names: str, provide: dict | None = None) -> SimpleNamesp
             if stmt not in body:
                 body.append(stmt)
     namespace: dict = {"__name__": f"deepinfer_oracle:{relpath}", **(provide or {})}
-    exec(compile(ast.Module(body=body, type_ignores=[]), str(path), "exec"), namespace)
+    # dont_inherit: this file's ``from __future__ import annotations`` would turn a DeepInfer dataclass's field
+    # types into strings, which dataclasses resolve through sys.modules (where the oracle namespace is not).
+    exec(compile(ast.Module(body=body, type_ignores=[]), str(path), "exec", dont_inherit=True), namespace)
     return SimpleNamespace(**{n: namespace[n] for n in names})
 
 

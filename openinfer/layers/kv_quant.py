@@ -112,7 +112,8 @@ class Fp8RowLayout:
 
 
 class PackedRows:
-    """A flat ``[slots, row_bytes]`` uint8 store of packed fp8 rows (either layout above) that reads and writes like a ``[slots, dim]``
+    """A flat ``[slots, row_bytes]`` uint8 store of packed rows (either layout above, or ``kv_mx.MxFormat``: any
+    object with ``dim``, ``row_bytes``, ``pack`` and ``unpack``) that reads and writes like a ``[slots, dim]``
     tensor of ``dtype``: indexing dequantizes the rows picked, writes (``index_copy_``, item assignment) pack."""
 
     def __init__(self, data: torch.Tensor, layout: DsMlaLayout | Fp8RowLayout, dtype: torch.dtype) -> None:

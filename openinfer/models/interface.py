@@ -117,6 +117,11 @@ class CausalLM(nn.Module, metaclass=ABCMeta):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Consume (checkpoint name, tensor) pairs; raise ``WeightLoadError`` naming what is missing or foreign."""
 
+    def use_kv_cache_dtype(self, kv_cache_dtype: str) -> None:
+        """Told once after load, before ``kv_cache_spec``, the engine's ``kv_cache_dtype`` (one of
+        ``supported_kv_cache_dtypes``). For a model whose values differ in more than the store dtype the runner
+        hands over (DeepSeek-V4.1's DeepInfer layouts pick a format per store); the others need nothing here."""
+
     @abstractmethod
     def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> list[KVGroupSpec]:
         """The KV groups this model's layers read and write, with their exact bytes per block. ``dtype`` here and

@@ -70,6 +70,7 @@ class ModelRunner:
 
     def _load_model(self) -> None:
         self.model = load_model(self.config.model, self.config.attention_backend, self.device)
+        self.model.use_kv_cache_dtype(self.config.cache.kv_cache_dtype)
         if self.config.model.quantization is not None:
             quantize_linears(self.model, self.config.model.quantization)
         prepack_linears(self.model)

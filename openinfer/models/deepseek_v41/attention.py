@@ -113,7 +113,8 @@ class Attention(nn.Module, KVStoreOwner):
         slot_mapping = get_forward_context().group(WINDOW).slot_mapping
         q, q_residual, kv = self.project(x, cos, sin)
         own = slot_mapping if state.rows is None else slot_mapping[state.rows]
-        self.cache.flat("kv").index_copy_(0, own, kv.to(self.cache.kv.dtype))
+        store = self.cache.flat("kv")
+        store.index_copy_(0, own, kv.to(store.dtype))
         if self.ratio:
             if self.compressor is not None:
                 if self.yoco_consumer:  # entries of every row of the step, from the shared hidden
@@ -190,6 +191,8 @@ class Attention(nn.Module, KVStoreOwner):
             return empty, blocks if self.is_candidate_source else None
         q, head_w = self.indexer.query(q_residual, x, cos, sin)
         src = state.caches[self.index_k_source]
+        if src.numerics.index_keys is not None:  # DeepInfer casts the indexer's queries as its keys (FP4)
+            q = src.numerics.index_keys.round_trip(q)
         windows = torch.arange(width, device=x.device)
         keys = src.flat("index_keys")[step.entry_slots(step.token_seq[:, None], windows[None, :], m, src.entry_cap)]
         scores = self.indexer.score(q, head_w, keys)

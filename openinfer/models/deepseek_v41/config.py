@@ -98,6 +98,9 @@ class DeepseekV41Config:
     fp8_block: tuple[int, int] | None = None
     expert_dtype: str | None = None
     vision: VisionConfig | None = None
+    # DeepInfer's compressed-KV format switch (hugging_face/config.py, default true: FP4, else MXFP8); applied by
+    # kv_cache_dtype fp8 (cache.KVNumerics).
+    use_fp4_sparse_kv: bool = True
 
     @property
     def router(self) -> RouterConfig:
@@ -186,7 +189,15 @@ class DeepseekV41Config:
             dspark=_dspark(cfg, n) if nextn else None,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             fp8_block=fp8_block, expert_dtype=expert_dtype, vision=vision,
+            use_fp4_sparse_kv=_flag(cfg, "use_fp4_sparse_kv", True),
         )
+
+
+def _flag(cfg: dict[str, Any], key: str, default: bool) -> bool:
+    value = cfg.get(key, default)
+    if not isinstance(value, bool):
+        raise ValueError(f"{key}={value!r} must be true or false")
+    return value
 
 
 def _vision(vc: Any) -> VisionConfig | None:

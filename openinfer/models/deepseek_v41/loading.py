@@ -5,7 +5,9 @@ The leaf names are V4's release names (``layers.N.attn.wq_a``, ``.attn.compresso
 (index-K sources only), ``ffn.gate.bias_vl`` and ``engram.{embed.weight, wkv.weight, q_weight, k_weight}``.
 Quantisation (config's ``quantization_config``): FP8 e4m3 linears with UE8M0 ``.scale`` per 32x32 block, MXFP4
 routed experts, and the Engram tables in FP8 with one UE8M0 scale per 32 values of a row ([rows, dim/32]). The
-MXFP4 experts stay packed where their experts module keeps them (V4's rule); the FP8 linears and tables are
+MXFP4 experts stay packed where their experts module keeps them, and the FP8 linears (32x32 blocks) as shipped
+where ``packs_fp8`` accepts the module (V4's rules: a single-rank CPU ``Linear`` only multiplied - not
+``o_a_proj``, read as a grouped matrix; ``OPENINFER_FP8_WEIGHTS=dequantize`` opts out); the Engram tables are
 dequantised at load.
 ``mtp.*`` (the DSpark draft blocks) builds ``model.mtp`` on first sight; a checkpoint without them loads, and
 drafting is unavailable (said once). ``mtp.N.embed`` / ``mtp.N.head`` copies are skipped, as DeepInfer skips them.
@@ -22,8 +24,10 @@ from collections.abc import Iterable
 import torch
 
 from openinfer.layers.fp8 import FP8_DTYPE, dequantize_fp8_block
+from openinfer.layers.quant_linear import QuantizedWeight
 from openinfer.models.deepseek_v41.vision_names import IMAGE_MARKERS, is_vision_tensor, vision_param_name
-from openinfer.models.deepseek_v4.loading import _copy_shard, _expected, _keeps_packed, _targets, canonical_name
+from openinfer.models.deepseek_v4.loading import (_copy_shard, _expected, _keeps_packed, _load_packed_linear, _targets,
+                                                  canonical_name)
 from openinfer.models.quantized_weights import Dequantizer
 from openinfer.models.weights import WeightLoadError, copy_into
 
@@ -65,7 +69,7 @@ def load_v41_weights(model, weights: Iterable[tuple[str, torch.Tensor]]) -> set[
     # targets is rebound when the DSpark blocks are built; the lambda reads the current binding.
     dequantizer = _V41Dequantizer(model.config.fp8_block, model.config.expert_dtype,
                                   lambda n: canonical_name(n)[0] in targets,
-                                  keep_packed=lambda n: _keeps_packed(model, n, linears=False))
+                                  keep_packed=lambda n: _keeps_packed(model, n))
     vision_skipped = 0
     for raw_name, raw_tensor in weights:
         if TIED_MTP_COPY.match(raw_name):
@@ -96,7 +100,10 @@ def load_v41_weights(model, weights: Iterable[tuple[str, torch.Tensor]]) -> set[
                                       f"(mapped to {pname!r}; see kv_source_layer_ids / index_source_layer_ids "
                                       f"/ engram_layer_ids in config.json)")
             param = targets[pname]
-            if shard is None:
+            if shard is None and isinstance(tensor, QuantizedWeight):  # an FP8 linear kept as shipped
+                _load_packed_linear(model, pname, tensor, name, None)
+                loaded.add(pname)
+            elif shard is None:
                 copy_into(param, tensor, name)
                 loaded.add(pname)
             else:

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -22,8 +23,8 @@ from openinfer.layers.norm import RMSNorm
 from openinfer.layers.rotary import RotaryEmbedding
 from openinfer.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from openinfer.models.deepseek_v41.attention import Attention, StepState
-from openinfer.models.deepseek_v41.cache import (FULL, WINDOW, LayerCache, StepIndex, bytes_per_block,
-                                                 check_block_size, lookback_tokens)
+from openinfer.models.deepseek_v41.cache import (FULL, KV_CACHE_DTYPES, WINDOW, KVNumerics, LayerCache, StepIndex,
+                                                 bytes_per_block, check_block_size, layout_summary, lookback_tokens)
 from openinfer.models.deepseek_v41.config import DeepseekV41Config
 from openinfer.models.deepseek_v41.dspark import DSparkDrafter, draft_positions, target_features
 from openinfer.models.deepseek_v41.engram import Engram, compressed_vocabulary, table_sizes
@@ -33,6 +34,8 @@ from openinfer.models.deepseek_v41.vision import VisionTower, VisionTowerConfig
 from openinfer.models.deepseek_v41.vision_inputs import ImageEmbedder
 from openinfer.models.interface import DSparkShape, DSparkTarget, KVStoreOwner, KVStores, ParallelMode
 from openinfer.step_io import MMImage
+
+logger = logging.getLogger(__name__)
 
 
 class DecoderLayer(nn.Module):
@@ -188,6 +191,8 @@ class DeepseekV41ForCausalLM(DSparkTarget):
     # parallel: attention is replicated and load_v41_weights does not shard the embedding / head (tp2 failed at
     # load with "embed.weight has shape (256, 128), the model expects (128, 128)").
     supported_parallel_modes = frozenset({ParallelMode.DATA, ParallelMode.EXPERT})
+    # DeepInfer's layouts (cache.KVNumerics): fp8 as DeepInfer runs this config, fp4 / mxfp8 its two entry formats.
+    supported_kv_cache_dtypes = KV_CACHE_DTYPES
 
     def __init__(self, hf_config: dict[str, Any], *,
                  attention_backend: AttentionBackend = AttentionBackend.SDPA) -> None:
@@ -199,6 +204,7 @@ class DeepseekV41ForCausalLM(DSparkTarget):
             self.lm_head.tie(self.model.embed_tokens)
         # The DSpark draft blocks, built by load_weights when the checkpoint carries mtp.* tensors.
         self.mtp: DSparkDrafter | None = None
+        self.kv_numerics = KVNumerics()
         # The vision tower, for a checkpoint with vision_config unless text-only serving was asked for
         # (--limit-mm-per-prompt '{"image": 0}': the config then carries _text_only and its weights are skipped).
         self.vision: ImageEmbedder | None = None
@@ -270,17 +276,28 @@ class DeepseekV41ForCausalLM(DSparkTarget):
         return load_v41_weights(self, weights)
 
     # -- KV cache hooks (cache.py) -----------------------------------------------------------------------
+    def use_kv_cache_dtype(self, kv_cache_dtype: str) -> None:
+        """Pick the stores' layouts (cache.KVNumerics) and log them with their bytes per token."""
+        self.kv_numerics = KVNumerics.build(self.config, kv_cache_dtype)
+        logger.info(layout_summary(self.config, self._dtype.itemsize, self.kv_numerics))
+
+    @property
+    def _dtype(self) -> torch.dtype:
+        """The model's dtype (the store dtype the runner hands over is float8 for any quantised kv_cache_dtype)."""
+        return self.model.embed_tokens.weight.dtype
+
     def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> list[KVGroupSpec]:
         """Entries and index keys (whole life) in the full group; windows, C2 rows and Engram ids (read within
         ``lookback_tokens``) in the window group. Exact bytes per block."""
         check_block_size(self.config, block_size)
-        window, full = bytes_per_block(self.config, block_size, torch.empty((), dtype=dtype).element_size())
+        window, full = bytes_per_block(self.config, block_size, self._dtype.itemsize, self.kv_numerics)
         return [KVGroupSpec(FULL, full), KVGroupSpec(WINDOW, window, lookback_tokens=lookback_tokens(self.config))]
 
     def bind_kv_cache(self, num_blocks: Mapping[str, int], block_size: int, dtype: torch.dtype,
                       device: torch.device) -> None:
         for i, attn in enumerate(self.attention_layers()):
-            attn.cache = LayerCache(self.config, i, dict(num_blocks), block_size, dtype, device)
+            attn.cache = LayerCache(self.config, i, dict(num_blocks), block_size, self._dtype, device,
+                                    self.kv_numerics)
         if self.config.engram is not None:
             self.model.ids_store = torch.zeros(num_blocks[WINDOW], block_size, dtype=torch.long, device=device)
 

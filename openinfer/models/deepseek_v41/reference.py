@@ -3,6 +3,9 @@ from DeepInfer's definitions (spec §7) to test the paged engine path against. S
 windows, queries and entries, explicit softmaxes, Python ``sorted`` for every top-k (ties -> lowest index),
 numpy for the Engram hashes. It shares the model's parameters and its plain projections (linears, norms, RoPE
 tables), not its compression, sharing, indexer, candidate, YOCO, mHC or Engram code.
+``numerics`` (cache.KVNumerics, DeepInfer's KV formats): every value the engine would store in a packed store -
+window kv, roped entries, index keys - and the indexer's queries go through the format's write and read
+(``MxFormat.round_trip``) where they are made, as if stored and read back.
 """
 from __future__ import annotations
 
@@ -91,7 +94,8 @@ def compress(comp, h: torch.Tensor) -> torch.Tensor:
 class _Sequence:
     """Values a source layer computes for the whole sequence and later layers read."""
 
-    def __init__(self) -> None:
+    def __init__(self, numerics=None) -> None:
+        self.numerics = numerics
         self.entries: dict[int, torch.Tensor] = {}  # kv source -> pre-RoPE entries
         self.keys: dict[int, torch.Tensor] = {}  # index-K source -> roped index keys
         self.chosen: dict[int, list[list[int]]] = {}  # index source -> per query chosen entries
@@ -107,6 +111,7 @@ def attention(model, i: int, h: torch.Tensor, seq: _Sequence) -> torch.Tensor:
     rot = model.model.rotary[a.rope_name]
     cos, sin = rot._compute(pos)
     q, q_res, kv = a.project(h, cos, sin)
+    kv = _stored(seq, "kv", kv)
     m = a.ratio
     if m and a.compressor is not None:
         src_h = seq.shared_hidden if a.yoco_consumer else h
@@ -116,14 +121,14 @@ def attention(model, i: int, h: torch.Tensor, seq: _Sequence) -> torch.Tensor:
         starts = torch.arange(pre.shape[0]) * m
         c, s = rot._compute(starts)
         k = _rms(a.indexer.wk(pre), a.indexer.k_norm.weight, a.indexer.k_norm.eps).to(h.dtype)
-        seq.keys[i] = apply_interleaved(k, c, s)
+        seq.keys[i] = _stored(seq, "index_keys", apply_interleaved(k, c, s))
     if m and a.indexer is not None:
         seq.chosen[i] = _choose(model, i, q_res, h, cos, sin, seq)
     stored = None
     if m:
         pre = seq.entries[a.kv_source]
         c, s = rot._compute(torch.arange(pre.shape[0]) * m)
-        stored = apply_interleaved(pre, c, s)
+        stored = _stored(seq, "entries", apply_interleaved(pre, c, s))
     out = torch.empty_like(q)
     for t in range(t_len):
         keys = [kv[p] for p in range(max(0, t - cfg.sliding_window + 1), t + 1)]
@@ -138,12 +143,19 @@ def attention(model, i: int, h: torch.Tensor, seq: _Sequence) -> torch.Tensor:
     return a.project_out(out, cos, sin)
 
 
+def _stored(seq: _Sequence, store: str, x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the engine reads it back from ``store`` under the sequence's numerics."""
+    layout = None if seq.numerics is None else seq.numerics.layout(store)
+    return x if layout is None else layout.round_trip(x)
+
+
 def _choose(model, i: int, q_res, h, cos, sin, seq: _Sequence) -> list[list[int]]:
     cfg, topo = model.config, model.config.topology
     a = model.model.layers[i].self_attn
     idx, m = a.indexer, a.ratio
     keys = seq.keys[a.index_k_source].float()
-    qi = apply_interleaved(idx.q_b_proj(q_res).view(-1, idx.n_heads, idx.head_dim), cos, sin).float()
+    qi = _stored(seq, "index_keys", apply_interleaved(idx.q_b_proj(q_res).view(-1, idx.n_heads, idx.head_dim), cos,
+                                                      sin)).float()
     hw = idx.weights_proj(h).float() * idx.n_heads ** -0.5
     chosen, cands = [], []
     bs = topo.candidate_block_size
@@ -173,16 +185,17 @@ def candidate_set(scores: list[float], visible: int, block_size: int, k: int) ->
 
 
 @torch.no_grad()
-def reference_logits(model, ids: list[int], features: list | None = None) -> torch.Tensor:
+def reference_logits(model, ids: list[int], features: list | None = None, numerics=None) -> torch.Tensor:
     """Logits [T, vocab] (fp32) of every position of ``ids``, recomputed from scratch. ``features``: appended
-    with the DSpark target features (per target layer, the streams entering its attention, mean over streams)."""
+    with the DSpark target features (per target layer, the streams entering its attention, mean over streams).
+    ``numerics``: DeepInfer's KV formats to apply (see the module docstring); None: none."""
     cfg, m = model.config, model.model
     n = cfg.hc_mult
     x = m.embed_tokens.weight[torch.tensor(ids)]
     X = x[:, None].repeat(1, n, 1)
     pre = torch.zeros(len(ids), n)
     pre[:, 0] = 1
-    seq = _Sequence()
+    seq = _Sequence(numerics)
     for i, layer in enumerate(m.layers):
         if layer.engram is not None:
             X = engram_gate(layer.engram, X, ids, cfg.engram.pad_token_id)

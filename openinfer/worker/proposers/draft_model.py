@@ -33,6 +33,7 @@ class DraftModelProposer(DraftingModel):
     def __init__(self, config: EngineConfig, device: torch.device) -> None:
         model = load_model(draft_model_config(config.speculative.model, config.model), config.attention_backend,
                            device)
+        model.use_kv_cache_dtype(config.cache.kv_cache_dtype)  # its stores as the target's (engine_args checked it)
         prepack_linears(model)
         super().__init__(model, config.speculative.num_speculative_tokens, config.model.max_model_len,
                          config.cache.block_size, device)
