@@ -1,7 +1,8 @@
 """The KV offloading tier on disk (--kv-offloading-size, distributed/kv_transfer/offload_*.py): with a pool too small
 for the working set, a prefix evicted from the pool comes back from the tier - token-identical to an engine without
-it - under chunked prefill and preemption, for Llama and DeepSeek-V3; corrupt or foreign files are never used; a
-restart reuses the tier; a full disk turns it off; bad settings fail at start-up."""
+it - under chunked prefill and preemption, for Llama and DeepSeek-V3 / V4 / V4.1, beside PD disaggregation, with
+speculative decoding (the drafter's KV comes back too) and over two tensor-parallel ranks; corrupt or foreign files
+are never used; a restart reuses the tier; a full disk turns it off; bad settings fail at start-up."""
 from __future__ import annotations
 
 import argparse
@@ -77,7 +78,7 @@ def assert_same_outputs(got, want):
                 assert abs(v - lw[t]) < 1e-3
 
 
-def check_tier_round_trip(tier, ref, want_cached=None):
+def check_tier_round_trip(tier, ref, want_cached=None, after_reload=None, replicas=1):
     want = evict_and_reload(ref)
     assert want[-1].num_cached_tokens == 0  # the pool alone lost A's prefix
     got = evict_and_reload(tier)
@@ -89,17 +90,20 @@ def check_tier_round_trip(tier, ref, want_cached=None):
     assert st.kv_offload.hits >= got[-1].num_cached_tokens and st.kv_offload.loads >= 1
     assert st.kv_offload.load_failures == 0
     assert st.prompt_tokens_received >= got[-1].num_cached_tokens  # external KV (vLLM's prompt_tokens_by_source)
-    # Preemption: four requests that together outgrow the pool; preempted ones store their blocks and come back.
+    if after_reload is not None:
+        after_reload(got)
+    # Preemption: four requests per replica that together outgrow its pool; preempted ones store their blocks and
+    # come back.
     from helpers import random_prompts
 
-    batch = random_prompts(7, [48, 40, 56, 44])
+    batch = random_prompts(7, [48, 40, 56, 44] * replicas)
     pre = tier.engine.stats().num_preemptions
     want_b = greedy(ref, batch, 48)
     got_b = greedy(tier, batch, 48)
     assert tier.engine.stats().num_preemptions > pre
     assert_same_outputs(got_b, want_b)
     drain(tier)
-    assert tier.engine.core.kv.all_free()
+    assert all(kv.all_free() for kv in tier.engine.core.kvs)
 
 
 def test_llama_tier_round_trip_token_identical(llama, llama_ref, tmp_path):
@@ -111,28 +115,93 @@ def test_llama_tier_round_trip_token_identical(llama, llama_ref, tmp_path):
     tier.engine.core.shutdown()
 
 
-@pytest.mark.parametrize("arch, groups", [("deepseek_v3", ["full"]), ("deepseek_v4", ["full", "window", "coarse"]),
-                                          ("deepseek_v41", ["full", "window"])])
-def test_deepseek_tier_round_trip_token_identical(arch, groups, tmp_path):
-    """DeepSeek-V3's MLA latent group; DeepSeek-V4's compressed entries (whole life), window state (sliding: only
-    the window before the hit is loaded) and 16-token coarse blocks (8-token engine blocks); DeepSeek-V4.1's
-    compressed entries + index keys and window rows with its Engram token ids."""
+# The KV groups of each DeepSeek generation, as the engine names them.
+DEEPSEEK = {"deepseek_v3": ["full"], "deepseek_v4": ["full", "window", "coarse"], "deepseek_v41": ["full", "window"]}
+
+
+@pytest.fixture(scope="module")
+def model(request, tmp_path_factory):
+    """(arch, checkpoint, engine settings, a reference engine without the tier) for ``request.param``: the dense
+    Llama or a tiny DeepSeek-V3 / V4 / V4.1 (V4 / V4.1 with 8-token blocks: V4's 16-token compressed entries get a
+    coarse group of their own)."""
     from helpers import load_script
 
     from openinfer.entrypoints.llm import LLM
 
+    arch = request.param
+    if arch == "llama":
+        return arch, request.getfixturevalue("llama"), KW, request.getfixturevalue("llama_ref")
+    tmp = tmp_path_factory.mktemp(arch)
     if arch == "deepseek_v3":
-        ck = load_script("make_deepseek_checkpoint").make_v3(tmp_path / "ck", "tiny", seed=0)
+        ck = load_script("make_deepseek_checkpoint").make_v3(tmp / "ck", "tiny", seed=0)
         kw = KW
     else:
         script = "make_deepseek_v4_checkpoint" if arch == "deepseek_v4" else "make_deepseek_v41_checkpoint"
         extra = {} if arch == "deepseek_v4" else {"quantize": False}
-        ck = load_script(script).make_checkpoint(tmp_path / "ck", "tiny", seed=0, **extra)
+        ck = load_script(script).make_checkpoint(tmp / "ck", "tiny", seed=0, **extra)
         kw = {**KW, "block_size": 8, "num_kv_blocks": 32}
-    ref = LLM(str(ck), **kw)
+    return arch, ck, kw, LLM(str(ck), **kw)
+
+
+@pytest.mark.parametrize("model", list(DEEPSEEK), indirect=True)
+def test_deepseek_tier_round_trip_token_identical(model, tmp_path):
+    """DeepSeek-V3's MLA latent group; DeepSeek-V4's compressed entries (whole life), window state (sliding: only
+    the window before the hit is loaded) and 16-token coarse blocks (8-token engine blocks); DeepSeek-V4.1's
+    compressed entries + index keys and window rows with its Engram token ids."""
+    from openinfer.entrypoints.llm import LLM
+
+    arch, ck, kw, ref = model
     tier = LLM(str(ck), kv_offloading_size=0.05, kv_offloading_path=str(tmp_path / "tier"), **kw)
-    assert [s.name for s in tier.engine.core.kv_specs] == groups
+    assert [s.name for s in tier.engine.core.kv_specs] == DEEPSEEK[arch]
     check_tier_round_trip(tier, ref)
+    tier.engine.core.shutdown()
+
+
+@pytest.mark.parametrize("method", ["ngram", "mtp", pytest.param("mtp_v4", marks=pytest.mark.slow)])
+def test_tier_with_speculative_decoding(method, llama, llama_ref, tmp_path):
+    """n-gram drafting (no drafter KV) on Llama; DeepSeek-V3's MTP layer, whose KV group (``mtp.full``) is stored
+    and read back with the target's: the restored prefix's drafts are the ones a recompute gives (the same
+    acceptance), and the bytes read are both groups' blocks. DeepSeek-V4's MTP layer (built with the target, a
+    sliding-window layer: ``mtp.window`` holds its rows, its compressed groups hold nothing) likewise."""
+    from helpers import load_script
+
+    from openinfer.entrypoints.llm import LLM
+
+    if method == "ngram":
+        ck, ref = llama, llama_ref  # greedy speculative decoding answers as plain decoding
+        kw = {**KW, "speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}
+    else:
+        mtp = {"speculative_config": {"method": "mtp", "num_speculative_tokens": 2}}
+        if method == "mtp":
+            ck = load_script("make_deepseek_checkpoint").make_v3(tmp_path / "ck", "tiny", seed=0,
+                                                                 overrides={"num_nextn_predict_layers": 1})
+            kw = {**KW, **mtp}
+        else:
+            from test_deepseek_v4 import _generator, write_release_with_mtp
+
+            hf = _generator().make_checkpoint(tmp_path / "hf", "tiny", seed=0)
+            write_release_with_mtp(hf, tmp_path / "ck")
+            ck = tmp_path / "ck"
+            kw = {**KW, "block_size": 8, "num_kv_blocks": 32, "tokenizer": str(hf), **mtp}
+        ref = LLM(str(ck), **kw)
+    tier = LLM(str(ck), kv_offloading_size=0.05, kv_offloading_path=str(tmp_path / "tier"), **kw)
+    specs = tier.engine.core.kv_specs
+
+    def drafter_restored(got):
+        st = tier.engine.stats()
+        assert st.spec_decode.num_drafts > 0
+        if method == "mtp":
+            assert [s.name for s in specs] == ["full", "mtp.full"]
+            blocks = got[-1].num_cached_tokens // KW["block_size"]
+            assert st.kv_offload.bytes_loaded == blocks * sum(s.bytes_per_block for s in specs)
+        if method != "ngram":
+            assert any(s.name.startswith("mtp.") and s.bytes_per_block for s in specs)
+            want = ref.engine.stats().spec_decode
+            assert (st.spec_decode.num_drafts, st.spec_decode.num_accepted_tokens) == (want.num_drafts,
+                                                                                      want.num_accepted_tokens)
+
+    check_tier_round_trip(tier, ref, after_reload=drafter_restored)
+    tier.engine.core.shutdown()
 
 
 def test_corrupt_file_is_detected_and_recomputed(llama, llama_ref, tmp_path, caplog):
@@ -509,10 +578,16 @@ def test_concurrent_tier_loads_never_deadlock_the_pool(llama, llama_ref, tmp_pat
     assert core.kv.all_free()
 
 
-def test_tier_beside_pd_disaggregation(llama, llama_ref, tmp_path):
-    """The tier and the NIXL connector in one engine: a decoder reads a prompt from its producer, keeps it in its
-    tier, and serves it from there once its pool has lost it; the producer stores the prompt it held once the
-    decoder has read it. Tokens as one engine without either."""
+# DeepSeek-V4.1's three engines take ~15 s on 2 shared cores: left out of the developer loop.
+@pytest.mark.parametrize("model", ["llama", "deepseek_v3", "deepseek_v4",
+                                   pytest.param("deepseek_v41", marks=pytest.mark.slow)], indirect=True)
+def test_tier_beside_pd_disaggregation(model, tmp_path):
+    """The tier and the NIXL connector in one engine, for every KV group kind: a decoder reads a prompt from its
+    producer, keeps it in its tier, and serves its next turn from there (in chunks: 32-token steps) once its pool
+    has lost it; the producer stores the prompt it held once the decoder has read it. Tokens as one engine without
+    either.
+    DeepSeek-V4.1's producer runs without prefix caching (so without a tier), as its PD test explains: it computes
+    every row of a prompt it hands on."""
     pytest.importorskip("nixl")
     import json
 
@@ -521,13 +596,17 @@ def test_tier_beside_pd_disaggregation(llama, llama_ref, tmp_path):
 
     from openinfer.entrypoints.llm import LLM
 
-    def pd(role, path):
-        return LLM(str(llama), kv_transfer_config=json.dumps({"kv_connector": "NixlConnector", "kv_role": role}),
-                   kv_offloading_size=0.05, kv_offloading_path=str(tmp_path / path), **KW)
+    arch, ck, kw, ref = model
 
-    prod, cons = pd("kv_producer", "p"), pd("kv_consumer", "c")
+    def pd(role, path):
+        tier = dict(kv_offloading_size=0.05, kv_offloading_path=str(tmp_path / path)) if path else \
+            dict(enable_prefix_caching=False)
+        return LLM(str(ck), kv_transfer_config=json.dumps({"kv_connector": "NixlConnector", "kv_role": role}),
+                   **tier, **kw)
+
+    prod, cons = pd("kv_producer", None if arch == "deepseek_v41" else "p"), pd("kv_consumer", "c")
     a, *others = random_prompts(0, [80, 64, 64, 64, 64, 64])
-    want = greedy(llama_ref, [a])
+    want = greedy(ref, [a])
     p = prod.generate([a], SamplingParams(temperature=0, max_tokens=1, kv_transfer_params={"do_remote_decode": True}),
                       use_tqdm=False)[0]
     with stepping(prod):
@@ -542,11 +621,85 @@ def test_tier_beside_pd_disaggregation(llama, llama_ref, tmp_path):
     for q in others:
         greedy(cons, [q])
     drain(cons)
-    again = greedy(cons, [a])
-    assert again[0].num_cached_tokens == 64  # from the decoder's tier: its pool lost the prompt
-    assert_same_outputs(again, want)
+    # The next turn (A and 8 more tokens) from the decoder's tier, its pool having lost A: all 80 tokens of A. (A
+    # itself again would resume at 72, whose window - V4's window group - the producer released and never sent.)
+    a2 = a + random_prompts(1, [8])[0]
+    again = greedy(cons, [a2])
+    assert again[0].num_cached_tokens == 80
+    assert_same_outputs(again, greedy(ref, [a2]))
     st = cons.engine.stats()
     assert st.kv_offload.loads == 1 and st.kv_transfer.loads_ok == 1  # one read of each kind, counted apart
+    assert st.kv_offload.load_failures == 0
     drain(prod)
-    assert prod.engine.stats().kv_offload.blocks_stored == 5  # the held prompt (80 tokens), once released
+    if arch != "deepseek_v41":
+        stored = prod.engine.stats().kv_offload.blocks_stored
+        # The held prompt (80 tokens), once released: 5 blocks on Llama.
+        assert stored == 5 if arch == "llama" else stored > 0
     assert prod.engine.core.kv.all_free() and cons.engine.core.kv.all_free()
+    for llm in (prod, cons):
+        llm.engine.shutdown()
+
+
+@pytest.mark.slow  # two worker processes
+def test_tier_over_two_tensor_parallel_ranks(llama, llama_ref, tmp_path):
+    """Each rank stores and reads its own shard of every block, one file per rank; the scheduler counts a block as
+    stored only once both ranks wrote theirs, and a read is over only when both ranks' are: a shard that fails to
+    read on one rank fails the whole read on both (recomputed, tokens unchanged). Tokens as one process without the
+    tier, through eviction and reload, chunked prefill and preemption."""
+    from helpers import random_prompts
+
+    from openinfer.entrypoints.llm import LLM
+
+    path = tmp_path / "tier"
+    tier = LLM(str(llama), tensor_parallel_size=2, kv_offloading_size=0.05, kv_offloading_path=str(path), **KW)
+    check_tier_round_trip(tier, llama_ref, want_cached=64)
+    names = [f.name for f in path.rglob("*.kvb")]
+    shards = [sorted(n.replace(f".r{r}.", ".") for n in names if f".r{r}." in n) for r in (0, 1)]
+    assert shards[0] and shards[0] == shards[1] and len(names) == 2 * len(shards[0])
+    assert tier.engine.stats().kv_offload.num_blocks == len(shards[0])
+
+    # Rank 1's shards corrupted, rank 0's intact: the ranks agree the read failed; A is recomputed on both.
+    a, *others = random_prompts(0, [80, 64, 64, 64, 64, 64])
+    for p in others:
+        greedy(tier, [p])
+    drain(tier)
+    for f in path.rglob("*.r1.kvb"):
+        data = bytearray(f.read_bytes())
+        data[-1] ^= 0xFF
+        f.write_bytes(bytes(data))
+    failures = tier.engine.stats().kv_offload.load_failures
+    out = greedy(tier, [a])
+    assert out[0].num_cached_tokens == 0
+    assert_same_outputs(out, greedy(llama_ref, [a]))
+    assert tier.engine.stats().kv_offload.load_failures == failures + 1
+    drain(tier)
+    assert tier.engine.core.kv.all_free()
+    tier.engine.shutdown()
+
+
+@pytest.mark.slow  # two worker processes
+def test_tier_over_two_data_parallel_replicas_on_a_shared_store(llama, llama_ref, redis_server):
+    """Each replica has its own pool and its own tier index; on a shared store they use the same keys, so a prefix
+    one replica computed and stored is read by the other, whose pool never saw it. Tokens as one engine."""
+    from helpers import random_prompts
+
+    from openinfer.entrypoints.llm import LLM
+
+    url, _ = redis_server
+    tier = LLM(str(llama), data_parallel_size=2, kv_offloading_backend="redis", kv_offloading_size=1.0,
+               kv_offloading_path=url, **KW)
+    assert len(tier.engine.core.kv_connectors) == 2
+    check_tier_round_trip(tier, llama_ref, replicas=2)  # one request at a time: replica 0; the batch: both
+    core = tier.engine.core
+    (b, filler) = random_prompts(21, [80, 40])
+    greedy(tier, [b])  # replica 0 (both idle) computes B and stores it
+    drain(tier)
+    # Two at once: the filler on replica 0, B on replica 1, whose pool never held it: B's prefix is read from the
+    # store by replica 1.
+    loads = core.kv_connectors[1].stats.loads
+    outs = greedy(tier, [filler, b])
+    assert outs[1].num_cached_tokens == 64 and core.kv_connectors[1].stats.loads == loads + 1
+    assert_same_outputs(outs, greedy(llama_ref, [filler, b]))
+    drain(tier)
+    assert all(kv.all_free() for kv in core.kvs)
+    tier.engine.shutdown()
