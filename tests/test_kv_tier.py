@@ -703,3 +703,25 @@ def test_tier_over_two_data_parallel_replicas_on_a_shared_store(llama, llama_ref
     drain(tier)
     assert all(kv.all_free() for kv in core.kvs)
     tier.engine.shutdown()
+
+
+@pytest.mark.slow  # two worker processes each
+@pytest.mark.parametrize("model, layout", [("deepseek_v3", dict(data_parallel_size=2, enable_expert_parallel=True)),
+                                           ("deepseek_v4", dict(tensor_parallel_size=2))],
+                         indirect=["model"], ids=["v3-dp2-ep2", "v4-tp2"])
+def test_deepseek_tier_across_ranks(model, layout, tmp_path):
+    """DeepSeek-V3 over two expert-parallel replicas (each its own pool, folder and index; the idle replica steps
+    through dummy forwards while the other's prefix is read) and DeepSeek-V4 over two tensor-parallel ranks (its
+    full / window / coarse groups sharded, one file per rank): tokens as one process without the tier."""
+    from openinfer.entrypoints.llm import LLM
+
+    arch, ck, kw, ref = model
+    path = tmp_path / "tier"
+    tier = LLM(str(ck), kv_offloading_size=0.05, kv_offloading_path=str(path), **kw, **layout)
+    check_tier_round_trip(tier, ref, replicas=layout.get("data_parallel_size", 1))
+    if "tensor_parallel_size" in layout:
+        names = [f.name for f in path.rglob("*.kvb")]
+        assert names and all(".r0." in n or ".r1." in n for n in names)
+    else:
+        assert sorted(p.name for p in next(path.iterdir()).iterdir()) == ["dp0", "dp1"]
+    tier.engine.shutdown()
