@@ -157,12 +157,14 @@ def test_deepseek_tier_round_trip_token_identical(model, tmp_path):
     tier.engine.core.shutdown()
 
 
-@pytest.mark.parametrize("method", ["ngram", "mtp", pytest.param("mtp_v4", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("method", ["ngram", "mtp", pytest.param("mtp_v4", marks=pytest.mark.slow),
+                                    pytest.param("dspark", marks=pytest.mark.slow)])
 def test_tier_with_speculative_decoding(method, llama, llama_ref, tmp_path):
     """n-gram drafting (no drafter KV) on Llama; DeepSeek-V3's MTP layer, whose KV group (``mtp.full``) is stored
     and read back with the target's: the restored prefix's drafts are the ones a recompute gives (the same
     acceptance), and the bytes read are both groups' blocks. DeepSeek-V4's MTP layer (built with the target, a
-    sliding-window layer: ``mtp.window`` holds its rows, its compressed groups hold nothing) likewise."""
+    sliding-window layer: ``mtp.window`` holds its rows, its compressed groups hold nothing) and DeepSeek-V4.1's
+    DSpark context keys (``dspark.window``, sliding) likewise."""
     from helpers import load_script
 
     from openinfer.entrypoints.llm import LLM
@@ -176,6 +178,11 @@ def test_tier_with_speculative_decoding(method, llama, llama_ref, tmp_path):
             ck = load_script("make_deepseek_checkpoint").make_v3(tmp_path / "ck", "tiny", seed=0,
                                                                  overrides={"num_nextn_predict_layers": 1})
             kw = {**KW, **mtp}
+        elif method == "dspark":
+            from test_deepseek_v41 import _generator
+
+            ck = _generator().make_checkpoint(tmp_path / "ck", "tiny", seed=0)
+            kw = {**KW, "block_size": 8, "num_kv_blocks": 32, **mtp}
         else:
             from test_deepseek_v4 import _generator, write_release_with_mtp
 
@@ -195,7 +202,7 @@ def test_tier_with_speculative_decoding(method, llama, llama_ref, tmp_path):
             blocks = got[-1].num_cached_tokens // KW["block_size"]
             assert st.kv_offload.bytes_loaded == blocks * sum(s.bytes_per_block for s in specs)
         if method != "ngram":
-            assert any(s.name.startswith("mtp.") and s.bytes_per_block for s in specs)
+            assert any(s.name.startswith(("mtp.", "dspark.")) and s.bytes_per_block for s in specs)
             want = ref.engine.stats().spec_decode
             assert (st.spec_decode.num_drafts, st.spec_decode.num_accepted_tokens) == (want.num_drafts,
                                                                                       want.num_accepted_tokens)
