@@ -591,8 +591,8 @@ def test_concurrent_tier_loads_never_deadlock_the_pool(llama, llama_ref, tmp_pat
 def test_tier_beside_pd_disaggregation(model, tmp_path):
     """The tier and the NIXL connector in one engine, for every KV group kind: a decoder reads a prompt from its
     producer, keeps it in its tier, and serves its next turn from there (in chunks: 32-token steps) once its pool
-    has lost it; the producer stores the prompt it held once the decoder has read it. Tokens as one engine without
-    either.
+    has lost it (and, on Llama, through preemption); the producer stores the prompt it held once the decoder has read it.
+    Tokens as one engine without either.
     DeepSeek-V4.1's producer runs without prefix caching (so without a tier), as its PD test explains: it computes
     every row of a prompt it hands on."""
     pytest.importorskip("nixl")
@@ -637,6 +637,15 @@ def test_tier_beside_pd_disaggregation(model, tmp_path):
     st = cons.engine.stats()
     assert st.kv_offload.loads == 1 and st.kv_transfer.loads_ok == 1  # one read of each kind, counted apart
     assert st.kv_offload.load_failures == 0
+    if arch == "llama":
+        # Preemption on the decoder, both connectors in place: preempted requests store their blocks and come
+        # back. (Per group kind, preemption with the tier is test_deepseek_tier_round_trip_token_identical's: the
+        # two-connector path is the same for every model, and DeepSeek's batch costs 3x this whole test.)
+        batch = random_prompts(7, [48, 40, 56, 44])
+        got_b = greedy(cons, batch, 48)
+        assert cons.engine.stats().num_preemptions > st.num_preemptions
+        assert_same_outputs(got_b, greedy(ref, batch, 48))
+        drain(cons)
     drain(prod)
     if arch != "deepseek_v41":
         stored = prod.engine.stats().kv_offload.blocks_stored
@@ -647,88 +656,73 @@ def test_tier_beside_pd_disaggregation(model, tmp_path):
         llm.engine.shutdown()
 
 
-@pytest.mark.slow  # two worker processes
-def test_tier_over_two_tensor_parallel_ranks(llama, llama_ref, tmp_path):
-    """Each rank stores and reads its own shard of every block, one file per rank; the scheduler counts a block as
-    stored only once both ranks wrote theirs, and a read is over only when both ranks' are: a shard that fails to
-    read on one rank fails the whole read on both (recomputed, tokens unchanged). Tokens as one process without the
-    tier, through eviction and reload, chunked prefill and preemption."""
+def corrupt_rank_and_reload(tier, ref, path, rank):
+    """A's prefix evicted again, every file of one rank's shards corrupted (the other rank's intact): the ranks agree
+    the read failed, and A is recomputed on both."""
     from helpers import random_prompts
 
-    from openinfer.entrypoints.llm import LLM
-
-    path = tmp_path / "tier"
-    tier = LLM(str(llama), tensor_parallel_size=2, kv_offloading_size=0.05, kv_offloading_path=str(path), **KW)
-    check_tier_round_trip(tier, llama_ref, want_cached=64)
-    names = [f.name for f in path.rglob("*.kvb")]
-    shards = [sorted(n.replace(f".r{r}.", ".") for n in names if f".r{r}." in n) for r in (0, 1)]
-    assert shards[0] and shards[0] == shards[1] and len(names) == 2 * len(shards[0])
-    assert tier.engine.stats().kv_offload.num_blocks == len(shards[0])
-
-    # Rank 1's shards corrupted, rank 0's intact: the ranks agree the read failed; A is recomputed on both.
     a, *others = random_prompts(0, [80, 64, 64, 64, 64, 64])
     for p in others:
         greedy(tier, [p])
     drain(tier)
-    for f in path.rglob("*.r1.kvb"):
+    for f in path.rglob(f"*.r{rank}.kvb"):
         data = bytearray(f.read_bytes())
         data[-1] ^= 0xFF
         f.write_bytes(bytes(data))
     failures = tier.engine.stats().kv_offload.load_failures
     out = greedy(tier, [a])
     assert out[0].num_cached_tokens == 0
-    assert_same_outputs(out, greedy(llama_ref, [a]))
+    assert_same_outputs(out, greedy(ref, [a]))
     assert tier.engine.stats().kv_offload.load_failures == failures + 1
     drain(tier)
-    assert tier.engine.core.kv.all_free()
-    tier.engine.shutdown()
 
 
-@pytest.mark.slow  # two worker processes
-def test_tier_over_two_data_parallel_replicas_on_a_shared_store(llama, llama_ref, redis_server):
-    """Each replica has its own pool and its own tier index; on a shared store they use the same keys, so a prefix
-    one replica computed and stored is read by the other, whose pool never saw it. Tokens as one engine."""
+def read_by_the_other_replica(tier, ref):
+    """B computed and stored by replica 0 (both idle: it goes first); then the filler and B at once: the filler on
+    replica 0, B on replica 1, whose pool never held it, reading B's prefix from the shared store."""
     from helpers import random_prompts
 
-    from openinfer.entrypoints.llm import LLM
-
-    url, _ = redis_server
-    tier = LLM(str(llama), data_parallel_size=2, kv_offloading_backend="redis", kv_offloading_size=1.0,
-               kv_offloading_path=url, **KW)
-    assert len(tier.engine.core.kv_connectors) == 2
-    check_tier_round_trip(tier, llama_ref, replicas=2)  # one request at a time: replica 0; the batch: both
     core = tier.engine.core
     (b, filler) = random_prompts(21, [80, 40])
-    greedy(tier, [b])  # replica 0 (both idle) computes B and stores it
+    greedy(tier, [b])
     drain(tier)
-    # Two at once: the filler on replica 0, B on replica 1, whose pool never held it: B's prefix is read from the
-    # store by replica 1.
     loads = core.kv_connectors[1].stats.loads
     outs = greedy(tier, [filler, b])
     assert outs[1].num_cached_tokens == 64 and core.kv_connectors[1].stats.loads == loads + 1
-    assert_same_outputs(outs, greedy(llama_ref, [filler, b]))
+    assert_same_outputs(outs, greedy(ref, [filler, b]))
     drain(tier)
-    assert all(kv.all_free() for kv in core.kvs)
-    tier.engine.shutdown()
 
 
 @pytest.mark.slow  # two worker processes each
 @pytest.mark.parametrize("model, layout", [("deepseek_v3", dict(data_parallel_size=2, enable_expert_parallel=True)),
                                            ("deepseek_v4", dict(tensor_parallel_size=2))],
                          indirect=["model"], ids=["v3-dp2-ep2", "v4-tp2"])
-def test_deepseek_tier_across_ranks(model, layout, tmp_path):
-    """DeepSeek-V3 over two expert-parallel replicas (each its own pool, folder and index; the idle replica steps
-    through dummy forwards while the other's prefix is read) and DeepSeek-V4 over two tensor-parallel ranks (its
-    full / window / coarse groups sharded, one file per rank): tokens as one process without the tier."""
+def test_deepseek_tier_across_ranks(model, layout, tmp_path, request):
+    """DeepSeek-V3 over two expert-parallel replicas on a shared store: each replica has its own pool and index
+    (the idle one steps through dummy forwards while the other's prefix is read), and a prefix one stored is read
+    by the other. DeepSeek-V4 over two tensor-parallel ranks: its full / window / coarse groups sharded, one file
+    per rank, a block in the index only once both ranks wrote theirs, a read over only when both ranks' are (failed
+    on both if one rank's shard is corrupt). Tokens as one process without the tier, through eviction and reload,
+    chunked prefill and preemption."""
     from openinfer.entrypoints.llm import LLM
 
     arch, ck, kw, ref = model
-    path = tmp_path / "tier"
-    tier = LLM(str(ck), kv_offloading_size=0.05, kv_offloading_path=str(path), **kw, **layout)
-    check_tier_round_trip(tier, ref, replicas=layout.get("data_parallel_size", 1))
-    if "tensor_parallel_size" in layout:
-        names = [f.name for f in path.rglob("*.kvb")]
-        assert names and all(".r0." in n or ".r1." in n for n in names)
+    dp = layout.get("data_parallel_size", 1)
+    if dp > 1:
+        url, _ = request.getfixturevalue("redis_server")
+        tier = LLM(str(ck), kv_offloading_backend="redis", kv_offloading_size=1.0, kv_offloading_path=url, **kw,
+                   **layout)
+        assert len(tier.engine.core.kv_connectors) == 2
+        check_tier_round_trip(tier, ref, replicas=2)  # one request at a time: replica 0; the batch: both
+        read_by_the_other_replica(tier, ref)
     else:
-        assert sorted(p.name for p in next(path.iterdir()).iterdir()) == ["dp0", "dp1"]
+        path = tmp_path / "tier"
+        tier = LLM(str(ck), kv_offloading_size=0.05, kv_offloading_path=str(path), **kw, **layout)
+        check_tier_round_trip(tier, ref)
+        names = [f.name for f in path.rglob("*.kvb")]
+        shards = [sorted(n.replace(f".r{r}.", ".") for n in names if f".r{r}." in n) for r in (0, 1)]
+        assert shards[0] and shards[0] == shards[1] and len(names) == 2 * len(shards[0])
+        assert tier.engine.stats().kv_offload.num_blocks == len(shards[0])
+        corrupt_rank_and_reload(tier, ref, path, rank=1)
+    assert all(kv.all_free() for kv in tier.engine.core.kvs)
     tier.engine.shutdown()
