@@ -590,11 +590,10 @@ def test_concurrent_tier_loads_never_deadlock_the_pool(llama, llama_ref, tmp_pat
                                    pytest.param("deepseek_v41", marks=pytest.mark.slow)], indirect=True)
 def test_tier_beside_pd_disaggregation(model, tmp_path):
     """The tier and the NIXL connector in one engine, for every KV group kind: a decoder reads a prompt from its
-    producer, keeps it in its tier, and serves its next turn from there (in chunks: 32-token steps) once its pool
-    has lost it (and, on Llama, through preemption); the producer stores the prompt it held once the decoder has read it.
-    Tokens as one engine without either.
-    DeepSeek-V4.1's producer runs without prefix caching (so without a tier), as its PD test explains: it computes
-    every row of a prompt it hands on."""
+    producer (which prefilled it in 32-token chunks), keeps it in its tier, and serves its next turn from there
+    once its pool has lost it (and, on Llama, through preemption); the producer stores the prompt it held once the
+    decoder has read it. Tokens as one engine without either. DeepSeek-V4.1's producer runs without prefix caching
+    (so without a tier), as its PD test explains: it computes every row of a prompt it hands on."""
     pytest.importorskip("nixl")
     import json
 
