@@ -624,12 +624,8 @@ class EngineConfig:
                 raise ValueError("kv_transfer_config with speculative_config is not supported: the drafting "
                                  "model's KV is not transferred")
         if self.kv_offload is not None:
-            if self.parallel.world_size > 1:
-                raise ValueError("kv_offloading_size needs one rank (tensor_parallel_size=1, data_parallel_size=1): "
-                                 "the tier's files hold one rank's whole blocks")
-            if self.speculative is not None:
-                raise ValueError("kv_offloading_size with speculative_config is not supported yet: the drafting "
-                                 "model's KV is not offloaded")
+            # Any layout: tensor-parallel ranks store their own shards, data-parallel replicas keep their own
+            # index, a drafter's KV groups go with the target's (engine/kv_tier.py).
             if not self.cache.enable_prefix_caching:
                 raise ValueError("kv_offloading_size needs enable_prefix_caching: the tier is keyed by the prefix "
                                  "cache's block hashes")

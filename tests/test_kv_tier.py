@@ -1,7 +1,8 @@
 """The KV offloading tier on disk (--kv-offloading-size, distributed/kv_transfer/offload_*.py): with a pool too small
 for the working set, a prefix evicted from the pool comes back from the tier - token-identical to an engine without
-it - under chunked prefill and preemption, for Llama and DeepSeek-V3; corrupt or foreign files are never used; a
-restart reuses the tier; a full disk turns it off; bad settings fail at start-up."""
+it - under chunked prefill and preemption, for Llama and DeepSeek-V3 / V4 / V4.1, beside PD disaggregation, with
+speculative decoding (the drafter's KV comes back too) and over two tensor-parallel ranks; corrupt or foreign files
+are never used; a restart reuses the tier; a full disk turns it off; bad settings fail at start-up."""
 from __future__ import annotations
 
 import argparse
@@ -52,12 +53,16 @@ def drain(llm):
     raise AssertionError("stores never finished")
 
 
-def evict_and_reload(llm, seed=0):
-    """Prompt A, five others (A's blocks leave the pool), A again: the outputs, in that order."""
+def evict_and_reload(llm, seed=0, after_first=None):
+    """Prompt A, five others (A's blocks leave the pool), A again: the outputs, in that order. ``after_first(llm)``
+    runs once A's first run is over."""
     from helpers import random_prompts
 
     a, *others = random_prompts(seed, [80, 64, 64, 64, 64, 64])
-    outs = [greedy(llm, [p])[0] for p in [a, *others]]
+    outs = [greedy(llm, [a])[0]]
+    if after_first is not None:
+        after_first(llm)
+    outs += [greedy(llm, [p])[0] for p in others]
     drain(llm)
     outs.append(greedy(llm, [a])[0])
     return outs
@@ -77,10 +82,10 @@ def assert_same_outputs(got, want):
                 assert abs(v - lw[t]) < 1e-3
 
 
-def check_tier_round_trip(tier, ref, want_cached=None):
+def check_tier_round_trip(tier, ref, want_cached=None, after_reload=None, replicas=1, after_first=None):
     want = evict_and_reload(ref)
     assert want[-1].num_cached_tokens == 0  # the pool alone lost A's prefix
-    got = evict_and_reload(tier)
+    got = evict_and_reload(tier, after_first=after_first)
     assert_same_outputs(got, want)
     if want_cached is not None:
         assert got[-1].num_cached_tokens == want_cached
@@ -89,17 +94,20 @@ def check_tier_round_trip(tier, ref, want_cached=None):
     assert st.kv_offload.hits >= got[-1].num_cached_tokens and st.kv_offload.loads >= 1
     assert st.kv_offload.load_failures == 0
     assert st.prompt_tokens_received >= got[-1].num_cached_tokens  # external KV (vLLM's prompt_tokens_by_source)
-    # Preemption: four requests that together outgrow the pool; preempted ones store their blocks and come back.
+    if after_reload is not None:
+        after_reload(got)
+    # Preemption: four requests per replica that together outgrow its pool; preempted ones store their blocks and
+    # come back.
     from helpers import random_prompts
 
-    batch = random_prompts(7, [48, 40, 56, 44])
+    batch = random_prompts(7, [48, 40, 56, 44] * replicas)
     pre = tier.engine.stats().num_preemptions
     want_b = greedy(ref, batch, 48)
     got_b = greedy(tier, batch, 48)
     assert tier.engine.stats().num_preemptions > pre
     assert_same_outputs(got_b, want_b)
     drain(tier)
-    assert tier.engine.core.kv.all_free()
+    assert all(kv.all_free() for kv in tier.engine.core.kvs)
 
 
 def test_llama_tier_round_trip_token_identical(llama, llama_ref, tmp_path):
@@ -111,28 +119,132 @@ def test_llama_tier_round_trip_token_identical(llama, llama_ref, tmp_path):
     tier.engine.core.shutdown()
 
 
-@pytest.mark.parametrize("arch, groups", [("deepseek_v3", ["full"]), ("deepseek_v4", ["full", "window", "coarse"]),
-                                          ("deepseek_v41", ["full", "window"])])
-def test_deepseek_tier_round_trip_token_identical(arch, groups, tmp_path):
-    """DeepSeek-V3's MLA latent group; DeepSeek-V4's compressed entries (whole life), window state (sliding: only
-    the window before the hit is loaded) and 16-token coarse blocks (8-token engine blocks); DeepSeek-V4.1's
-    compressed entries + index keys and window rows with its Engram token ids."""
+# The KV groups of each DeepSeek generation, as the engine names them.
+DEEPSEEK = {"deepseek_v3": ["full"], "deepseek_v4": ["full", "window", "coarse"], "deepseek_v41": ["full", "window"]}
+
+
+@pytest.fixture(scope="module")
+def model(request, tmp_path_factory):
+    """(arch, checkpoint, engine settings, a reference engine without the tier) for ``request.param``: the dense
+    Llama or a tiny DeepSeek-V3 / V4 / V4.1 (V4 / V4.1 with 8-token blocks: V4's 16-token compressed entries get a
+    coarse group of their own)."""
     from helpers import load_script
 
     from openinfer.entrypoints.llm import LLM
 
+    arch = request.param
+    if arch == "llama":
+        return arch, request.getfixturevalue("llama"), KW, request.getfixturevalue("llama_ref")
+    tmp = tmp_path_factory.mktemp(arch)
     if arch == "deepseek_v3":
-        ck = load_script("make_deepseek_checkpoint").make_v3(tmp_path / "ck", "tiny", seed=0)
+        ck = load_script("make_deepseek_checkpoint").make_v3(tmp / "ck", "tiny", seed=0)
         kw = KW
     else:
         script = "make_deepseek_v4_checkpoint" if arch == "deepseek_v4" else "make_deepseek_v41_checkpoint"
         extra = {} if arch == "deepseek_v4" else {"quantize": False}
-        ck = load_script(script).make_checkpoint(tmp_path / "ck", "tiny", seed=0, **extra)
+        ck = load_script(script).make_checkpoint(tmp / "ck", "tiny", seed=0, **extra)
         kw = {**KW, "block_size": 8, "num_kv_blocks": 32}
-    ref = LLM(str(ck), **kw)
+    return arch, ck, kw, LLM(str(ck), **kw)
+
+
+@pytest.mark.parametrize("model", list(DEEPSEEK), indirect=True)
+def test_deepseek_tier_round_trip_token_identical(model, tmp_path):
+    """DeepSeek-V3's MLA latent group; DeepSeek-V4's compressed entries (whole life), window state (sliding: only
+    the window before the hit is loaded) and 16-token coarse blocks (8-token engine blocks); DeepSeek-V4.1's
+    compressed entries + index keys and window rows with its Engram token ids."""
+    from openinfer.entrypoints.llm import LLM
+
+    arch, ck, kw, ref = model
     tier = LLM(str(ck), kv_offloading_size=0.05, kv_offloading_path=str(tmp_path / "tier"), **kw)
-    assert [s.name for s in tier.engine.core.kv_specs] == groups
+    assert [s.name for s in tier.engine.core.kv_specs] == DEEPSEEK[arch]
     check_tier_round_trip(tier, ref)
+    tier.engine.core.shutdown()
+
+
+def drafter_rows(llm, prompt: list[int], num_blocks: int) -> dict[tuple[str, int], list]:
+    """(drafter group, block j) -> the rows of every drafter store in the pool block that caches the prompt's j-th
+    block, for j < num_blocks (the blocks a reload of the prompt took from the tier); one-block groups only (every
+    drafter group here), blocks the pool still caches."""
+    core = llm.engine.core
+    stores = core.executor.driver_worker.model_runner.proposer.kv_stores()
+    bs = core.config.cache.block_size
+    out = {}
+    for g in core.kv.groups:
+        if not g.name.startswith(("mtp.", "dspark.")) or not g.spec.bytes_per_block:
+            continue
+        assert g.ratio == 1
+        cached = {key[1]: blk.block_id for key, blk in g.pool._cached.items()}
+        for j in range(num_blocks):
+            bid = cached.get(tuple(prompt[j * bs:(j + 1) * bs]))
+            if bid is not None:
+                out[(g.name, j)] = [t[bid].clone() for name, t in stores if name == g.name]
+    return out
+
+
+@pytest.mark.parametrize("method", ["ngram", "mtp", pytest.param("mtp_v4", marks=pytest.mark.slow),
+                                    pytest.param("dspark", marks=pytest.mark.slow)])
+def test_tier_with_speculative_decoding(method, llama, llama_ref, tmp_path):
+    """n-gram drafting (no drafter KV) on Llama; DeepSeek-V3's MTP layer, whose KV group (``mtp.full``) is stored
+    and read back with the target's: the drafter's rows of the restored prefix are the ones the engine computed
+    for it before the pool lost it, and the bytes read are both groups' blocks. DeepSeek-V4's MTP layer (built with the target, a
+    sliding-window layer: ``mtp.window`` holds its rows, its compressed groups hold nothing) and DeepSeek-V4.1's
+    DSpark context keys (``dspark.window``, sliding) likewise."""
+    import torch
+    from helpers import load_script, random_prompts
+
+    from openinfer.entrypoints.llm import LLM
+
+    if method == "ngram":
+        ck, ref = llama, llama_ref  # greedy speculative decoding answers as plain decoding
+        kw = {**KW, "speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}
+    else:
+        mtp = {"speculative_config": {"method": "mtp", "num_speculative_tokens": 2}}
+        if method == "mtp":
+            ck = load_script("make_deepseek_checkpoint").make_v3(tmp_path / "ck", "tiny", seed=0,
+                                                                 overrides={"num_nextn_predict_layers": 1})
+            kw = {**KW, **mtp}
+        elif method == "dspark":
+            from test_deepseek_v41 import _generator
+
+            ck = _generator().make_checkpoint(tmp_path / "ck", "tiny", seed=0)
+            kw = {**KW, "block_size": 8, "num_kv_blocks": 32, **mtp}
+        else:
+            from test_deepseek_v4 import _generator, write_release_with_mtp
+
+            hf = _generator().make_checkpoint(tmp_path / "hf", "tiny", seed=0)
+            write_release_with_mtp(hf, tmp_path / "ck")
+            ck = tmp_path / "ck"
+            kw = {**KW, "block_size": 8, "num_kv_blocks": 32, "tokenizer": str(hf), **mtp}
+        ref = LLM(str(ck), **kw)
+    tier = LLM(str(ck), kv_offloading_size=0.05, kv_offloading_path=str(tmp_path / "tier"), **kw)
+    specs = tier.engine.core.kv_specs
+    a = random_prompts(0, [80])[0]
+    first = {}
+
+    def remember(llm):
+        if method != "ngram":
+            first.update(drafter_rows(llm, a, 80 // kw["block_size"]))
+
+    def drafter_restored(got):
+        st = tier.engine.stats()
+        assert st.spec_decode.num_drafts > 0
+        if method == "mtp":
+            assert [s.name for s in specs] == ["full", "mtp.full"]
+            blocks = got[-1].num_cached_tokens // KW["block_size"]
+            assert st.kv_offload.bytes_loaded == blocks * sum(s.bytes_per_block for s in specs)
+        if method != "ngram":
+            assert any(s.name.startswith(("mtp.", "dspark.")) and s.bytes_per_block for s in specs)
+            # The drafter's KV of A's restored blocks, as A's first run wrote it (drafts of a tiny random model
+            # barely move for wrong rows, and verification hides them from the tokens: compare the rows).
+            n = got[-1].num_cached_tokens // kw["block_size"]
+            restored = drafter_rows(tier, a, n)
+            assert restored and restored.keys() <= first.keys()
+            for k, rows in restored.items():
+                for x, y in zip(rows, first[k]):
+                    assert torch.equal(x, y), k
+
+    check_tier_round_trip(tier, ref, after_reload=drafter_restored, after_first=remember)
+    tier.engine.core.shutdown()
 
 
 def test_corrupt_file_is_detected_and_recomputed(llama, llama_ref, tmp_path, caplog):
@@ -509,10 +621,15 @@ def test_concurrent_tier_loads_never_deadlock_the_pool(llama, llama_ref, tmp_pat
     assert core.kv.all_free()
 
 
-def test_tier_beside_pd_disaggregation(llama, llama_ref, tmp_path):
-    """The tier and the NIXL connector in one engine: a decoder reads a prompt from its producer, keeps it in its
-    tier, and serves it from there once its pool has lost it; the producer stores the prompt it held once the
-    decoder has read it. Tokens as one engine without either."""
+# DeepSeek-V4.1's three engines take ~15 s on 2 shared cores: left out of the developer loop.
+@pytest.mark.parametrize("model", ["llama", "deepseek_v3", "deepseek_v4",
+                                   pytest.param("deepseek_v41", marks=pytest.mark.slow)], indirect=True)
+def test_tier_beside_pd_disaggregation(model, tmp_path):
+    """The tier and the NIXL connector in one engine, for every KV group kind: a decoder reads a prompt from its
+    producer (which prefilled it in 32-token chunks), keeps it in its tier, and serves its next turn from there
+    once its pool has lost it (and, on Llama, through preemption); the producer stores the prompt it held once the
+    decoder has read it. Tokens as one engine without either. DeepSeek-V4.1's producer runs without prefix caching
+    (so without a tier), as its PD test explains: it computes every row of a prompt it hands on."""
     pytest.importorskip("nixl")
     import json
 
@@ -521,13 +638,17 @@ def test_tier_beside_pd_disaggregation(llama, llama_ref, tmp_path):
 
     from openinfer.entrypoints.llm import LLM
 
-    def pd(role, path):
-        return LLM(str(llama), kv_transfer_config=json.dumps({"kv_connector": "NixlConnector", "kv_role": role}),
-                   kv_offloading_size=0.05, kv_offloading_path=str(tmp_path / path), **KW)
+    arch, ck, kw, ref = model
 
-    prod, cons = pd("kv_producer", "p"), pd("kv_consumer", "c")
+    def pd(role, path):
+        tier = dict(kv_offloading_size=0.05, kv_offloading_path=str(tmp_path / path)) if path else \
+            dict(enable_prefix_caching=False)
+        return LLM(str(ck), kv_transfer_config=json.dumps({"kv_connector": "NixlConnector", "kv_role": role}),
+                   **tier, **kw)
+
+    prod, cons = pd("kv_producer", None if arch == "deepseek_v41" else "p"), pd("kv_consumer", "c")
     a, *others = random_prompts(0, [80, 64, 64, 64, 64, 64])
-    want = greedy(llama_ref, [a])
+    want = greedy(ref, [a])
     p = prod.generate([a], SamplingParams(temperature=0, max_tokens=1, kv_transfer_params={"do_remote_decode": True}),
                       use_tqdm=False)[0]
     with stepping(prod):
@@ -542,11 +663,101 @@ def test_tier_beside_pd_disaggregation(llama, llama_ref, tmp_path):
     for q in others:
         greedy(cons, [q])
     drain(cons)
-    again = greedy(cons, [a])
-    assert again[0].num_cached_tokens == 64  # from the decoder's tier: its pool lost the prompt
-    assert_same_outputs(again, want)
+    # The next turn (A and 8 more tokens) from the decoder's tier, its pool having lost A: all 80 tokens of A. (A
+    # itself again would resume at 72, whose window - V4's window group - the producer released and never sent.)
+    a2 = a + random_prompts(1, [8])[0]
+    again = greedy(cons, [a2])
+    assert again[0].num_cached_tokens == 80
+    assert_same_outputs(again, greedy(ref, [a2]))
     st = cons.engine.stats()
     assert st.kv_offload.loads == 1 and st.kv_transfer.loads_ok == 1  # one read of each kind, counted apart
+    assert st.kv_offload.load_failures == 0
+    if arch == "llama":
+        # Preemption on the decoder, both connectors in place: preempted requests store their blocks and come
+        # back. (Per group kind, preemption with the tier is test_deepseek_tier_round_trip_token_identical's: the
+        # two-connector path is the same for every model, and DeepSeek's batch costs 3x this whole test.)
+        batch = random_prompts(7, [48, 40, 56, 44])
+        got_b = greedy(cons, batch, 48)
+        assert cons.engine.stats().num_preemptions > st.num_preemptions
+        assert_same_outputs(got_b, greedy(ref, batch, 48))
+        drain(cons)
     drain(prod)
-    assert prod.engine.stats().kv_offload.blocks_stored == 5  # the held prompt (80 tokens), once released
+    if arch != "deepseek_v41":
+        stored = prod.engine.stats().kv_offload.blocks_stored
+        # The held prompt (80 tokens), once released: 5 blocks on Llama.
+        assert stored == 5 if arch == "llama" else stored > 0
     assert prod.engine.core.kv.all_free() and cons.engine.core.kv.all_free()
+    for llm in (prod, cons):
+        llm.engine.shutdown()
+
+
+def corrupt_rank_and_reload(tier, ref, path, rank):
+    """A's prefix evicted again, every file of one rank's shards corrupted (the other rank's intact): the ranks agree
+    the read failed, and A is recomputed on both."""
+    from helpers import random_prompts
+
+    a, *others = random_prompts(0, [80, 64, 64, 64, 64, 64])
+    for p in others:
+        greedy(tier, [p])
+    drain(tier)
+    for f in path.rglob(f"*.r{rank}.kvb"):
+        data = bytearray(f.read_bytes())
+        data[-1] ^= 0xFF
+        f.write_bytes(bytes(data))
+    failures = tier.engine.stats().kv_offload.load_failures
+    out = greedy(tier, [a])
+    assert out[0].num_cached_tokens == 0
+    assert_same_outputs(out, greedy(ref, [a]))
+    assert tier.engine.stats().kv_offload.load_failures == failures + 1
+    drain(tier)
+
+
+def read_by_the_other_replica(tier, ref):
+    """B computed and stored by replica 0 (both idle: it goes first); then the filler and B at once: the filler on
+    replica 0, B on replica 1, whose pool never held it, reading B's prefix from the shared store."""
+    from helpers import random_prompts
+
+    core = tier.engine.core
+    (b, filler) = random_prompts(21, [80, 40])
+    greedy(tier, [b])
+    drain(tier)
+    loads = core.kv_connectors[1].stats.loads
+    outs = greedy(tier, [filler, b])
+    assert outs[1].num_cached_tokens == 64 and core.kv_connectors[1].stats.loads == loads + 1
+    assert_same_outputs(outs, greedy(ref, [filler, b]))
+    drain(tier)
+
+
+@pytest.mark.slow  # two worker processes each
+@pytest.mark.parametrize("model, layout", [("deepseek_v3", dict(data_parallel_size=2, enable_expert_parallel=True)),
+                                           ("deepseek_v4", dict(tensor_parallel_size=2))],
+                         indirect=["model"], ids=["v3-dp2-ep2", "v4-tp2"])
+def test_deepseek_tier_across_ranks(model, layout, tmp_path, request):
+    """DeepSeek-V3 over two expert-parallel replicas on a shared store: each replica has its own pool and index
+    (the idle one steps through dummy forwards while the other's prefix is read), and a prefix one stored is read
+    by the other. DeepSeek-V4 over two tensor-parallel ranks: its full / window / coarse groups sharded, one file
+    per rank, a block in the index only once both ranks wrote theirs, a read over only when both ranks' are (failed
+    on both if one rank's shard is corrupt). Tokens as one process without the tier, through eviction and reload,
+    chunked prefill and preemption."""
+    from openinfer.entrypoints.llm import LLM
+
+    arch, ck, kw, ref = model
+    dp = layout.get("data_parallel_size", 1)
+    if dp > 1:
+        url, _ = request.getfixturevalue("redis_server")
+        tier = LLM(str(ck), kv_offloading_backend="redis", kv_offloading_size=1.0, kv_offloading_path=url, **kw,
+                   **layout)
+        assert len(tier.engine.core.kv_connectors) == 2
+        check_tier_round_trip(tier, ref, replicas=2)  # one request at a time: replica 0; the batch: both
+        read_by_the_other_replica(tier, ref)
+    else:
+        path = tmp_path / "tier"
+        tier = LLM(str(ck), kv_offloading_size=0.05, kv_offloading_path=str(path), **kw, **layout)
+        check_tier_round_trip(tier, ref)
+        names = [f.name for f in path.rglob("*.kvb")]
+        shards = [sorted(n.replace(f".r{r}.", ".") for n in names if f".r{r}." in n) for r in (0, 1)]
+        assert shards[0] and shards[0] == shards[1] and len(names) == 2 * len(shards[0])
+        assert tier.engine.stats().kv_offload.num_blocks == len(shards[0])
+        corrupt_rank_and_reload(tier, ref, path, rank=1)
+    assert all(kv.all_free() for kv in tier.engine.core.kvs)
+    tier.engine.shutdown()

@@ -98,27 +98,29 @@ class EngineCore:
         self.kvs = [KVCacheManager(self.kv_specs, self.num_kv_blocks, cache.block_size, cache.enable_prefix_caching)
                     for _ in range(config.parallel.data_parallel_size)]
         self._tier_tmpdir: str | None = None  # the offloading tier's own temporary folder (no path given)
-        self.kv_connector = self._make_kv_connector()
-        self.schedulers = [Scheduler(sched, kv, self.kv_connector) for kv in self.kvs]
+        # One per data-parallel replica (each replica's pool is its own); replica 0's is ``kv_connector``.
+        self.kv_connectors = self._make_kv_connectors()
+        self.kv_connector = self.kv_connectors[0]
+        self.schedulers = [Scheduler(sched, kv, c) for kv, c in zip(self.kvs, self.kv_connectors)]
         self._replica_of: dict[str, int] = {}  # request id -> data-parallel replica
         self.kv_bytes_per_token = bytes_per_token(self.kv_specs, cache.block_size)
         self.startup_message = kv_startup_message(self.kv_specs, self.num_kv_blocks, cache.block_size,
                                                   self.max_model_len)
 
-    def _make_kv_connector(self):
+    def _make_kv_connectors(self) -> list:
         """The scheduler side of the configured KV connector (pure Python), told where its worker side's side
-        channel listens (the worker picked the port when its cache was registered)."""
+        channel listens (the worker picked the port when its cache was registered); one per replica."""
         transfer = self._make_transfer_connector()
         if self.config.kv_offload is None:
-            return transfer
-        from openinfer.engine.kv_tier import make_offloading_connector
+            return [transfer] * len(self.kvs)
+        from openinfer.engine.kv_tier import make_offloading_connectors
 
-        tier, self._tier_tmpdir = make_offloading_connector(self.config, self.kv_specs, self.executor)
+        tiers, self._tier_tmpdir = make_offloading_connectors(self.config, self.kv_specs, self.executor)
         if transfer is None:
-            return tier
+            return tiers
         from openinfer.distributed.kv_transfer.multi import MultiConnectorScheduler
 
-        return MultiConnectorScheduler(transfer, tier)
+        return [MultiConnectorScheduler(transfer, tier) for tier in tiers]
 
     @property
     def _transfer_connector(self):
@@ -126,9 +128,13 @@ class EngineCore:
         return None if self.config.kv_transfer is None else getattr(c, "transfer", c)
 
     @property
-    def _tier_connector(self):
-        c = self.kv_connector
-        return None if self.config.kv_offload is None else getattr(c, "tier", c)
+    def _tier_stats(self):
+        """The offloading tier's counters, summed over the replicas' (None without a tier)."""
+        if self.config.kv_offload is None:
+            return None
+        from openinfer.distributed.kv_transfer.stats import KVOffloadStats
+
+        return KVOffloadStats.total([getattr(c, "tier", c).stats for c in self.kv_connectors])
 
     def _make_transfer_connector(self):
         kt = self.config.kv_transfer
@@ -289,7 +295,7 @@ class EngineCore:
             prompt_tokens_received=sum(s.prompt_tokens_received for s in self.schedulers),
             generation_tokens=sum(s.generation_tokens for s in self.schedulers),
             kv_transfer=self._transfer_connector.stats.snapshot() if self._transfer_connector else None,
-            kv_offload=self._tier_connector.stats.snapshot() if self._tier_connector else None,
+            kv_offload=self._tier_stats,
             num_held_for_transfer=sum(len(s.held) for s in self.schedulers),
             rank_loads=[(len(s.running), len(s.waiting) + len(s.waiting_remote), p.num_free_blocks, p.num_blocks,
                          kv.usage) for s, p, kv in zip(self.schedulers, pools, self.kvs)],
@@ -303,8 +309,9 @@ class EngineCore:
         """Start recording BlockStored / BlockRemoved / AllBlocksCleared in every replica's cache."""
         if not all(kv.record_events() for kv in self.kvs):
             raise ValueError("KV cache events need prefix caching and a whole-life KV group of block_size tokens")
-        if self.kv_connector is not None:
-            self.kv_connector.record_events()  # an offloading tier's stores and evictions (medium "DISK")
+        if self.config.kv_offload is not None:
+            for c in self.kv_connectors:
+                c.record_events()  # an offloading tier's stores and evictions (medium "DISK")
 
     def take_kv_events(self) -> list[KVEventBatch]:
         """What the caches recorded since the last call, one batch per data-parallel replica that has any."""
@@ -312,22 +319,22 @@ class EngineCore:
         out = []
         for rank, kv in enumerate(self.kvs):
             events = kv.take_events()
-            if rank == 0 and self.kv_connector is not None:
-                events += self.kv_connector.take_events()
+            if self.config.kv_offload is not None:
+                events += self.kv_connectors[rank].take_events()
             if events:
                 out.append(KVEventBatch(now, events, rank))
         return out
 
     def shutdown(self) -> None:
-        if (self.config.kv_offload is not None and self.kv_connector is not None and self.dead_reason is None
-                and self.kv_connector.has_unsent_stores):
+        if (self.config.kv_offload is not None and self.dead_reason is None
+                and any(c.has_unsent_stores for c in self.kv_connectors)):
             # Blocks released by the last step are still to be copied out: one empty step hands them over (the
             # worker side finishes its writes when it shuts down), so a restart finds them.
             from openinfer.step_io import SchedulerOutput
 
             try:
-                self.executor.execute_model([SchedulerOutput(kv_connector_metadata=self.kv_connector
-                                                             .build_connector_meta())])
+                self.executor.execute_model([SchedulerOutput(kv_connector_metadata=c.build_connector_meta())
+                                             for c in self.kv_connectors])
             except Exception:
                 logger.exception("KV tier: handing over the last stores failed")
         self.executor.shutdown()

@@ -8,11 +8,16 @@ every block), sliding windows and DeepSeek-V4's window state (only the blocks a 
 the last window before it), DeepSeek-V4's compressed entries and index keys in larger blocks (keyed like the pool:
 by the last ordinary block a group block covers). What a model keeps outside its KV stores is not offloaded; the
 stores are the whole per-sequence state of every model here (the NIXL connector moves the same ones).
+
+Data parallel: each replica has its own pool, so its own scheduler side and index; on a local disk its own folder
+(``dp<r>`` under the fingerprint's), on a shared store the same keys (replicas hold the same shards), so a prefix
+one replica computed serves the others.
 """
 from __future__ import annotations
 
 import logging
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 from openinfer.config import EngineConfig
@@ -28,15 +33,15 @@ logger = logging.getLogger(__name__)
 _HEADER_ALLOWANCE = 4096
 
 
-def make_offloading_connector(config: EngineConfig, specs: list[KVGroupSpec],
-                              executor) -> tuple[OffloadingConnectorScheduler, str | None]:
-    """(the scheduler side, a temporary folder to remove at shutdown when no path was given). Raises ValueError
-    when the size cannot hold one block or the folder cannot be made."""
-    off, bs = config.kv_offload, config.cache.block_size
+def make_offloading_connectors(config: EngineConfig, specs: list[KVGroupSpec],
+                               executor) -> tuple[list[OffloadingConnectorScheduler], str | None]:
+    """(the scheduler side of each data-parallel replica, a temporary folder to remove at shutdown when no path was
+    given). Raises ValueError when the size cannot hold one block or the folder cannot be made."""
+    off, bs, dp = config.kv_offload, config.cache.block_size, config.parallel.data_parallel_size
     need = max(s.bytes_per_block for s in specs) + _HEADER_ALLOWANCE
-    if off.size_bytes < need:
-        raise ValueError(f"kv_offloading_size={off.size_gb} GiB cannot hold one KV block of this model "
-                         f"({need} bytes with its header); raise it")
+    if off.size_bytes // dp < need:
+        raise ValueError(f"kv_offloading_size={off.size_gb} GiB cannot hold one KV block of this model per "
+                         f"data-parallel replica ({need} bytes with its header, {dp} replica(s)); raise it")
     fingerprint = tier_fingerprint(config, specs, [s.name for s in specs])
     tmpdir = None
     if off.backend == "redis":
@@ -49,22 +54,28 @@ def make_offloading_connector(config: EngineConfig, specs: list[KVGroupSpec],
             store.ping()
         except TierStoreError as e:
             raise ValueError(f"kv_offloading_path={off.path!r}: cannot reach the shared KV store ({e})") from None
-        location = off.path
+        stores, locations = [store] * dp, [off.path] * dp
     else:
         base = off.path
         if base is None:
             base = tmpdir = tempfile.mkdtemp(prefix="openinfer-kv-tier-")
         directory = Path(base) / fingerprint[:16]
+        dirs = [directory] if dp == 1 else [directory / f"dp{r}" for r in range(dp)]
         try:
-            directory.mkdir(parents=True, exist_ok=True)
+            for d in dirs:
+                d.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise ValueError(f"kv_offloading_path={base!r}: cannot make the tier's folder: {e.strerror or e}") \
                 from None
-        store, location = DirStore(directory), str(directory)
-    executor.collective_rpc("init_kv_offload", (off.backend, location, fingerprint))
-    groups = [TierGroup(s.tokens_per_block(bs) // bs, s.lookback_tokens) for s in specs]
-    connector = OffloadingConnectorScheduler(off, store, fingerprint, bs, ROOT_HASH, groups)
+        stores, locations = [DirStore(d) for d in dirs], [str(d) for d in dirs]
+    # Each rank opens its replica's location.
+    executor.collective_rpc("init_kv_offload", (off.backend, locations, fingerprint))
+    groups = [TierGroup(s.tokens_per_block(bs) // bs, s.lookback_tokens, s.bytes_per_block > 0) for s in specs]
+    # Each replica's share of the size (its own index of its own folder; on a shared store, what it remembers).
+    sub = off if dp == 1 else replace(off, size_gb=off.size_gb / dp)
+    connectors = [OffloadingConnectorScheduler(sub, st, fingerprint, bs, ROOT_HASH, groups,
+                                               config.parallel.tensor_parallel_size) for st in stores]
     logger.info("KV tier: %s, %s in %s%s", off.backend,
-                "shared, bounded by the store's own memory policy" if store.shared else f"up to {off.size_gb:.2f} GiB",
-                store, " (temporary)" if tmpdir else "")
-    return connector, tmpdir
+                "shared, bounded by the store's own memory policy" if stores[0].shared
+                else f"up to {off.size_gb:.2f} GiB", ", ".join(locations), " (temporary)" if tmpdir else "")
+    return connectors, tmpdir

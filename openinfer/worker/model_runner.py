@@ -13,7 +13,7 @@ import msgspec
 import torch
 
 from openinfer.config import EngineConfig
-from openinfer.distributed.parallel_state import get_tp_group
+from openinfer.distributed.parallel_state import get_dp_group, get_tp_group
 from openinfer.forward_context import AttentionMetadata, set_forward_context
 from openinfer import envs
 from openinfer.layers import dispatch
@@ -112,13 +112,19 @@ class ModelRunner:
         return self.kv_connector.register_kv_caches(
             kv_block_tensors(self.model, [s.name for s in self.kv_cache_spec()]))
 
-    def init_kv_offload(self, backend: str, location: str, fingerprint: str) -> dict:
-        """Start the offloading tier's worker side over the bound cache (every group's stores)."""
+    def init_kv_offload(self, backend: str, locations: list[str], fingerprint: str) -> dict:
+        """Start the offloading tier's worker side over the bound cache (every group's stores), on this rank's
+        data-parallel replica's location."""
         from openinfer.distributed.kv_transfer.offload_worker import OffloadingConnectorWorker
         from openinfer.worker.kv_tensors import kv_block_tensors
 
-        tier = OffloadingConnectorWorker(backend, location, fingerprint)
-        info = tier.register_kv_caches(kv_block_tensors(self.model, [s.name for s in self.kv_cache_spec()]))
+        tier = OffloadingConnectorWorker(backend, locations[get_dp_group().rank_in_group], fingerprint,
+                                         get_tp_group())
+        # The drafter's groups too: a prefix the tier restores comes back with its drafting KV.
+        drafter = self.proposer.kv_stores() if self.proposer is not None else []
+        specs = self.kv_cache_spec()
+        info = tier.register_kv_caches(kv_block_tensors(self.model, [s.name for s in specs], drafter,
+                                                        frozenset(s.name for s in specs if s.bytes_per_block == 0)))
         if self.kv_connector is None:
             self.kv_connector = tier
         else:  # beside prefill/decode disaggregation's connector

@@ -35,16 +35,26 @@ class Shutdown(msgspec.Struct, tag=True):
     pass
 
 
-Call = GetKVCacheSpec | DetermineKVBudget | InitializeKVCache | ExecuteModel | GetLoadTime | Shutdown
+class InitKVOffload(msgspec.Struct, tag=True):
+    """Start the offloading tier's worker side (``locations``: by data-parallel replica)."""
+
+    backend: str
+    locations: list[str]
+    fingerprint: str
+
+
+Call = GetKVCacheSpec | DetermineKVBudget | InitializeKVCache | ExecuteModel | GetLoadTime | Shutdown | InitKVOffload
 
 # What each call returns (the type its reply's value decodes to) and the worker method that answers it.
 RESULT_TYPES: dict[type, type] = {
     GetKVCacheSpec: list[KVGroupSpec], DetermineKVBudget: KVBudget, InitializeKVCache: type(None),
     ExecuteModel: ModelRunnerOutput | None, GetLoadTime: float, Shutdown: type(None),
+    InitKVOffload: dict[str, list[int]],
 }
 METHODS: dict[str, type] = {
     "get_kv_cache_spec": GetKVCacheSpec, "determine_kv_budget": DetermineKVBudget,
     "initialize_kv_cache": InitializeKVCache, "execute_model": ExecuteModel, "load_time_s": GetLoadTime,
+    "init_kv_offload": InitKVOffload,
 }
 
 

@@ -112,9 +112,16 @@ class Worker:
         """Start the KV connector's worker side over the bound cache; returns where its side channel listens."""
         return self.model_runner.init_kv_connector(engine_id)
 
-    def init_kv_offload(self, backend: str, location: str, fingerprint: str) -> dict:
-        """Start the offloading tier's worker side over the bound cache; returns its bytes per block of each group."""
-        return self.model_runner.init_kv_offload(backend, location, fingerprint)
+    def init_kv_offload(self, backend: str, locations: list[str], fingerprint: str) -> dict:
+        """Start the offloading tier's worker side over the bound cache (``locations``: by data-parallel replica);
+        returns its bytes per block of each group."""
+        return self.model_runner.init_kv_offload(backend, locations, fingerprint)
+
+    def shutdown_kv_connector(self) -> None:
+        """Finish the KV connector's work in flight (an offloading tier's writes) before the process leaves."""
+        connector = self.model_runner.kv_connector if self.model_runner is not None else None
+        if connector is not None:
+            connector.shutdown()
 
     def execute_model(self, scheduler_output: SchedulerOutput, lockstep: bool = False) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output, lockstep)

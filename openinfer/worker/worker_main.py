@@ -80,7 +80,10 @@ def _dispatch(worker, call: rpc.Call):
         return worker.initialize_kv_cache(call.num_blocks)
     if isinstance(call, rpc.GetLoadTime):
         return worker.load_time_s
+    if isinstance(call, rpc.InitKVOffload):
+        return worker.init_kv_offload(call.backend, call.locations, call.fingerprint)
     if isinstance(call, rpc.Shutdown):
+        worker.shutdown_kv_connector()  # an offloading tier's writes in flight finish: a restart finds them
         return None
     raise ValueError(f"unknown call {type(call).__name__}")
 

@@ -22,6 +22,11 @@ LRU order, and this step's stores and loads for the worker side. Pure Python: no
 - A shared store (RedisStore) is written by other instances too: a lookup asks it (one pipelined round trip) for
   the blocks this instance's index lacks, and its server evicts by its own policy; the chain key of such a block is
   checked when it is read (its header), a mismatch dropping it like a corrupt one.
+- Tensor parallel: each rank stores and reads its own shard of every group block (one file per rank, the rank in
+  its name and header). An entry joins the index only once every rank reported its file written, and a lookup on a
+  shared store asks for every rank's: a hit is decided here, once, for all ranks, which the worker sides then read
+  in lockstep (offload_worker.py: a read or a write is reported only when every rank's is over, failed if one's
+  failed).
 """
 from __future__ import annotations
 
@@ -35,7 +40,7 @@ from typing import Any
 from openinfer.config import KVOffloadConfig
 from openinfer.distributed.kv_transfer.base import ConnectorRequest, KVConnectorScheduler
 from openinfer.distributed.kv_transfer.stats import KVOffloadStats
-from openinfer.distributed.kv_transfer.tier_files import SUFFIX, TierFileError, file_name, read_header
+from openinfer.distributed.kv_transfer.tier_files import SUFFIX, TierFileError, file_name, file_names, read_header
 from openinfer.distributed.kv_transfer.tier_store import DirStore, RedisStore, TierStoreError
 from openinfer.kv_events import BlockRemoved, BlockStored, EventRecorder, KVEvent, external_hash
 from openinfer.step_io import KVConnectorMetadata, KVConnectorOutput, TierBlock, TierLoad
@@ -48,10 +53,13 @@ MEDIUM = "DISK"
 
 @dataclass(frozen=True)
 class TierGroup:
-    """What the tier needs of a KV group: ordinary blocks per group block, and the lookback (None: whole life)."""
+    """What the tier needs of a KV group: ordinary blocks per group block, the lookback (None: whole life), and
+    whether it holds anything (a group of 0 bytes per block - a DeepSeek-V4 MTP layer's compressed groups - has no
+    files and never bounds a hit)."""
 
     ratio: int
     lookback_tokens: int | None = None
+    stored: bool = True
 
     def first_needed(self, num_tokens: int, block_size: int) -> int:
         """First group block a query at ``num_tokens`` reads (kv_groups.py's policy)."""
@@ -71,8 +79,9 @@ class OffloadingConnectorScheduler(EventRecorder, KVConnectorScheduler):
     stores_blocks = True
 
     def __init__(self, config: KVOffloadConfig, store: DirStore | RedisStore, fingerprint: str, block_size: int,
-                 root_hash: int, groups: list[TierGroup]) -> None:
+                 root_hash: int, groups: list[TierGroup], tp: int = 1) -> None:
         self.config = config
+        self.tp = tp  # tensor-parallel ranks: files per group block
         self.store = store
         self.fingerprint = fingerprint
         self.block_size = block_size
@@ -100,7 +109,7 @@ class OffloadingConnectorScheduler(EventRecorder, KVConnectorScheduler):
     def _scan(self, directory: Path) -> None:
         """Rebuild the index from the files a previous run left (their headers only; checksums are checked when a
         block is read), oldest first. Files from another fingerprint or unreadable ones are removed."""
-        found = []
+        found: dict[tuple[int, int], list] = {}  # key -> [newest mtime, header, bytes, files]
         for p in directory.iterdir():
             if p.name.endswith(".tmp"):  # a write cut short by a crash
                 _unlink(p)
@@ -110,7 +119,9 @@ class OffloadingConnectorScheduler(EventRecorder, KVConnectorScheduler):
             try:
                 with open(p, "rb") as f:
                     header, _, _ = read_header(f)
-                if (header.fingerprint != self.fingerprint or p.name != file_name(header.group, header.block_hash)
+                rank = header.rank if self.tp > 1 else None
+                if (header.fingerprint != self.fingerprint or not 0 <= header.rank < self.tp
+                        or p.name != file_name(header.group, header.block_hash, rank)
                         or not 0 <= header.group < len(self.groups)):
                     raise TierFileError("another model or layout")
                 st = p.stat()
@@ -119,9 +130,16 @@ class OffloadingConnectorScheduler(EventRecorder, KVConnectorScheduler):
                 self.stats.blocks_invalid += 1
                 _unlink(p)
                 continue
-            found.append((st.st_mtime_ns, header, st.st_size))
-        for _, h, size in sorted(found, key=lambda x: x[0]):
-            self._index[(h.group, h.block_hash)] = _Entry(h.parent_hash, tuple(h.token_ids), size)
+            f = found.setdefault((header.group, header.block_hash), [0, header, 0, []])
+            f[0], f[2] = max(f[0], st.st_mtime_ns), f[2] + st.st_size
+            f[3].append(p)
+        for key, (_, h, size, paths) in sorted(found.items(), key=lambda x: x[1][0]):
+            if len(paths) != self.tp:  # some rank's file never made it (a crash, a full disk): unusable
+                for p in paths:
+                    _unlink(p)
+                self.stats.blocks_invalid += 1
+                continue
+            self._index[key] = _Entry(h.parent_hash, tuple(h.token_ids), size)
             self.stats.bytes_used += size
         self._evict_to_fit()
         self.stats.num_blocks = len(self._index)
@@ -140,9 +158,13 @@ class OffloadingConnectorScheduler(EventRecorder, KVConnectorScheduler):
         else:
             self.stats.blocks_invalid += 1
         if not (evicted and self.store.shared):  # others may still use a shared store's block
-            self.store.remove(file_name(*key))
+            self._remove(*key)
         if self._events is not None and key[0] == 0:  # events speak for the first group, as the pool's do
             self._events.append(BlockRemoved([external_hash(key[1])], MEDIUM))
+
+    def _remove(self, group: int, block_hash: int) -> None:
+        for name in file_names(group, block_hash, self.tp):
+            self.store.remove(name)
 
     def _evict_to_fit(self) -> None:
         victims = iter(list(self._index))
@@ -201,6 +223,8 @@ class OffloadingConnectorScheduler(EventRecorder, KVConnectorScheduler):
         bs = self.block_size
         out = []
         for gi, g in enumerate(self.groups):
+            if not g.stored:
+                continue
             local_end = local // g.ratio
             for j in range(max(g.first_needed(h * bs, bs), local_end), h // g.ratio):
                 b = self._entry(req, gi, j)
@@ -223,7 +247,7 @@ class OffloadingConnectorScheduler(EventRecorder, KVConnectorScheduler):
         # sliding groups have their window wins (as KVCacheManager.get_computed_blocks picks pool hits).
         top = end
         for gi, g in enumerate(self.groups):
-            if g.lookback_tokens is None:
+            if g.lookback_tokens is None and g.stored:
                 j = local // g.ratio
                 while (j + 1) * g.ratio <= top and self._entry(req, gi, j) is not None:
                     j += 1
@@ -251,16 +275,17 @@ class OffloadingConnectorScheduler(EventRecorder, KVConnectorScheduler):
         round trip). False: the store failed (the tier is now off)."""
         want = []
         for gi, g in enumerate(self.groups):
-            for j in range(local // g.ratio, end // g.ratio):
+            for j in range(local // g.ratio, end // g.ratio) if g.stored else ():
                 key = (gi, req.block_hashes[(j + 1) * g.ratio - 1])
                 if key not in self._index:
                     want.append(key)
         try:
-            found = self.store.exists([file_name(*k) for k in want])
+            found = self.store.exists([n for k in want for n in file_names(*k, self.tp)])
         except TierStoreError as e:
             self._turn_off(str(e))
             return False
-        self._present = {k for k, ok in zip(want, found) if ok}
+        # A block is there only if every rank's shard is.
+        self._present = {k for i, k in enumerate(want) if all(found[i * self.tp:(i + 1) * self.tp])}
         return True
 
     def update_state_after_alloc(self, req: ConnectorRequest, params: dict[str, Any] | None,
@@ -284,7 +309,7 @@ class OffloadingConnectorScheduler(EventRecorder, KVConnectorScheduler):
             return
         for gi, g in enumerate(self.groups):
             ids = block_ids[gi]
-            for j in range(min(len(keys) // g.ratio, len(ids))):
+            for j in range(min(len(keys) // g.ratio, len(ids)) if g.stored else 0):
                 i = (j + 1) * g.ratio - 1
                 key = (gi, req.block_hashes[i])
                 if key in self._index:
@@ -331,7 +356,7 @@ class OffloadingConnectorScheduler(EventRecorder, KVConnectorScheduler):
             if block is not None and self.stats.enabled:
                 self._add(block, num_bytes)
             elif block is None and not self.store.shared:  # the tier turned off meanwhile: not indexed, so remove it
-                self.store.remove(file_name(group, h))
+                self._remove(group, h)
         if out.tier_store_error:
             self._turn_off(out.tier_store_error)
         self._evict_to_fit()  # entries that were being read may go now

@@ -38,3 +38,12 @@ class KVOffloadStats:
 
     def snapshot(self) -> KVOffloadStats:
         return KVOffloadStats(**vars(self))
+
+    @staticmethod
+    def total(parts: list[KVOffloadStats]) -> KVOffloadStats:
+        """Data-parallel replicas' counters as one tier's (enabled while every replica's is)."""
+        out = parts[0].snapshot()
+        for p in parts[1:]:
+            for k, v in vars(p).items():
+                setattr(out, k, (getattr(out, k) and v) if k == "enabled" else getattr(out, k) + v)
+        return out

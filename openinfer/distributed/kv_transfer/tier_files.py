@@ -44,14 +44,21 @@ class TierHeader(msgspec.Struct, array_like=True):
     parent_hash: int
     token_ids: list[int]
     payload_bytes: int
+    rank: int = 0  # the tensor-parallel rank whose shard the payload is (0 with one rank)
 
 
 class TierFileError(ValueError):
     """A tier file that must not be used (another model's, corrupt, not the block asked for)."""
 
 
-def file_name(group: int, block_hash: int) -> str:
-    return f"{external_hash(block_hash):016x}-{group}{SUFFIX}"
+def file_name(group: int, block_hash: int, rank: int | None = None) -> str:
+    """One rank's file of a group block; ``rank`` None with one tensor-parallel rank (the whole block)."""
+    return f"{external_hash(block_hash):016x}-{group}{'' if rank is None else f'.r{rank}'}{SUFFIX}"
+
+
+def file_names(group: int, block_hash: int, tp: int) -> list[str]:
+    """Every rank's file of a group block: the block is in the tier only while all of them are."""
+    return [file_name(group, block_hash)] if tp == 1 else [file_name(group, block_hash, r) for r in range(tp)]
 
 
 def encode(header: TierHeader, payload: bytes | memoryview) -> list[bytes | memoryview]:
@@ -81,9 +88,9 @@ def read_header(f) -> tuple[TierHeader, int, int]:
 
 
 def read_block(f, fingerprint: str, group: int, block_hash: int, parent_hash: int, token_ids: list[int],
-               payload_bytes: int) -> bytearray:
+               payload_bytes: int, rank: int = 0) -> bytearray:
     """The payload of one block's file (an open binary stream at its start), after checking that it is this model's,
-    this block's and intact."""
+    this block's (this rank's shard of it) and intact."""
     with f:
         header, crc, _ = read_header(f)
         if header.fingerprint != fingerprint:
@@ -91,6 +98,8 @@ def read_block(f, fingerprint: str, group: int, block_hash: int, parent_hash: in
         if (header.group, header.block_hash, header.parent_hash, header.token_ids) != (group, block_hash, parent_hash,
                                                                                        token_ids):
             raise TierFileError("holds another block (chain key differs)")
+        if header.rank != rank:
+            raise TierFileError(f"holds rank {header.rank}'s shard, not rank {rank}'s")
         payload = bytearray(payload_bytes)  # writable: the caller wraps it in a tensor without a copy
         n = f.readinto(payload)
         if header.payload_bytes != payload_bytes or n != payload_bytes or f.read(1):
@@ -121,10 +130,22 @@ def write_block(path: Path, parts: list[bytes | memoryview]) -> int:
 def tier_fingerprint(config: EngineConfig, specs: list[KVGroupSpec], tier_groups: list[str]) -> str:
     """What makes stored KV reusable: the model (its config and a sample of every weight file), the dtypes, the
     quantisation, the block size and the KV groups' layout. Any difference gives another fingerprint."""
-    m, c = config.model, config.cache
+    m, c, sp = config.model, config.cache, config.speculative
     hf = {k: v for k, v in m.hf_config.items() if not k.startswith("_")}
+    doc = {"hf_config": hf, "weights": _weight_samples(m.path), "dtype": str(m.dtype), "quantization": m.quantization,
+           "kv_cache_dtype": c.kv_cache_dtype, "block_size": c.block_size, "tier_groups": tier_groups,
+           "groups": [[s.name, s.bytes_per_block, s.block_tokens, s.lookback_tokens] for s in specs],
+           # Each tensor-parallel rank stores its own shard of every block (files named per rank): another split
+           # is another layout.
+           "tensor_parallel_size": config.parallel.tensor_parallel_size}
+    if sp is not None and sp.method != "ngram":  # the drafter's KV is stored too: its weights are part of the key
+        doc["speculative"] = [sp.method, _weight_samples(sp.model) if sp.model else None]
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _weight_samples(path: str) -> list:
     weights = []
-    root = Path(m.path)
+    root = Path(path)
     for p in sorted(root.iterdir()) if root.is_dir() else []:
         if p.suffix in (".safetensors", ".bin", ".pt", ".gguf") and p.is_file():
             size = p.stat().st_size
@@ -133,7 +154,4 @@ def tier_fingerprint(config: EngineConfig, specs: list[KVGroupSpec], tier_groups
                 f.seek(max(0, size - _WEIGHT_SAMPLE))
                 tail = f.read(_WEIGHT_SAMPLE)
             weights.append([p.name, size, hashlib.sha256(head + tail).hexdigest()])
-    doc = {"hf_config": hf, "weights": weights, "dtype": str(m.dtype), "quantization": m.quantization,
-           "kv_cache_dtype": c.kv_cache_dtype, "block_size": c.block_size, "tier_groups": tier_groups,
-           "groups": [[s.name, s.bytes_per_block, s.block_tokens, s.lookback_tokens] for s in specs]}
-    return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()
+    return weights

@@ -29,7 +29,7 @@ from openinfer.layers.norm import RMSNorm
 from openinfer.models.deepseek_v4.config import DeepseekV4Config
 from openinfer.models.deepseek_v4.hc import HyperConnection, HyperHead, fused_post_pre, hc_post
 from openinfer.models.deepseek_v4.moe import DeepseekV4MoE
-from openinfer.models.interface import CausalLM, MTPLayer, ParallelMode
+from openinfer.models.interface import CausalLM, KVStores, MTPLayer, ParallelMode, module_kv_stores
 from openinfer.layers.rotary import RotaryEmbedding
 
 
@@ -128,6 +128,11 @@ class DeepseekV4ForCausalLM(CausalLM):
 
     def attention_layers(self) -> list[DeepseekV4Attention]:
         return [layer.self_attn for layer in self.model.layers]
+
+    def kv_stores(self) -> KVStores:
+        """The target's stores. The MTP layers built with it (``self.mtp``) are bound by the MTP drafter, in its own
+        ``mtp.*`` groups: it lists them (proposers/drafting.py), not the target."""
+        return [st for child in self.children() if child is not self.mtp for st in module_kv_stores(child)]
 
     def build_mtp(self) -> nn.ModuleList:
         ref = self.lm_head.weight

@@ -112,5 +112,8 @@ class DSparkProposer(DraftingModel):
         self.last_confidence = {st.req_id: c for st, c in zip(states, confidence.tolist())}
         return {st.req_id: t for st, t in zip(states, tokens.tolist())}
 
+    def kv_stores(self) -> list[tuple[str, torch.Tensor | None]]:
+        return [(self.prefix + WINDOW_GROUP, self.module.keys)]
+
     def confidence(self) -> dict[str, list[float]]:
         return self.last_confidence
