@@ -11,6 +11,7 @@ a token, a few merges) with control tokens and a chat template.
 """
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +40,13 @@ def vocab() -> list[str]:
 
 
 def spm_vocab(merges: int = 600) -> tuple[list[str], list[float], list[int]]:
+    """A SentencePiece-style vocabulary (see ``_spm_vocab``), learned once per process: write_gguf asks twice."""
+    tokens, scores, types = _spm_vocab(merges)
+    return list(tokens), list(scores), list(types)
+
+
+@functools.cache
+def _spm_vocab(merges: int) -> tuple[tuple[str, ...], tuple[float, ...], tuple[int, ...]]:
     """A SentencePiece-style (``llama`` tokenizer model) vocabulary, deterministic: <unk> <s> </s>, the 256 byte
     fallbacks <0xNN>, every character of the Factbook text (spaces as "▁"), then ``merges`` BPE merges learned on
     that text, each scored -order so the earlier merge wins. Returns (tokens, scores, token types)."""
@@ -50,19 +58,23 @@ def spm_vocab(merges: int = 600) -> tuple[list[str], list[float], list[int]]:
     words = collections.Counter("▁" + w for w in text.split())
     chars = sorted({c for w in words for c in w})
     seqs = {w: list(w) for w in words}
+    # Pair counts kept up to date as words change (recounting every word per merge took a minute on 2 cores);
+    # the merges are the same as a full recount's: ties still go to the larger pair.
+    pairs: collections.Counter = collections.Counter()
+    holders: dict[tuple[str, str], set[str]] = collections.defaultdict(set)
+    for w, n in words.items():
+        s = seqs[w]
+        for pair in zip(s, s[1:]):
+            pairs[pair] += n
+            holders[pair].add(w)
     learned: list[str] = []
     for _ in range(merges):
-        pairs: collections.Counter = collections.Counter()
-        for w, n in words.items():
-            s = seqs[w]
-            for a, b in zip(s, s[1:]):
-                pairs[a, b] += n
         if not pairs:
             break
         (a, b), _n = max(pairs.items(), key=lambda kv: (kv[1], kv[0]))
         learned.append(a + b)
-        for w in words:
-            s, out, i = seqs[w], [], 0
+        for w in list(holders[a, b]):
+            s, out, i, n = seqs[w], [], 0, words[w]
             while i < len(s):
                 if i + 1 < len(s) and s[i] == a and s[i + 1] == b:
                     out.append(a + b)
@@ -70,13 +82,21 @@ def spm_vocab(merges: int = 600) -> tuple[list[str], list[float], list[int]]:
                 else:
                     out.append(s[i])
                     i += 1
+            for pair in zip(s, s[1:]):
+                pairs[pair] -= n
+                if pairs[pair] == 0:
+                    del pairs[pair]
+                holders[pair].discard(w)
+            for pair in zip(out, out[1:]):
+                pairs[pair] += n
+                holders[pair].add(w)
             seqs[w] = out
     T = gguf.TokenType
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + chars + learned
     scores = [0.0, 0.0, 0.0] + [0.0] * 256 + [-1e4 - i for i in range(len(chars))] + [-float(i) for i in
                                                                                      range(len(learned))]
     types = [T.UNKNOWN, T.CONTROL, T.CONTROL] + [T.BYTE] * 256 + [T.NORMAL] * (len(chars) + len(learned))
-    return tokens, scores, [int(t) for t in types]
+    return tuple(tokens), tuple(scores), tuple(int(t) for t in types)
 
 
 def llama_permute(w: np.ndarray, heads: int) -> np.ndarray:
