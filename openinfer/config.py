@@ -591,9 +591,6 @@ class EngineConfig:
             if self.parallel.world_size > 1 or self.parallel.executor_backend != "uni":
                 raise ValueError("kv_transfer_config needs one rank in the engine's process (tensor_parallel_size=1, "
                                  "data_parallel_size=1, distributed_executor_backend uni/auto)")
-            if self.speculative is not None:
-                raise ValueError("kv_transfer_config with speculative_config is not supported: the drafting "
-                                 "model's KV is not transferred")
         if self.kv_offload is not None:
             if self.parallel.world_size > 1:
                 raise ValueError("kv_offloading_size needs one rank (tensor_parallel_size=1, data_parallel_size=1): "

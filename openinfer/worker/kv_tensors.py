@@ -4,17 +4,26 @@ order (the same on every instance of the same model and settings). What a KV con
 The model lists its stores (``CausalLM.kv_stores``, models/interface.py): the shared attention layers' caches and
 those of every model part that owns others (DeepSeek-V4 / V4.1 layer caches name each store's group; a V4.1 layer
 that shares another's compressed KV or index keys holds no store for them, so every store is transferred once;
-V4.1's Engram token ids travel with the window group)."""
+V4.1's Engram token ids travel with the window group). A speculative proposer's stores (the MTP layer's, a draft
+model's) are its prefixed groups; a store both list (V4's MTP block is a module of the target too) is the
+proposer's only."""
 from __future__ import annotations
 
 import torch
 
+from openinfer.config import EngineConfig
 from openinfer.models.interface import CausalLM
+from openinfer.worker.proposers import Proposer
 
 
-def kv_block_tensors(model: CausalLM, group_names: list[str]) -> dict[str, list[torch.Tensor]]:
+def kv_block_tensors(model: CausalLM, group_names: list[str],
+                     proposer: Proposer | None = None) -> dict[str, list[torch.Tensor]]:
     groups: dict[str, list[torch.Tensor]] = {name: [] for name in group_names}
-    for group, tensor in model.kv_stores():
+    drafting = proposer.kv_stores() if proposer is not None else []
+    theirs = {id(t) for _, t in drafting}
+    for group, tensor in [*((g, t) for g, t in model.kv_stores() if id(t) not in theirs), *drafting]:
+        if group not in groups:
+            raise ValueError(f"a KV store names group {group!r}, which the cache does not have ({group_names})")
         groups[group].append(tensor)
     for name, tensors in groups.items():
         if not tensors:
@@ -23,3 +32,14 @@ def kv_block_tensors(model: CausalLM, group_names: list[str]) -> dict[str, list[
             if t is None or not t.is_contiguous():
                 raise ValueError(f"KV group {name!r}: a store is unbound or not contiguous")
     return groups
+
+
+def kv_settings(config: EngineConfig, group_names: list[str], kv_dtype: torch.dtype) -> str:
+    """The settings that shape the KV stores, in words: what a KV connector's handshake shows the other side, so a
+    layout mismatch names both instances' settings."""
+    sp = config.speculative
+    drafter = "none" if sp is None else f"{sp.method} k={sp.num_speculative_tokens}"
+    name = config.model.path.rstrip("/").rsplit("/", 1)[-1]
+    return (f"model={config.model.architecture or '?'} ({name}), block_size={config.cache.block_size}, "
+            f"kv dtype={str(kv_dtype).removeprefix('torch.')}, KV groups={group_names}, speculative_config={drafter}, "
+            f"tensor_parallel_size={config.parallel.tensor_parallel_size}")

@@ -105,11 +105,12 @@ class ModelRunner:
 
     def init_kv_connector(self, engine_id: str) -> dict:
         from openinfer.distributed.kv_transfer.nixl_worker import NixlConnectorWorker
-        from openinfer.worker.kv_tensors import kv_block_tensors
+        from openinfer.worker.kv_tensors import kv_block_tensors, kv_settings
 
-        self.kv_connector = NixlConnectorWorker(self.config.kv_transfer, engine_id)
-        return self.kv_connector.register_kv_caches(
-            kv_block_tensors(self.model, [s.name for s in self.kv_cache_spec()]))
+        names = [s.name for s in self.kv_cache_spec()]
+        self.kv_connector = NixlConnectorWorker(self.config.kv_transfer, engine_id,
+                                                kv_settings(self.config, names, self.kv_dtype))
+        return self.kv_connector.register_kv_caches(kv_block_tensors(self.model, names, self.proposer))
 
     def init_kv_offload(self, backend: str, location: str, fingerprint: str) -> dict:
         """Start the offloading tier's worker side over the bound cache (every group's stores)."""
@@ -117,7 +118,7 @@ class ModelRunner:
         from openinfer.worker.kv_tensors import kv_block_tensors
 
         tier = OffloadingConnectorWorker(backend, location, fingerprint)
-        info = tier.register_kv_caches(kv_block_tensors(self.model, [s.name for s in self.kv_cache_spec()]))
+        info = tier.register_kv_caches(kv_block_tensors(self.model, [s.name for s in self.kv_cache_spec()], self.proposer))
         if self.kv_connector is None:
             self.kv_connector = tier
         else:  # beside prefill/decode disaggregation's connector

@@ -29,7 +29,7 @@ import torch
 
 from openinfer.config import KVTransferConfig
 from openinfer.distributed.kv_transfer.base import KVConnectorWorker
-from openinfer.distributed.kv_transfer.nixl_push import PUSH_DONE, PUSH_FAIL, PushWriter, block_descs, layouts_match
+from openinfer.distributed.kv_transfer.nixl_push import PUSH_DONE, PUSH_FAIL, PushWriter, block_descs, layout_mismatch
 from openinfer.distributed.kv_transfer.side_channel import (HandshakeReply, PushRefused, PushRequest,
                                                             SideChannelServer, StoreLayout, handshake, register_push)
 from openinfer.step_io import KVConnectorMetadata, KVConnectorOutput, KVLoad
@@ -41,12 +41,7 @@ logger = logging.getLogger(__name__)
 class _Remote:
     agent_name: str
     groups: list[list[StoreLayout]]
-
-
-def _check_layout(reply: HandshakeReply, mine: list[list[StoreLayout]]) -> None:
-    if not layouts_match(reply.groups, mine):
-        raise RuntimeError(f"producer {reply.engine_id}'s KV layout differs from this instance's (another model, "
-                           f"dtype or block size)")
+    settings: str = ""
 
 
 @dataclass
@@ -70,11 +65,12 @@ class _PushLoad:
 
 
 class NixlConnectorWorker(KVConnectorWorker):
-    def __init__(self, config: KVTransferConfig, engine_id: str) -> None:
+    def __init__(self, config: KVTransferConfig, engine_id: str, settings: str = "") -> None:
         from nixl._api import nixl_agent, nixl_agent_config
 
         self.config = config
         self.engine_id = engine_id
+        self.settings = settings  # this instance's layout-shaping settings, for both sides' error messages
         self.agent = nixl_agent(engine_id, nixl_agent_config(backends=["UCX"]))
         self.layout: list[list[StoreLayout]] = []
         self.server: SideChannelServer | None = None
@@ -93,10 +89,11 @@ class NixlConnectorWorker(KVConnectorWorker):
                        for ts in groups.values()]
         self._metadata = self.agent.get_agent_metadata()
         if self.config.is_producer:
-            self.pusher = PushWriter(self.agent, self.layout, self.config)
+            self.pusher = PushWriter(self.agent, self.layout, self.config, self.settings)
         self.server = SideChannelServer(self.config.side_channel_host, self.config.side_channel_port, self.engine_id,
                                         self._metadata, self.layout,
-                                        on_push=self.pusher.on_push if self.pusher is not None else None)
+                                        on_push=self.pusher.on_push if self.pusher is not None else None,
+                                        settings=self.settings)
         logger.info("KV connector %s (%s): side channel on %s:%d, %d stores registered", self.engine_id,
                     self.config.kv_role, self.server.host, self.server.port, len(tensors))
         return {"host": self.server.host, "port": self.server.port}
@@ -126,15 +123,19 @@ class NixlConnectorWorker(KVConnectorWorker):
     def _handshake(self, spec: KVLoad) -> HandshakeReply:
         """On the handshake thread: ZeroMQ only. The agent is touched on the engine's thread alone (NIXL's
         default sync mode is not thread-safe), which adds the remote agent when the reply is in."""
-        reply = handshake(spec.remote_host, spec.remote_port, self.engine_id, spec.remote_engine_id,
-                          min(5.0, self.config.load_timeout_s))
-        _check_layout(reply, self.layout)
-        return reply
+        return handshake(spec.remote_host, spec.remote_port, self.engine_id, spec.remote_engine_id,
+                         min(5.0, self.config.load_timeout_s))
 
     def _descs(self, spec: KVLoad, remote: _Remote) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
         return block_descs(spec.local_block_ids, spec.remote_block_ids, self.layout, remote.groups)
 
     def _start_read(self, load: _Load, remote: _Remote) -> str:
+        # Checked here, not on the handshake thread: with the producer's agent added, a read refused for its
+        # layout still tells the producer to free the prompt it holds (_fail).
+        why = layout_mismatch(remote.groups, remote.settings, self.layout, self.settings,
+                              f"producer {load.spec.remote_engine_id}")
+        if why:
+            raise RuntimeError(why)
         local_d, remote_d = self._descs(load.spec, remote)
         notif = load.spec.remote_request_id.encode()
         if not local_d:  # nothing to move (all positions local or released): just let the producer free
@@ -181,7 +182,7 @@ class NixlConnectorWorker(KVConnectorWorker):
                         return False
                     reply = load.handshake.result()
                     self._remotes[spec.remote_engine_id] = _Remote(self.agent.add_remote_agent(reply.agent_metadata),
-                                                                   reply.groups)
+                                                                   reply.groups, reply.settings)
                 state = self._start_read(load, self._remotes[spec.remote_engine_id])
                 if load.handle is None:
                     out.finished_recving.append(spec.req_id)
@@ -209,7 +210,7 @@ class NixlConnectorWorker(KVConnectorWorker):
                      zip(spec.local_block_ids, spec.remote_block_ids, self.layout)
                      for lb, rb in zip(ids, rids) if lb >= 0 and rb >= 0)
         req = PushRequest(self.engine_id, spec.remote_engine_id, self._metadata, self.layout, spec.req_id,
-                          spec.remote_request_id, spec.local_block_ids)
+                          spec.remote_request_id, spec.local_block_ids, settings=self.settings)
         fut = self._pool.submit(register_push, spec.remote_host, spec.remote_port, req,
                                 min(5.0, self.config.load_timeout_s))
         self._push_loads[spec.req_id] = _PushLoad(spec, now + 2 * self.config.load_timeout_s, fut, nbytes)

@@ -43,6 +43,11 @@ class Proposer(abc.ABC):
     def free_kv_cache(self) -> None:
         pass
 
+    def kv_stores(self) -> list[tuple[str, torch.Tensor]]:
+        """(engine group name, store) of the bound drafting KV, in a fixed order: what a KV connector moves beside
+        the target's stores (a producer's prompt pass fills them, so the decoder drafts from the first step)."""
+        return []
+
     # Forwards through collective layers (expert-parallel MoE) each step under data-parallel lockstep: every rank
     # runs exactly this many (``forwards`` of them real in the last ``propose``, the rest ``dummy_forward``), so
     # replicas with different accepted lengths, nothing to draft or no work at all meet in the same all-to-alls.

@@ -16,6 +16,7 @@ from torch import nn
 
 from openinfer.forward_context import AttentionMetadata
 from openinfer.kv_cache_interface import KVGroupSpec
+from openinfer.models.interface import CausalLM, module_kv_stores
 from openinfer.worker.input_batch import CachedRequestState, InputBatch
 from openinfer.worker.proposers import Proposer
 
@@ -40,6 +41,10 @@ class DraftingModel(Proposer):
 
     def free_kv_cache(self) -> None:
         self.module.free_kv_cache()
+
+    def kv_stores(self) -> list[tuple[str, torch.Tensor]]:
+        stores = self.module.kv_stores() if isinstance(self.module, CausalLM) else module_kv_stores(self.module)
+        return [(self.prefix + g, t) for g, t in stores]
 
     # -- helpers for propose() ---------------------------------------------------------------------------------
     def group_rows(self, batch: InputBatch) -> dict[str, int]:
