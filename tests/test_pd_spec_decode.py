@@ -92,7 +92,10 @@ def _pd(engines, send_type, prompts, n=10):
     return pairs
 
 
-@pytest.mark.parametrize("send_type", ["GET", "PUT"])
+PUT_SLOW = ["GET", pytest.param("PUT", marks=pytest.mark.slow)]  # push: tests/test_kv_nixl_engines.py covers it fast
+
+
+@pytest.mark.parametrize("send_type", PUT_SLOW)
 def test_mtp_k2_on_the_decode_side_of_pd_deepseek_v3(v3, send_type):
     from helpers import random_prompts
 
@@ -116,7 +119,7 @@ def test_mtp_k2_on_the_decode_side_of_pd_deepseek_v3(v3, send_type):
     assert after.spec_decode.num_draft_tokens > before.spec_decode.num_draft_tokens
 
 
-@pytest.mark.parametrize("send_type", ["GET", "PUT"])
+@pytest.mark.parametrize("send_type", PUT_SLOW)
 def test_ngram_on_the_decode_side_of_pd_llama(llama, send_type):
     phrase = [31, 32, 33, 34]
     prompts = [phrase * 5 + [7, 8], [77] * 17, list(range(10, 44))]
@@ -157,6 +160,7 @@ def test_a_producer_without_the_drafter_is_named_and_the_decoder_computes_the_pr
         prod.engine.shutdown()
 
 
+@pytest.mark.slow  # two more engines
 def test_draft_model_on_the_decode_side_of_pd(llama):
     """A draft model's own KV (the ``draft.*`` groups) travels too: with the target as its own draft every draft is
     accepted, which needs the draft's KV over the whole prompt on the decoder."""
@@ -181,3 +185,35 @@ def test_draft_model_on_the_decode_side_of_pd(llama):
     finally:
         for role in ("prod", "GET"):
             engines[role].engine.shutdown()
+
+
+@pytest.mark.slow  # three V4 engines with the MTP block
+def test_mtp_k2_on_the_decode_side_of_pd_deepseek_v4(tmp_path):
+    """V4's MTP block is a module of the target too: its stores travel once, as the proposer's ``mtp.*`` groups
+    (full, window with released blocks sent as -1, coarse), never as the target's."""
+    from test_deepseek_v4 import _generator, _prompts, write_release_with_mtp
+
+    from openinfer.entrypoints.llm import LLM
+
+    hf_style = _generator().make_checkpoint(tmp_path / "tiny", "tiny", seed=0)
+    write_release_with_mtp(hf_style, tmp_path / "release")
+    kw = dict(dtype="float32", max_model_len=256, num_kv_blocks=64, block_size=8, speculative_config=MTP,
+              tokenizer=str(hf_style))
+    kt = {"kv_connector": "NixlConnector"}
+    engines = {"prod": LLM(str(tmp_path / "release"), kv_transfer_config=json.dumps({**kt, "kv_role": "kv_producer"}),
+                           **kw),
+               "GET": LLM(str(tmp_path / "release"), kv_transfer_config=json.dumps({**kt, "kv_role": "kv_consumer"}),
+                          **kw),
+               "ref": LLM(str(tmp_path / "release"), **kw)}
+    try:
+        cons, ref = engines["GET"], engines["ref"]
+        assert [s.name for s in cons.engine.core.kv_specs] == ["full", "window", "coarse", "mtp.full", "mtp.window",
+                                                               "mtp.coarse"]
+        got_drafts, want_drafts = _record_drafts(cons), _record_drafts(ref)
+        for got, want in _pd(engines, "GET", [p[:len(p) // 2] * 2 + p for p in _prompts(1, [17, 33])], n=8):
+            assert got == want
+        assert got_drafts == want_drafts and any(got_drafts)
+        assert cons.engine.stats().kv_transfer.fallbacks == 0
+    finally:
+        for llm in engines.values():
+            llm.engine.shutdown()

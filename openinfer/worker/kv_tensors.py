@@ -16,8 +16,10 @@ from openinfer.models.interface import CausalLM
 from openinfer.worker.proposers import Proposer
 
 
-def kv_block_tensors(model: CausalLM, group_names: list[str],
-                     proposer: Proposer | None = None) -> dict[str, list[torch.Tensor]]:
+def kv_block_tensors(model: CausalLM, group_names: list[str], proposer: Proposer | None = None,
+                     storeless: frozenset[str] = frozenset()) -> dict[str, list[torch.Tensor]]:
+    """``storeless``: groups declared with 0 bytes per block (V4's MTP block, a sliding-window layer, has no
+    full-group store); they move nothing."""
     groups: dict[str, list[torch.Tensor]] = {name: [] for name in group_names}
     drafting = proposer.kv_stores() if proposer is not None else []
     theirs = {id(t) for _, t in drafting}
@@ -26,7 +28,7 @@ def kv_block_tensors(model: CausalLM, group_names: list[str],
             raise ValueError(f"a KV store names group {group!r}, which the cache does not have ({group_names})")
         groups[group].append(tensor)
     for name, tensors in groups.items():
-        if not tensors:
+        if not tensors and name not in storeless:
             raise ValueError(f"KV group {name!r} has no stores this connector knows how to transfer")
         for t in tensors:
             if t is None or not t.is_contiguous():

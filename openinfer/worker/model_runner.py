@@ -107,10 +107,12 @@ class ModelRunner:
         from openinfer.distributed.kv_transfer.nixl_worker import NixlConnectorWorker
         from openinfer.worker.kv_tensors import kv_block_tensors, kv_settings
 
-        names = [s.name for s in self.kv_cache_spec()]
+        specs = self.kv_cache_spec()
+        names = [s.name for s in specs]
         self.kv_connector = NixlConnectorWorker(self.config.kv_transfer, engine_id,
                                                 kv_settings(self.config, names, self.kv_dtype))
-        return self.kv_connector.register_kv_caches(kv_block_tensors(self.model, names, self.proposer))
+        return self.kv_connector.register_kv_caches(kv_block_tensors(
+            self.model, names, self.proposer, frozenset(s.name for s in specs if s.bytes_per_block == 0)))
 
     def init_kv_offload(self, backend: str, location: str, fingerprint: str) -> dict:
         """Start the offloading tier's worker side over the bound cache (every group's stores)."""
