@@ -103,14 +103,15 @@ class ModelRunner:
                                       {s.name: s.tokens_per_block(self.block_size) for s in specs},
                                       self.block_size, self.device)
 
-    def init_kv_connector(self, engine_id: str) -> dict:
+    def init_kv_connector(self, engine_id: str, tp_rank: int = 0, rank: int = 0) -> dict:
         from openinfer.distributed.kv_transfer.nixl_worker import NixlConnectorWorker
         from openinfer.worker.kv_tensors import kv_block_tensors, kv_settings
 
         specs = self.kv_cache_spec()
         names = [s.name for s in specs]
         self.kv_connector = NixlConnectorWorker(self.config.kv_transfer, engine_id,
-                                                kv_settings(self.config, names, self.kv_dtype))
+                                                kv_settings(self.config, names, self.kv_dtype), tp_rank,
+                                                self.config.parallel.tensor_parallel_size, rank)
         return self.kv_connector.register_kv_caches(kv_block_tensors(
             self.model, names, self.proposer, frozenset(s.name for s in specs if s.bytes_per_block == 0)))
 

@@ -47,12 +47,15 @@ def group_block_lists(value: Any) -> list[list[int]]:
 
 
 class NixlConnectorScheduler(KVConnectorScheduler):
-    def __init__(self, config: KVTransferConfig, group_tokens_per_block: list[int]) -> None:
+    def __init__(self, config: KVTransferConfig, group_tokens_per_block: list[int], engine_id: str | None = None,
+                 tp_size: int = 1) -> None:
         self.config = config
-        self.engine_id = config.engine_id or uuid.uuid4().hex
+        self.engine_id = engine_id or config.engine_id or uuid.uuid4().hex  # a data-parallel replica's: ranks.py
         self.tokens_per_block = list(group_tokens_per_block)
+        self.tp_size = tp_size  # this replica's ranks: each moves its own shard (its own agent and side channel)
         self.host = config.side_channel_host
         self.port = config.side_channel_port
+        self.ports: list[int] = []  # every rank's side channel, in tensor-parallel rank order
         self.stats = KVTransferStats()
         self._tried: set[str] = set()  # consumer: requests whose remote read was attempted (once only)
         self._pending: list[KVLoad] = []  # consumer: loads not yet handed to the worker side
@@ -65,6 +68,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
 
     def set_side_channel(self, info: dict[str, Any]) -> None:
         self.host, self.port = info["host"], info["port"]
+        self.ports = list(info.get("ports", [self.port]))
 
     # -- requests -----------------------------------------------------------------------------------------
     def validate_params(self, params: dict[str, Any] | None, num_prompt_tokens: int, block_size: int) -> None:
@@ -85,8 +89,15 @@ class NixlConnectorScheduler(KVConnectorScheduler):
                     raise ValueError(f"kv_transfer_params.{key} must be a {kind.__name__}, got "
                                      f"{params.get(key)!r}")
             tp = params.get("tp_size", 1)
-            if tp != 1:
-                raise ValueError(f"kv_transfer_params.tp_size={tp!r}: only tp_size 1 producers are supported")
+            if tp != self.tp_size:
+                raise ValueError(f"kv_transfer_params.tp_size={tp!r} (the prefill instance's tensor_parallel_size) "
+                                 f"differs from this instance's tensor_parallel_size={self.tp_size}: KV moves between "
+                                 f"instances of the same tensor_parallel_size only (rank i reads rank i's shard)")
+            ports = params.get("remote_ports")
+            if tp > 1 and (not isinstance(ports, list) or len(ports) != tp
+                           or any(isinstance(p, bool) or not isinstance(p, int) for p in ports)):
+                raise ValueError(f"kv_transfer_params.remote_ports must list the producer's {tp} ranks' side-channel "
+                                 f"ports (tp_size={tp}), got {ports!r}")
             group_block_lists(params.get("remote_block_ids"))
 
     def _remote_blocks_fit(self, req: ConnectorRequest, remote: list[list[int]]) -> bool:
@@ -113,7 +124,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         local = [[-1 if j < skip else b for j, b in enumerate(ids)] for ids, skip in zip(block_ids, num_local_blocks)]
         self._pending.append(KVLoad(req.request_id, local, remote, params["remote_engine_id"],
                                     params["remote_request_id"], params["remote_host"], params["remote_port"],
-                                    push=self.config.push))
+                                    push=self.config.push, remote_ports=list(params.get("remote_ports") or [])))
         self._loading.add(req.request_id)
 
     def build_connector_meta(self) -> KVConnectorMetadata:
@@ -164,7 +175,9 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         return True, {
             "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
             "remote_block_ids": ids, "remote_request_id": req.request_id, "remote_host": self.host,
-            "remote_port": self.port, "tp_size": 1,
+            "remote_port": self.port, "tp_size": self.tp_size,
+            # openinfer's addition for several ranks: each rank's side channel (rank i of the decoder pairs with i)
+            **({"remote_ports": list(self.ports)} if self.tp_size > 1 else {}),
         }
 
     def expired_sends(self, now: float) -> list[str]:

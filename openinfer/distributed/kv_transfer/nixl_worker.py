@@ -29,6 +29,7 @@ import torch
 
 from openinfer.config import KVTransferConfig
 from openinfer.distributed.kv_transfer.base import KVConnectorWorker
+from openinfer.distributed.kv_transfer.ranks import agent_name
 from openinfer.distributed.kv_transfer.nixl_push import PUSH_DONE, PUSH_FAIL, PushWriter, block_descs, layout_mismatch
 from openinfer.distributed.kv_transfer.side_channel import (HandshakeReply, PushRefused, PushRequest,
                                                             SideChannelServer, StoreLayout, handshake, register_push)
@@ -65,13 +66,17 @@ class _PushLoad:
 
 
 class NixlConnectorWorker(KVConnectorWorker):
-    def __init__(self, config: KVTransferConfig, engine_id: str, settings: str = "") -> None:
+    def __init__(self, config: KVTransferConfig, engine_id: str, settings: str = "", tp_rank: int = 0,
+                 tp_size: int = 1, rank: int = 0) -> None:
         from nixl._api import nixl_agent, nixl_agent_config
 
         self.config = config
-        self.engine_id = engine_id
+        self.engine_id = engine_id  # this rank's replica's (ranks.replica_engine_id)
         self.settings = settings  # this instance's layout-shaping settings, for both sides' error messages
-        self.agent = nixl_agent(engine_id, nixl_agent_config(backends=["UCX"]))
+        # Tensor-parallel rank i reads from (or is written by) rank i of the other side (ranks.py).
+        self.tp_rank, self.tp_size, self.rank = tp_rank, tp_size, rank
+        self.agent_name = agent_name(engine_id, tp_rank, tp_size)
+        self.agent = nixl_agent(self.agent_name, nixl_agent_config(backends=["UCX"]))
         self.layout: list[list[StoreLayout]] = []
         self.server: SideChannelServer | None = None
         self._remotes: dict[str, _Remote] = {}  # producer engine id -> its agent and layout
@@ -90,7 +95,9 @@ class NixlConnectorWorker(KVConnectorWorker):
         self._metadata = self.agent.get_agent_metadata()
         if self.config.is_producer:
             self.pusher = PushWriter(self.agent, self.layout, self.config, self.settings)
-        self.server = SideChannelServer(self.config.side_channel_host, self.config.side_channel_port, self.engine_id,
+        # A fixed side-channel port is the first rank's; rank r listens on port + r (vLLM's scheme).
+        port = self.config.side_channel_port + self.rank if self.config.side_channel_port else 0
+        self.server = SideChannelServer(self.config.side_channel_host, port, self.engine_id,
                                         self._metadata, self.layout,
                                         on_push=self.pusher.on_push if self.pusher is not None else None,
                                         settings=self.settings)
@@ -120,10 +127,14 @@ class NixlConnectorWorker(KVConnectorWorker):
                 load.handshake = fut
             self._loads[spec.req_id] = load
 
+    def _remote_port(self, spec: KVLoad) -> int:
+        """The side channel of the producer rank this rank pairs with (its first rank's without per-rank ports)."""
+        return spec.remote_ports[self.tp_rank] if spec.remote_ports else spec.remote_port
+
     def _handshake(self, spec: KVLoad) -> HandshakeReply:
         """On the handshake thread: ZeroMQ only. The agent is touched on the engine's thread alone (NIXL's
         default sync mode is not thread-safe), which adds the remote agent when the reply is in."""
-        return handshake(spec.remote_host, spec.remote_port, self.engine_id, spec.remote_engine_id,
+        return handshake(spec.remote_host, self._remote_port(spec), self.agent_name, spec.remote_engine_id,
                          min(5.0, self.config.load_timeout_s))
 
     def _descs(self, spec: KVLoad, remote: _Remote) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
@@ -209,16 +220,16 @@ class NixlConnectorWorker(KVConnectorWorker):
         nbytes = sum(sum(s.block_bytes for s in stores) for ids, rids, stores in
                      zip(spec.local_block_ids, spec.remote_block_ids, self.layout)
                      for lb, rb in zip(ids, rids) if lb >= 0 and rb >= 0)
-        req = PushRequest(self.engine_id, spec.remote_engine_id, self._metadata, self.layout, spec.req_id,
+        req = PushRequest(self.agent_name, spec.remote_engine_id, self._metadata, self.layout, spec.req_id,
                           spec.remote_request_id, spec.local_block_ids, settings=self.settings)
-        fut = self._pool.submit(register_push, spec.remote_host, spec.remote_port, req,
+        fut = self._pool.submit(register_push, spec.remote_host, self._remote_port(spec), req,
                                 min(5.0, self.config.load_timeout_s))
         self._push_loads[spec.req_id] = _PushLoad(spec, now + 2 * self.config.load_timeout_s, fut, nbytes)
 
     def _progress_push(self, load: _PushLoad, notes: dict[tuple[str, str], bool], now: float,
                        out: KVConnectorOutput) -> bool:
         spec = load.spec
-        done = notes.pop((spec.remote_engine_id, spec.req_id), None)
+        done = notes.pop((agent_name(spec.remote_engine_id, self.tp_rank, self.tp_size), spec.req_id), None)
         if done is True:
             out.finished_recving.append(spec.req_id)
             out.bytes_received += load.nbytes
