@@ -73,7 +73,9 @@ def _check_pd(engines, send_type, prompts, n=8):
 @pytest.fixture(scope="module")
 def llama_tp2(tmp_path_factory):
     pytest.importorskip("nixl")
-    engines = _pd(make_dense_checkpoint(tmp_path_factory.mktemp("pd-tp") / "llama"), {"tensor_parallel_size": 2})
+    # A short abort timeout: held prompts whose decoder died go back within the test (vLLM's default is 480 s).
+    engines = _pd(make_dense_checkpoint(tmp_path_factory.mktemp("pd-tp") / "llama"), {"tensor_parallel_size": 2},
+                  abort_request_timeout_s=4.0)
     yield engines
     for llm in engines.values():
         llm.engine.shutdown()
@@ -126,3 +128,78 @@ def test_dp2_ep_to_dp2_ep_deepseek_v3_with_mtp(tmp_path_factory, send_type):
     finally:
         for llm in engines.values():
             llm.engine.shutdown()
+
+
+def _kv_consumer_tp2(path: str, **kt):
+    return LLM(path, kv_transfer_config=json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_consumer",
+                                                    "load_timeout_s": 3.0, **kt}), tensor_parallel_size=2, **KW)
+
+
+def test_a_decoder_rank_killed_mid_stream(llama_tp2):
+    """A decoder rank dies while its request streams: the request ends with an error naming the rank, the dead
+    decoder's blocks are all back (nothing runs there again), and the producer, which keeps serving, frees the
+    prompt that decoder read (its readers' notifications) and the one it never came for (abort timeout)."""
+    import time
+
+    from openinfer.engine.core import EngineDeadError
+
+    prod = llama_tp2["prod"]
+    a, b = random_prompts(7, [36, 21])
+    held = [h.kv_transfer_params for h in _greedy(prod, [a, b], 1, [{"do_remote_decode": True}] * 2)]
+    cons = _kv_consumer_tp2(prod.engine.config.model.path)
+    try:
+        cons.engine.add_request("a", {"prompt_token_ids": a}, SamplingParams(
+            temperature=0, max_tokens=50, ignore_eos=True, kv_transfer_params=held[0]))
+        streamed, err = 0, None
+        with stepping(prod):
+            for _ in range(2000):  # bounded: the read, then a token a step
+                try:
+                    outs = cons.engine.step()
+                except EngineDeadError as e:
+                    err = str(e)
+                    break
+                streamed += sum(len(o.outputs[0].token_ids) for o in outs if o.outputs)
+                if streamed >= 2 and cons.engine.core.executor.procs[1].poll() is None:
+                    cons.engine.core.executor.procs[1].kill()
+        assert err is not None and "worker rank 1" in err, err
+        assert _all_free(cons)
+        deadline = time.monotonic() + 30
+        while not _all_free(prod) and time.monotonic() < deadline:  # b's hold expires after 4 s
+            prod.engine.step()
+            time.sleep(0.05)
+        assert _all_free(prod)
+        s = prod.engine.stats().kv_transfer
+        assert s.sends_expired >= 1
+        # The producer keeps serving.
+        want = _greedy(llama_tp2["ref"], [b], 4)[0].outputs[0].token_ids
+        assert _greedy(prod, [b], 4)[0].outputs[0].token_ids == want
+    finally:
+        cons.engine.shutdown()
+
+
+def test_a_producer_rank_killed_before_the_read(llama_tp2):
+    """A producer rank dies while it holds a prompt: the decoder rank paired with it cannot reach it, so the whole
+    replica's read fails (never half a prompt) and the decoder computes the prompt itself - same tokens, every block
+    back; the dead producer fails its next step naming the rank."""
+    from openinfer.engine.core import EngineDeadError
+
+    path = llama_tp2["prod"].engine.config.model.path
+    prod = LLM(path, kv_transfer_config=json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_producer"}),
+               tensor_parallel_size=2, **KW)
+    try:
+        (prompt,) = random_prompts(8, [30])
+        held = _greedy(prod, [prompt], 1, [{"do_remote_decode": True}])[0].kv_transfer_params
+        prod.engine.core.executor.procs[1].kill()
+        prod.engine.core.executor.procs[1].wait(10)
+        cons = llama_tp2["GET"]
+        before = cons.engine.stats().kv_transfer
+        got = _greedy(cons, [prompt], 6, [held])[0]
+        assert got.outputs[0].token_ids == _greedy(llama_tp2["ref"], [prompt], 6)[0].outputs[0].token_ids
+        assert got.num_cached_tokens == 0
+        after = cons.engine.stats().kv_transfer
+        assert after.fallbacks == before.fallbacks + 1 and after.load_failures == before.load_failures + 1
+        assert _all_free(cons)
+        with pytest.raises(EngineDeadError, match="worker rank 1"):
+            _greedy(prod, [prompt], 2)
+    finally:
+        prod.engine.shutdown()
