@@ -203,3 +203,26 @@ def test_a_producer_rank_killed_before_the_read(llama_tp2):
             _greedy(prod, [prompt], 2)
     finally:
         prod.engine.shutdown()
+
+
+def test_tp2_to_dp2_ep_and_back_deepseek_v3(tmp_path_factory):
+    """Heterogeneous layouts where every rank holds the whole KV (DeepSeek's latent cache): prefill TP 2 -> decode
+    DP 2 + EP (each replica one rank reads producer rank 0's copy and tells rank 1 it is done), and the reverse
+    (both decoder ranks read the one producer rank, which frees after hearing from both); MTP k = 2 throughout."""
+    pytest.importorskip("nixl")
+    from make_deepseek_checkpoint import make_v3
+
+    ck = make_v3(tmp_path_factory.mktemp("pd-het"), "tiny", overrides={"num_nextn_predict_layers": 1})
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    kt = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both", "load_timeout_s": 3.0})
+    tp2 = LLM(str(ck), kv_transfer_config=kt, speculative_config=spec, tensor_parallel_size=2, **KW)
+    dep = LLM(str(ck), kv_transfer_config=kt, speculative_config=spec, data_parallel_size=2,
+              enable_expert_parallel=True, **KW)
+    ref = LLM(str(ck), speculative_config=spec, **KW)
+    try:
+        for prod, cons in ((tp2, dep), (dep, tp2)):
+            held = _check_pd({"prod": prod, "GET": cons, "ref": ref}, "GET", random_prompts(3, [40, 17, 33]))
+            assert {h.kv_transfer_params["tp_size"] for h in held} == {prod.engine.config.parallel.tensor_parallel_size}
+    finally:
+        for llm in (tp2, dep, ref):
+            llm.engine.shutdown()

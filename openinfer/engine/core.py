@@ -155,7 +155,7 @@ class EngineCore:
                                        replica_engine_id(base, d, dp), tp)
             ranks = infos[d * tp:(d + 1) * tp]
             c.set_side_channel({"host": ranks[0]["host"], "port": ranks[0]["port"],
-                                "ports": [r["port"] for r in ranks]})
+                                "ports": [r["port"] for r in ranks], "kv_replicated": ranks[0]["kv_replicated"]})
             connectors.append(c)
         return connectors
 

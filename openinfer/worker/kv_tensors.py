@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from openinfer.config import EngineConfig
+from openinfer.layers.attention import Attention
 from openinfer.models.interface import CausalLM
 from openinfer.worker.proposers import Proposer
 
@@ -45,3 +46,11 @@ def kv_settings(config: EngineConfig, group_names: list[str], kv_dtype: torch.dt
     return (f"model={config.model.architecture or '?'} ({name}), block_size={config.cache.block_size}, "
             f"kv dtype={str(kv_dtype).removeprefix('torch.')}, KV groups={group_names}, speculative_config={drafter}, "
             f"tensor_parallel_size={config.parallel.tensor_parallel_size}")
+
+
+def kv_replicated_across_tp(model: CausalLM, proposer: Proposer | None) -> bool:
+    """Whether every tensor-parallel rank holds the whole KV: no store is a slice of KV heads (``Attention`` splits
+    them over the ranks; DeepSeek's latent caches - MLA, V4's single KV head - are computed whole on every rank).
+    Then a rank may read any other instance's rank's copy, whatever either side's tensor_parallel_size."""
+    roots = [model] + ([proposer.module] if isinstance(getattr(proposer, "module", None), torch.nn.Module) else [])
+    return not any(isinstance(m, Attention) for root in roots for m in root.modules())

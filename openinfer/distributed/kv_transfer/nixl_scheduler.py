@@ -56,6 +56,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         self.host = config.side_channel_host
         self.port = config.side_channel_port
         self.ports: list[int] = []  # every rank's side channel, in tensor-parallel rank order
+        self.kv_replicated = False  # every tensor-parallel rank holds the whole KV (latent caches: DeepSeek)
         self.stats = KVTransferStats()
         self._tried: set[str] = set()  # consumer: requests whose remote read was attempted (once only)
         self._pending: list[KVLoad] = []  # consumer: loads not yet handed to the worker side
@@ -69,6 +70,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
     def set_side_channel(self, info: dict[str, Any]) -> None:
         self.host, self.port = info["host"], info["port"]
         self.ports = list(info.get("ports", [self.port]))
+        self.kv_replicated = bool(info.get("kv_replicated", False))
 
     # -- requests -----------------------------------------------------------------------------------------
     def validate_params(self, params: dict[str, Any] | None, num_prompt_tokens: int, block_size: int) -> None:
@@ -89,10 +91,18 @@ class NixlConnectorScheduler(KVConnectorScheduler):
                     raise ValueError(f"kv_transfer_params.{key} must be a {kind.__name__}, got "
                                      f"{params.get(key)!r}")
             tp = params.get("tp_size", 1)
+            if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+                raise ValueError(f"kv_transfer_params.tp_size must be an integer >= 1, got {tp!r}")
             if tp != self.tp_size:
-                raise ValueError(f"kv_transfer_params.tp_size={tp!r} (the prefill instance's tensor_parallel_size) "
-                                 f"differs from this instance's tensor_parallel_size={self.tp_size}: KV moves between "
-                                 f"instances of the same tensor_parallel_size only (rank i reads rank i's shard)")
+                # Another tensor_parallel_size works where every rank holds the whole KV (a latent cache): rank i
+                # reads any copy. Split KV heads would need a rank to gather slices of several producer ranks.
+                why = ("this model's KV heads are split over the ranks" if not self.kv_replicated else
+                       "push (send_type PUT) pairs rank i with rank i" if self.config.push else
+                       "one size must divide the other" if max(tp, self.tp_size) % min(tp, self.tp_size) else "")
+                if why:
+                    raise ValueError(f"kv_transfer_params.tp_size={tp!r} (the prefill instance's "
+                                     f"tensor_parallel_size) differs from this instance's tensor_parallel_size="
+                                     f"{self.tp_size} and {why}: start both with the same tensor_parallel_size")
             ports = params.get("remote_ports")
             if tp > 1 and (not isinstance(ports, list) or len(ports) != tp
                            or any(isinstance(p, bool) or not isinstance(p, int) for p in ports)):

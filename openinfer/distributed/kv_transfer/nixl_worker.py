@@ -49,7 +49,7 @@ class _Remote:
 class _Load:
     spec: KVLoad
     deadline: float
-    handshake: Future | None = None
+    handshakes: dict[int, Future] = field(default_factory=dict)  # producer rank -> its handshake, while pending
     handle: object | None = None
     nbytes: int = 0
     started_s: float = field(default_factory=time.monotonic)
@@ -79,8 +79,9 @@ class NixlConnectorWorker(KVConnectorWorker):
         self.agent = nixl_agent(self.agent_name, nixl_agent_config(backends=["UCX"]))
         self.layout: list[list[StoreLayout]] = []
         self.server: SideChannelServer | None = None
-        self._remotes: dict[str, _Remote] = {}  # producer engine id -> its agent and layout
-        self._handshakes: dict[str, Future] = {}
+        self._remotes: dict[tuple[str, int], _Remote] = {}  # (producer engine id, rank) -> its agent and layout
+        self._handshakes: dict[tuple[str, int], Future] = {}
+        self._notices: dict[str, int] = {}  # producer: completion notices heard so far, where several are due
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-handshake")
         self._loads: dict[str, _Load] = {}
         self._push_loads: dict[str, _PushLoad] = {}
@@ -119,23 +120,45 @@ class NixlConnectorWorker(KVConnectorWorker):
                 self._start_push(spec, now)
                 continue
             load = _Load(spec, now + self.config.load_timeout_s)
-            if spec.remote_engine_id not in self._remotes:
-                fut = self._handshakes.get(spec.remote_engine_id)
-                if fut is None or (fut.done() and fut.exception() is not None):
-                    fut = self._pool.submit(self._handshake, spec)
-                    self._handshakes[spec.remote_engine_id] = fut
-                load.handshake = fut
+            read_rank, notify, _ = self._pairing(spec)
+            for r in {read_rank, *notify}:
+                key = (spec.remote_engine_id, r)
+                if key not in self._remotes:
+                    fut = self._handshakes.get(key)
+                    if fut is None or (fut.done() and fut.exception() is not None):
+                        fut = self._pool.submit(self._handshake, spec, r)
+                        self._handshakes[key] = fut
+                    load.handshakes[r] = fut
             self._loads[spec.req_id] = load
 
-    def _remote_port(self, spec: KVLoad) -> int:
-        """The side channel of the producer rank this rank pairs with (its first rank's without per-rank ports)."""
-        return spec.remote_ports[self.tp_rank] if spec.remote_ports else spec.remote_port
+    def _remote_port(self, spec: KVLoad, producer_rank: int | None = None) -> int:
+        """The side channel of a producer rank (by default the one this rank pairs with; its first rank's without
+        per-rank ports)."""
+        r = self.tp_rank if producer_rank is None else producer_rank
+        return spec.remote_ports[r] if spec.remote_ports else spec.remote_port
 
-    def _handshake(self, spec: KVLoad) -> HandshakeReply:
+    def _pairing(self, spec: KVLoad) -> tuple[int, list[int], int]:
+        """(the producer rank this rank reads from, the producer ranks it tells the prompt is read, how many such
+        notices each producer rank gets in all). The same tensor_parallel_size: rank i <-> rank i. Otherwise
+        (allowed only where every rank holds the whole KV, ranks.py): rank i reads rank i mod P; a producer rank
+        no decoder rank reads hears from rank j mod D; a producer rank several read from hears from each."""
+        p, d, i = max(1, len(spec.remote_ports)), self.tp_size, self.tp_rank
+        if p == d:
+            return i, [i], 1
+        notify = sorted({i % p, *(r for r in range(p) if r % d == i)})
+        return i % p, notify, max(1, d // p)
+
+    def _handshake(self, spec: KVLoad, producer_rank: int) -> HandshakeReply:
         """On the handshake thread: ZeroMQ only. The agent is touched on the engine's thread alone (NIXL's
         default sync mode is not thread-safe), which adds the remote agent when the reply is in."""
-        return handshake(spec.remote_host, self._remote_port(spec), self.agent_name, spec.remote_engine_id,
-                         min(5.0, self.config.load_timeout_s))
+        return handshake(spec.remote_host, self._remote_port(spec, producer_rank), self.agent_name,
+                         spec.remote_engine_id, min(5.0, self.config.load_timeout_s))
+
+    def _notice(self, spec: KVLoad) -> bytes:
+        """The completion notice a producer rank gets: the request id, and how many notices it waits for when
+        several decoder ranks read its copy."""
+        n = self._pairing(spec)[2]
+        return spec.remote_request_id.encode() + (b"\x00%d" % n if n > 1 else b"")
 
     def _descs(self, spec: KVLoad, remote: _Remote) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
         return block_descs(spec.local_block_ids, spec.remote_block_ids, self.layout, remote.groups)
@@ -148,7 +171,7 @@ class NixlConnectorWorker(KVConnectorWorker):
         if why:
             raise RuntimeError(why)
         local_d, remote_d = self._descs(load.spec, remote)
-        notif = load.spec.remote_request_id.encode()
+        notif = self._notice(load.spec)
         if not local_d:  # nothing to move (all positions local or released): just let the producer free
             self.agent.send_notif(remote.agent_name, notif)
             return "DONE"
@@ -171,13 +194,20 @@ class NixlConnectorWorker(KVConnectorWorker):
                 return False
             load.handle = None
         out.failed_recving[load.spec.req_id] = why
-        remote = self._remotes.get(load.spec.remote_engine_id)
-        if remote is not None:
-            try:  # the producer frees its held blocks now rather than at its timeout
-                self.agent.send_notif(remote.agent_name, load.spec.remote_request_id.encode())
-            except Exception:
-                logger.debug("could not notify producer %s", load.spec.remote_engine_id, exc_info=True)
+        self._notify_others(load.spec, skip=None)  # the producer frees its held blocks now, not at its timeout
         return True
+
+    def _notify_others(self, spec: KVLoad, skip: int | None) -> None:
+        """Tell the producer ranks this rank answers for (but ``skip``, whose read carried the notice) that the
+        prompt is read; a rank not reached yet frees at its abort timeout."""
+        for r in self._pairing(spec)[1]:
+            remote = self._remotes.get((spec.remote_engine_id, r))
+            if r == skip or remote is None:
+                continue
+            try:
+                self.agent.send_notif(remote.agent_name, self._notice(spec))
+            except Exception:
+                logger.debug("could not notify producer %s rank %d", spec.remote_engine_id, r, exc_info=True)
 
     def _progress(self, load: _Load, now: float, out: KVConnectorOutput) -> bool:
         """Advance one load; True when it is over (finished or failed)."""
@@ -186,16 +216,21 @@ class NixlConnectorWorker(KVConnectorWorker):
             return self._fail(load, load.failed, out)
         try:
             if load.handle is None:
-                if spec.remote_engine_id not in self._remotes:
-                    if not load.handshake.done():
-                        if now > load.deadline:
-                            return self._fail(load, "handshake timed out", out)
-                        return False
-                    reply = load.handshake.result()
-                    self._remotes[spec.remote_engine_id] = _Remote(self.agent.add_remote_agent(reply.agent_metadata),
-                                                                   reply.groups, reply.settings)
-                state = self._start_read(load, self._remotes[spec.remote_engine_id])
+                for r, fut in list(load.handshakes.items()):
+                    key = (spec.remote_engine_id, r)
+                    if key not in self._remotes:
+                        if not fut.done():
+                            if now > load.deadline:
+                                return self._fail(load, f"handshake with rank {r} timed out", out)
+                            return False
+                        reply = fut.result()
+                        self._remotes[key] = _Remote(self.agent.add_remote_agent(reply.agent_metadata),
+                                                     reply.groups, reply.settings)
+                    del load.handshakes[r]
+                read_rank = self._pairing(spec)[0]
+                state = self._start_read(load, self._remotes[(spec.remote_engine_id, read_rank)])
                 if load.handle is None:
+                    self._notify_others(spec, skip=read_rank)
                     out.finished_recving.append(spec.req_id)
                     return True
             else:
@@ -204,6 +239,7 @@ class NixlConnectorWorker(KVConnectorWorker):
             logger.warning("request %s: KV read from %s failed: %s", spec.req_id, spec.remote_engine_id, e)
             return self._fail(load, f"{type(e).__name__}: {e}", out)
         if state == "DONE":
+            self._notify_others(spec, skip=self._pairing(spec)[0])
             out.finished_recving.append(spec.req_id)
             out.bytes_received += load.nbytes
             out.seconds_receiving += time.monotonic() - load.started_s
@@ -265,7 +301,12 @@ class NixlConnectorWorker(KVConnectorWorker):
                 if m.startswith(PUSH_DONE) or m.startswith(PUSH_FAIL):
                     notes[(name, m[len(PUSH_DONE):].decode())] = m.startswith(PUSH_DONE)
                 else:  # producer: a reader's completion names the request whose blocks can go
-                    rid = m.decode()
+                    rid, _, need = m.decode().partition("\x00")
+                    heard = self._notices.get(rid, 0) + 1  # several decoder ranks may read this rank's copy
+                    if heard < int(need or 1):
+                        self._notices[rid] = heard
+                        continue
+                    self._notices.pop(rid, None)
                     out.finished_sending.append(rid)
                     if self.pusher is not None:
                         self.pusher.held.pop(rid, None)
