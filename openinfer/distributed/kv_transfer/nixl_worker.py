@@ -3,7 +3,7 @@ and pulls remote prompts' blocks with NIXL READ - or, with send_type PUT, regist
 which writes into them (nixl_push.py) and notifies when they are full.
 
 Pull, as vLLM's NixlConnector: for each load the scheduler side hands over, the handshake with the producer runs
-on a background thread (once per producer); then one READ moves every (group, store, block) the load names, and
+on a background thread (once per producer rank); then one READ moves every (group, store, block) the load names, and
 carries the producer's request id as its completion notification: the producer frees those blocks when it
 arrives. A load that fails (handshake refused or timed out, a layout that does not match, a transfer error) or
 outlives ``load_timeout_s`` is reported failed, after telling the producer to free its blocks when it can still be
@@ -15,8 +15,13 @@ Push loads: the registration goes out on the handshake thread; then the load wai
 (or failure) notification. A refusal fails it at once (nothing will be written); no answer or no notification
 within twice ``load_timeout_s`` (the producer gives up its write after one) fails it too.
 
-Everything here runs on the engine's thread, between steps, except the handshakes and push registrations (ZeroMQ
-only) and the side channel's listener.
+One of these runs on every rank of an instance (ranks.py), over that rank's stores: its agent is named after its
+replica and tensor-parallel rank, and it pairs with the other side's ranks as ``_pairing`` says (rank i with rank i;
+across sizes, where every rank holds the whole KV, rank i reads rank i mod P and tells the producer ranks nobody
+reads). Handshakes are per producer rank.
+
+Everything here runs on the engine's thread (the worker process's), between steps, except the handshakes and push
+registrations (ZeroMQ only) and the side channel's listener.
 """
 from __future__ import annotations
 
