@@ -24,7 +24,8 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
 def _engines(ck, spec, producer_spec):
     from openinfer.entrypoints.llm import LLM
 
-    kw = dict(dtype="float32", max_model_len=256, num_kv_blocks=64, block_size=16)
+    # 16-token steps: the producer and the reference prefill in chunks (the MTP layer's catch-up per chunk).
+    kw = dict(dtype="float32", max_model_len=256, num_kv_blocks=64, block_size=16, max_num_batched_tokens=16)
 
     def pd(role, spec, **extra):
         cfg = {"kv_connector": "NixlConnector", "kv_role": role, "load_timeout_s": 3.0, **extra}
@@ -100,6 +101,7 @@ def test_mtp_k2_on_the_decode_side_of_pd_deepseek_v3(v3, send_type):
     from helpers import random_prompts
 
     prompts = random_prompts(0, [40, 17, 5])
+    prompts.append(prompts[0][:32] + prompts[1])  # its first two blocks are a prefix hit on the decoder
     cons, ref = v3[send_type], v3["ref"]
     assert [s.name for s in cons.engine.core.kv_specs] == ["full", "mtp.full"]
     got_drafts, want_drafts = _record_drafts(cons), _record_drafts(ref)
@@ -114,7 +116,8 @@ def test_mtp_k2_on_the_decode_side_of_pd_deepseek_v3(v3, send_type):
         for llm in (cons, ref):
             del llm.engine.core.executor.driver_worker.model_runner.proposer.propose
     after = cons.engine.stats()
-    assert after.kv_transfer.loads_ok - before.kv_transfer.loads_ok == 3
+    assert after.kv_transfer.loads_ok - before.kv_transfer.loads_ok == 4
+    assert after.prefix_cache_hits > before.prefix_cache_hits  # the last prompt read only past its local hit
     assert after.kv_transfer.fallbacks == before.kv_transfer.fallbacks
     assert after.spec_decode.num_draft_tokens > before.spec_decode.num_draft_tokens
 
