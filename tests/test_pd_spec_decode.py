@@ -31,9 +31,14 @@ def _engines(ck, spec, producer_spec):
         cfg = {"kv_connector": "NixlConnector", "kv_role": role, "load_timeout_s": 3.0, **extra}
         return LLM(str(ck), kv_transfer_config=json.dumps(cfg), speculative_config=spec, **kw)
 
-    return {"prod": pd("kv_producer", producer_spec), "GET": pd("kv_consumer", spec),
-            "PUT": pd("kv_consumer", spec, kv_connector_extra_config={"send_type": "PUT"}),
-            "ref": LLM(str(ck), speculative_config=spec, **kw)}
+    class Engines(dict):  # the push decoder only when a (slow) push case asks for it
+        def __missing__(self, key):
+            assert key == "PUT", key
+            self[key] = pd("kv_consumer", spec, kv_connector_extra_config={"send_type": "PUT"})
+            return self[key]
+
+    return Engines(prod=pd("kv_producer", producer_spec), GET=pd("kv_consumer", spec),
+                   ref=LLM(str(ck), speculative_config=spec, **kw))
 
 
 @pytest.fixture(scope="module")
