@@ -321,3 +321,17 @@ def test_another_tp_size_is_moved_only_where_every_rank_holds_the_whole_kv():
     push.set_side_channel({"host": "127.0.0.1", "port": 5555, "kv_replicated": True})
     with pytest.raises(ValueError, match="push"):
         push.validate_params(params, 20, BS)
+
+
+def test_kv_transfer_under_external_launcher_is_refused_naming_it():
+    """Each torchrun rank is an engine of its own there: nobody would combine the ranks' transfer reports."""
+    import torch
+
+    from openinfer.config import EngineConfig, ModelConfig, ParallelConfig
+
+    model = ModelConfig("m", {"architectures": ["LlamaForCausalLM"]}, torch.float32, torch.device("cpu"), 64, "m")
+    with pytest.raises(ValueError, match="external_launcher"):
+        EngineConfig(model=model, parallel=ParallelConfig(2, distributed_executor_backend="external_launcher"),
+                     kv_transfer=KVTransferConfig("NixlConnector", "kv_both"))
+    EngineConfig(model=model, parallel=ParallelConfig(2, distributed_executor_backend="mp"),
+                 kv_transfer=KVTransferConfig("NixlConnector", "kv_both"))  # several ranks under mp: allowed
