@@ -616,13 +616,11 @@ class EngineConfig:
         if self.tokenizer_mode not in ("auto", "deepseek_v4", "deepseek_v32"):
             raise ValueError(f"tokenizer_mode={self.tokenizer_mode!r}; choose one of auto, deepseek_v4, deepseek_v32")
         if self.kv_transfer is not None:
-            # The connector's worker side runs in the engine's process and reads one rank's whole cache.
-            if self.parallel.world_size > 1 or self.parallel.executor_backend != "uni":
-                raise ValueError("kv_transfer_config needs one rank in the engine's process (tensor_parallel_size=1, "
-                                 "data_parallel_size=1, distributed_executor_backend uni/auto)")
-            if self.speculative is not None:
-                raise ValueError("kv_transfer_config with speculative_config is not supported: the drafting "
-                                 "model's KV is not transferred")
+            # Every rank runs its own connector worker side (its NIXL agent over its shard); the engine combines
+            # their reports. Under external_launcher each rank is an engine of its own: nobody combines them.
+            if self.parallel.executor_backend == "external_launcher":
+                raise ValueError("kv_transfer_config with distributed_executor_backend='external_launcher' is not "
+                                 "supported: use mp or ray (one engine drives every rank's connector)")
         if self.kv_offload is not None:
             # Any layout: tensor-parallel ranks store their own shards, data-parallel replicas keep their own
             # index, a drafter's KV groups go with the target's (engine/kv_tier.py).

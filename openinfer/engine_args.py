@@ -233,6 +233,10 @@ class EngineArgs:
 
                 if not uses_dspark(model.architecture):  # DSpark blocks load with the target (proposers/dspark.py)
                     resolve_mtp_class(model.architecture)  # the architecture has an MTP layer openinfer can run
+                elif self.kv_transfer_config is not None:  # its context keys over the connector: not tested yet
+                    raise ValueError(f"speculative_config.method='mtp' (DSpark on {model.architecture}) with "
+                                     "kv_transfer_config is not supported yet; run the decode instance with n-gram "
+                                     "or without speculative_config")
                 elif parallel.lockstep:  # its block forward has no dummy step for idle replicas yet
                     raise ValueError(f"speculative_config.method='mtp' (DSpark on {model.architecture}) with "
                                      f"enable_expert_parallel and data_parallel_size={parallel.data_parallel_size} "

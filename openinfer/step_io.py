@@ -60,6 +60,7 @@ class KVLoad(msgspec.Struct):
     remote_host: str
     remote_port: int
     push: bool = False  # the producer writes into local_block_ids (send_type PUT) instead of this side reading
+    remote_ports: list[int] = []  # per tensor-parallel rank of the producer (empty: remote_port, one rank)
 
 
 class TierBlock(msgspec.Struct, array_like=True):

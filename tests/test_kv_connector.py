@@ -267,3 +267,71 @@ def test_side_channel_speaks_msgpack_not_pickle():
         assert got == [push]
     finally:
         server.close()
+
+
+def test_a_replicas_ranks_reports_combine_once_every_rank_spoke():
+    """distributed/kv_transfer/ranks.py: a read is over once every rank reported it (failed if one failed), a held
+    prompt is read once every rank heard its reader; ranks may report in different steps."""
+    from openinfer.distributed.kv_transfer.ranks import KVOutputAggregator
+    from openinfer.step_io import KVConnectorOutput as Out
+
+    agg = KVOutputAggregator(2)
+    first = agg.merge([Out(finished_recving=["a", "b"], bytes_received=10), Out(failed_recving={"b": "gone"})])
+    assert first.finished_recving == [] and first.failed_recving == {"b": "gone"} and first.bytes_received == 10
+    later = agg.merge([None, Out(finished_recving=["a"], finished_sending=["h"], sending_started=["h"])])
+    assert later.finished_recving == ["a"] and later.finished_sending == [] and later.sending_started == ["h"]
+    assert agg.merge([Out(finished_sending=["h"]), None]).finished_sending == ["h"]
+    assert agg.merge([None, None]) is None
+    lone = Out(finished_recving=["x"])
+    assert KVOutputAggregator(1).merge([lone]) is lone
+
+
+@pytest.mark.parametrize("p, d, want", [
+    (2, 2, [(0, [0], 1), (1, [1], 1)]),  # the same size: rank i <-> rank i
+    (2, 1, [(0, [0, 1], 1)]),  # prefill TP 2 -> decode TP 1: read rank 0, tell rank 1
+    (1, 2, [(0, [0], 2), (0, [0], 2)]),  # TP 1 -> TP 2: both read rank 0, which waits for two notices
+    (4, 2, [(0, [0, 2], 1), (1, [1, 3], 1)]),
+])
+def test_which_producer_rank_each_decoder_rank_reads_and_tells(p, d, want):
+    from types import SimpleNamespace
+
+    from openinfer.distributed.kv_transfer.nixl_worker import NixlConnectorWorker
+    from openinfer.step_io import KVLoad
+
+    spec = KVLoad("r", [[0]], [[0]], "prod", "p-1", "127.0.0.1", 1, remote_ports=list(range(p)) if p > 1 else [])
+    got = [NixlConnectorWorker._pairing(SimpleNamespace(tp_size=d, tp_rank=i), spec) for i in range(d)]
+    assert got == want
+
+
+def test_another_tp_size_is_moved_only_where_every_rank_holds_the_whole_kv():
+    params = {**remote_params(20), "tp_size": 2, "remote_ports": [1, 2]}
+    _, _, conn = make("kv_consumer")
+    with pytest.raises(ValueError, match="tp_size=2 .*tensor_parallel_size=1 and this model's KV heads are split"):
+        conn.validate_params(params, 20, BS)
+    conn.set_side_channel({"host": "127.0.0.1", "port": 5555, "kv_replicated": True})  # a latent cache
+    conn.validate_params(params, 20, BS)
+    with pytest.raises(ValueError, match="remote_ports"):
+        conn.validate_params({**params, "remote_ports": [1]}, 20, BS)
+    two = NixlConnectorScheduler(KVTransferConfig("NixlConnector", "kv_consumer"), [BS], tp_size=2)
+    two.set_side_channel({"host": "127.0.0.1", "port": 5555, "ports": [7, 8], "kv_replicated": True})
+    with pytest.raises(ValueError, match="one size must divide the other"):
+        two.validate_params({**params, "tp_size": 3, "remote_ports": [1, 2, 3]}, 20, BS)
+    push = NixlConnectorScheduler(KVTransferConfig("NixlConnector", "kv_consumer",
+                                                   kv_connector_extra_config={"send_type": "PUT"}), [BS], tp_size=1)
+    push.set_side_channel({"host": "127.0.0.1", "port": 5555, "kv_replicated": True})
+    with pytest.raises(ValueError, match="push"):
+        push.validate_params(params, 20, BS)
+
+
+def test_kv_transfer_under_external_launcher_is_refused_naming_it():
+    """Each torchrun rank is an engine of its own there: nobody would combine the ranks' transfer reports."""
+    import torch
+
+    from openinfer.config import EngineConfig, ModelConfig, ParallelConfig
+
+    model = ModelConfig("m", {"architectures": ["LlamaForCausalLM"]}, torch.float32, torch.device("cpu"), 64, "m")
+    with pytest.raises(ValueError, match="external_launcher"):
+        EngineConfig(model=model, parallel=ParallelConfig(2, distributed_executor_backend="external_launcher"),
+                     kv_transfer=KVTransferConfig("NixlConnector", "kv_both"))
+    EngineConfig(model=model, parallel=ParallelConfig(2, distributed_executor_backend="mp"),
+                 kv_transfer=KVTransferConfig("NixlConnector", "kv_both"))  # several ranks under mp: allowed

@@ -332,3 +332,51 @@ def test_router_pd_deepseek_is_token_identical(arch, tmp_path_factory):
         _stop_router(router)
         a.stop()
         b.stop()
+
+
+def test_router_pd_full_deepseek_shape(tmp_path_factory):
+    """The production DeepSeek shape at toy scale, as processes behind the unmodified router: a prefill instance and
+    a decode instance, each DP 2 + EP with MTP k = 2 (the prefill's prompt pass fills the MTP layer's KV, which
+    moves with the target's). Concurrent requests reach both replicas of each side; pull, then push (roles
+    swapped); tokens as the instance answers alone; every prompt token but the last came over NIXL; both sides free
+    everything. The documented command is docs/composition.md's."""
+    if not os.path.exists(ROUTER):
+        pytest.skip("vllm-router is not installed (pip install 'openinfer[pd]')")
+    from concurrent.futures import ThreadPoolExecutor
+
+    from helpers import load_script
+
+    model = load_script("make_deepseek_checkpoint").make_v3(tmp_path_factory.mktemp("pd-full") / "v3", "tiny", seed=0,
+                                                            overrides={"num_nextn_predict_layers": 1})
+    args = (*COMMON, "--block-size", "16", "--data-parallel-size", "2", "--enable-expert-parallel",
+            "--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 2}))
+    push_kv = {**KV, "kv_connector_extra_config": {"send_type": "PUT"}}
+    a = ServerProcess(model, *args, "--kv-transfer-config", json.dumps(push_kv), wait=False)
+    b = ServerProcess(model, *args, "--kv-transfer-config", json.dumps(KV), wait=False)
+    router = None
+    prompts = ["the full shape: prefill and decode, each two expert-parallel replicas", "MTP drafts on the decoder",
+               "three requests at once spread over the replicas of both sides"]
+    try:
+        a.wait_ready()
+        b.wait_ready()
+        want = [_complete(a.url, p, 6, return_token_ids=True)["choices"][0]["token_ids"] for p in prompts]
+        _wait_free(a)
+        for prefill, decode, mode in ((a, b, "pull"), (b, a, "push")):
+            assert httpx.post(decode.url + "/reset_prefix_cache", timeout=30).status_code == 200
+            router, url = _start_router(prefill, decode)
+            d0 = decode.metrics()
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                got = list(pool.map(lambda p: _complete(url, p, 6, return_token_ids=True), prompts))
+            assert [g["choices"][0]["token_ids"] for g in got] == want, mode
+            _wait_free(prefill), _wait_free(decode)
+            d1 = decode.metrics()
+            assert d1[P + "kv_transfer_loads_total"] - d0[P + "kv_transfer_loads_total"] == len(prompts), mode
+            assert d1[P + "kv_transfer_fallbacks_total"] == d0[P + "kv_transfer_fallbacks_total"], mode
+            src = P + 'prompt_tokens_by_source_total{source="%s"}'
+            assert d1[src % "local_compute"] - d0[src % "local_compute"] == len(prompts), mode
+            _stop_router(router)
+            router = None
+    finally:
+        _stop_router(router)
+        a.stop()
+        b.stop()

@@ -51,3 +51,43 @@ def test_tp2_on_ray_matches_one_process_and_a_killed_actor_fails_it(ray_local, t
         for _ in range(1000):
             eng.step()
     assert time.monotonic() - t0 < 15 and not eng.has_unfinished_requests()
+
+
+def test_pd_between_two_tp2_deployments_on_ray(ray_local, tmp_path):
+    """The KV connector under the Ray executor: every actor runs its rank's NIXL agent and side channel, as under
+    mp (tests/test_pd_parallel.py); a TP 2 decoder reads a TP 2 producer's shards, tokens as one process, both
+    pools whole afterwards."""
+    pytest.importorskip("nixl")
+    import json
+
+    from helpers import random_prompts
+    from test_kv_nixl_engines import stepping
+
+    path = str(make_dense_checkpoint(tmp_path / "llama"))
+    kw = dict(dtype="float32", max_model_len=256, num_kv_blocks=64, block_size=16)
+
+    def pd(role):
+        return LLM(path, kv_transfer_config=json.dumps({"kv_connector": "NixlConnector", "kv_role": role,
+                                                        "load_timeout_s": 5.0}),
+                   tensor_parallel_size=2, distributed_executor_backend="ray", **kw)
+
+    prod, cons, ref = pd("kv_producer"), pd("kv_consumer"), LLM(path, **kw)
+    try:
+        for prompt in random_prompts(0, [40, 17]):
+            sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+            want = ref.generate([prompt], sp, use_tqdm=False)[0].outputs[0].token_ids
+            held = prod.generate([prompt], SamplingParams(temperature=0, max_tokens=1, kv_transfer_params={
+                "do_remote_decode": True}), use_tqdm=False)[0].kv_transfer_params
+            with stepping(prod):
+                got = cons.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                                             kv_transfer_params=held), use_tqdm=False)[0]
+            assert got.outputs[0].token_ids == want and got.num_cached_tokens == len(prompt) - 1
+        for _ in range(200):
+            if not prod.engine.has_unfinished_requests():
+                break
+            prod.engine.step()
+        assert cons.engine.stats().kv_transfer.loads_ok == 2
+        assert prod.engine.core.kv.all_free() and cons.engine.core.kv.all_free()
+    finally:
+        for llm in (prod, cons, ref):
+            llm.engine.shutdown()

@@ -98,7 +98,8 @@ class EngineCore:
         self.kvs = [KVCacheManager(self.kv_specs, self.num_kv_blocks, cache.block_size, cache.enable_prefix_caching)
                     for _ in range(config.parallel.data_parallel_size)]
         self._tier_tmpdir: str | None = None  # the offloading tier's own temporary folder (no path given)
-        # One per data-parallel replica (each replica's pool is its own); replica 0's is ``kv_connector``.
+        # One connector per data-parallel replica (its own engine id, blocks, ranks and tier index); replica 0's
+        # answers for the instance where one is asked (request validation).
         self.kv_connectors = self._make_kv_connectors()
         self.kv_connector = self.kv_connectors[0]
         self.schedulers = [Scheduler(sched, kv, c) for kv, c in zip(self.kvs, self.kv_connectors)]
@@ -108,24 +109,29 @@ class EngineCore:
                                                   self.max_model_len)
 
     def _make_kv_connectors(self) -> list:
-        """The scheduler side of the configured KV connector (pure Python), told where its worker side's side
-        channel listens (the worker picked the port when its cache was registered); one per replica."""
-        transfer = self._make_transfer_connector()
+        """The scheduler side of the configured KV connectors (pure Python) per data-parallel replica: PD's
+        transfer connector, told where its ranks' side channels listen (each picked its port when its cache was
+        registered), and the offloading tier's, side by side where both are configured."""
+        transfers = self._make_transfer_connectors()
         if self.config.kv_offload is None:
-            return [transfer] * len(self.kvs)
+            return transfers
         from openinfer.engine.kv_tier import make_offloading_connectors
 
         tiers, self._tier_tmpdir = make_offloading_connectors(self.config, self.kv_specs, self.executor)
-        if transfer is None:
+        if transfers[0] is None:
             return tiers
         from openinfer.distributed.kv_transfer.multi import MultiConnectorScheduler
 
-        return [MultiConnectorScheduler(transfer, tier) for tier in tiers]
+        return [MultiConnectorScheduler(transfer, tier) for transfer, tier in zip(transfers, tiers)]
 
-    @property
-    def _transfer_connector(self):
-        c = self.kv_connector
-        return None if self.config.kv_transfer is None else getattr(c, "transfer", c)
+    def _transfer_stats(self) -> KVTransferStats | None:
+        if self.config.kv_transfer is None:
+            return None
+        total = KVTransferStats()
+        for c in self.kv_connectors:
+            for k, v in vars(getattr(c, "transfer", c).stats).items():
+                setattr(total, k, getattr(total, k) + v)
+        return total
 
     @property
     def _tier_stats(self):
@@ -136,16 +142,27 @@ class EngineCore:
 
         return KVOffloadStats.total([getattr(c, "tier", c).stats for c in self.kv_connectors])
 
-    def _make_transfer_connector(self):
+    def _make_transfer_connectors(self) -> list:
         kt = self.config.kv_transfer
+        dp, tp = self.config.parallel.data_parallel_size, self.config.parallel.tensor_parallel_size
         if kt is None:
-            return None
-        from openinfer.distributed.kv_transfer.nixl_scheduler import NixlConnectorScheduler
+            return [None] * dp
+        import uuid
 
-        connector = NixlConnectorScheduler(kt, [s.tokens_per_block(self.config.cache.block_size)
-                                                for s in self.kv_specs])
-        connector.set_side_channel(self.executor.collective_rpc("init_kv_connector", (connector.engine_id,))[0])
-        return connector
+        from openinfer.distributed.kv_transfer.nixl_scheduler import NixlConnectorScheduler
+        from openinfer.distributed.kv_transfer.ranks import replica_engine_id
+
+        base = kt.engine_id or uuid.uuid4().hex
+        infos = self.executor.collective_rpc("init_kv_connector", (base,))  # rank order: replica by replica
+        connectors = []
+        for d in range(dp):
+            c = NixlConnectorScheduler(kt, [s.tokens_per_block(self.config.cache.block_size) for s in self.kv_specs],
+                                       replica_engine_id(base, d, dp), tp)
+            ranks = infos[d * tp:(d + 1) * tp]
+            c.set_side_channel({"host": ranks[0]["host"], "port": ranks[0]["port"],
+                                "ports": [r["port"] for r in ranks], "kv_replicated": ranks[0]["kv_replicated"]})
+            connectors.append(c)
+        return connectors
 
     @property
     def kv(self) -> KVCacheManager:
@@ -294,7 +311,7 @@ class EngineCore:
             prompt_tokens_cached=sum(s.prompt_tokens_cached for s in self.schedulers),
             prompt_tokens_received=sum(s.prompt_tokens_received for s in self.schedulers),
             generation_tokens=sum(s.generation_tokens for s in self.schedulers),
-            kv_transfer=self._transfer_connector.stats.snapshot() if self._transfer_connector else None,
+            kv_transfer=self._transfer_stats(),
             kv_offload=self._tier_stats,
             num_held_for_transfer=sum(len(s.held) for s in self.schedulers),
             rank_loads=[(len(s.running), len(s.waiting) + len(s.waiting_remote), p.num_free_blocks, p.num_blocks,

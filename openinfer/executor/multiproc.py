@@ -23,6 +23,7 @@ import zmq
 
 from openinfer import envs
 from openinfer.config import engine_config_to_json
+from openinfer.distributed.kv_transfer.ranks import KVOutputAggregator
 from openinfer.executor.abstract import Executor, ExecutorFailed
 from openinfer.step_io import ModelRunnerOutput, SchedulerOutput
 from openinfer.worker import rpc
@@ -169,7 +170,19 @@ class MultiprocExecutor(Executor):
                        for s in scheduler_outputs]
         results = self._round_trip(call_id, "execute_model", rpc.ExecuteModel,
                                    [per_replica[r // tp] for r in range(len(self._ids))])
-        return results[::tp]
+        drivers = results[::tp]
+        if self.config.kv_transfer is not None and tp > 1:
+            # A prompt moved (or a held one was read) once every rank of the replica says so: each moves its shard.
+            if not hasattr(self, "_kv_aggregators"):
+                self._kv_aggregators = [KVOutputAggregator(tp) for _ in drivers]
+            for d, agg in enumerate(self._kv_aggregators):
+                ranks = results[d * tp:(d + 1) * tp]
+                kv = agg.merge([o.kv_connector_output if o is not None else None for o in ranks])
+                if drivers[d] is None and kv is not None:
+                    drivers[d] = ModelRunnerOutput(kv_connector_output=kv)
+                elif drivers[d] is not None:
+                    drivers[d].kv_connector_output = kv
+        return drivers
 
     def _round_trip(self, call_id: int, method: str, call_type: type, payloads: list[bytes]) -> list[Any]:
         """Send rank r ``payloads[r]``, then wait for every rank's answer (watching that every rank lives)."""

@@ -104,13 +104,18 @@ class ModelRunner:
                                       {s.name: s.tokens_per_block(self.block_size) for s in specs},
                                       self.block_size, self.device)
 
-    def init_kv_connector(self, engine_id: str) -> dict:
+    def init_kv_connector(self, engine_id: str, tp_rank: int = 0, rank: int = 0) -> dict:
         from openinfer.distributed.kv_transfer.nixl_worker import NixlConnectorWorker
-        from openinfer.worker.kv_tensors import kv_block_tensors
+        from openinfer.worker.kv_tensors import kv_block_tensors, kv_replicated_across_tp, kv_settings
 
-        self.kv_connector = NixlConnectorWorker(self.config.kv_transfer, engine_id)
-        return self.kv_connector.register_kv_caches(
-            kv_block_tensors(self.model, [s.name for s in self.kv_cache_spec()]))
+        specs = self.kv_cache_spec()
+        names = [s.name for s in specs]
+        self.kv_connector = NixlConnectorWorker(self.config.kv_transfer, engine_id,
+                                                kv_settings(self.config, names, self.kv_dtype), tp_rank,
+                                                self.config.parallel.tensor_parallel_size, rank)
+        info = self.kv_connector.register_kv_caches(kv_block_tensors(
+            self.model, names, self.proposer, frozenset(s.name for s in specs if s.bytes_per_block == 0)))
+        return {**info, "kv_replicated": kv_replicated_across_tp(self.model, self.proposer)}
 
     def init_kv_offload(self, backend: str, locations: list[str], fingerprint: str) -> dict:
         """Start the offloading tier's worker side over the bound cache (every group's stores), on this rank's
@@ -121,9 +126,8 @@ class ModelRunner:
         tier = OffloadingConnectorWorker(backend, locations[get_dp_group().rank_in_group], fingerprint,
                                          get_tp_group())
         # The drafter's groups too: a prefix the tier restores comes back with its drafting KV.
-        drafter = self.proposer.kv_stores() if self.proposer is not None else []
         specs = self.kv_cache_spec()
-        info = tier.register_kv_caches(kv_block_tensors(self.model, [s.name for s in specs], drafter,
+        info = tier.register_kv_caches(kv_block_tensors(self.model, [s.name for s in specs], self.proposer,
                                                         frozenset(s.name for s in specs if s.bytes_per_block == 0)))
         if self.kv_connector is None:
             self.kv_connector = tier

@@ -43,18 +43,23 @@ class InitKVOffload(msgspec.Struct, tag=True):
     fingerprint: str
 
 
-Call = GetKVCacheSpec | DetermineKVBudget | InitializeKVCache | ExecuteModel | GetLoadTime | Shutdown | InitKVOffload
+class InitKVConnector(msgspec.Struct, tag=True):
+    engine_id: str  # the instance's; each rank derives its replica's (distributed/kv_transfer/ranks.py)
+
+
+Call = (GetKVCacheSpec | DetermineKVBudget | InitializeKVCache | ExecuteModel | GetLoadTime | Shutdown | InitKVOffload
+        | InitKVConnector)
 
 # What each call returns (the type its reply's value decodes to) and the worker method that answers it.
 RESULT_TYPES: dict[type, type] = {
     GetKVCacheSpec: list[KVGroupSpec], DetermineKVBudget: KVBudget, InitializeKVCache: type(None),
     ExecuteModel: ModelRunnerOutput | None, GetLoadTime: float, Shutdown: type(None),
-    InitKVOffload: dict[str, list[int]],
+    InitKVOffload: dict[str, list[int]], InitKVConnector: dict,
 }
 METHODS: dict[str, type] = {
     "get_kv_cache_spec": GetKVCacheSpec, "determine_kv_budget": DetermineKVBudget,
     "initialize_kv_cache": InitializeKVCache, "execute_model": ExecuteModel, "load_time_s": GetLoadTime,
-    "init_kv_offload": InitKVOffload,
+    "init_kv_offload": InitKVOffload, "init_kv_connector": InitKVConnector,
 }
 
 

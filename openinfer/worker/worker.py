@@ -109,8 +109,12 @@ class Worker:
         self.model_runner.initialize_kv_cache(num_blocks)
 
     def init_kv_connector(self, engine_id: str) -> dict:
-        """Start the KV connector's worker side over the bound cache; returns where its side channel listens."""
-        return self.model_runner.init_kv_connector(engine_id)
+        """Start this rank's KV connector worker side (its NIXL agent, its side channel) over its shard of the
+        bound cache, as its replica's engine; returns where its side channel listens."""
+        from openinfer.distributed.kv_transfer.ranks import replica_engine_id
+
+        replica = replica_engine_id(engine_id, self.dp_rank, self.config.parallel.data_parallel_size)
+        return self.model_runner.init_kv_connector(replica, self.tp_rank, self.rank)
 
     def init_kv_offload(self, backend: str, locations: list[str], fingerprint: str) -> dict:
         """Start the offloading tier's worker side over the bound cache (``locations``: by data-parallel replica);

@@ -20,6 +20,7 @@ import zmq
 from openinfer.config import engine_config_from_json
 from openinfer.layers.kernel_build import KernelBuildError
 from openinfer.logging_utils import init_logging
+from openinfer.step_io import ModelRunnerOutput
 from openinfer.worker import rpc
 
 logger = logging.getLogger("openinfer.worker")
@@ -71,11 +72,18 @@ def serve(rank: int, config_json: str, rpc_address: str, dist_init: str) -> int:
 def _dispatch(worker, call: rpc.Call):
     if isinstance(call, rpc.ExecuteModel):
         out = worker.execute_model(call.scheduler_output, call.lockstep)
-        return out if worker.is_replica_driver else None  # only each replica's first rank's tokens are read
+        if worker.is_replica_driver:
+            return out
+        # Only each replica's first rank's tokens are read; every rank's KV connector reports (its shard's
+        # transfers), which the executor combines per replica.
+        kv = out.kv_connector_output
+        return None if kv is None else ModelRunnerOutput(kv_connector_output=kv)
     if isinstance(call, rpc.GetKVCacheSpec):
         return worker.get_kv_cache_spec()
     if isinstance(call, rpc.DetermineKVBudget):
         return worker.determine_kv_budget()
+    if isinstance(call, rpc.InitKVConnector):
+        return worker.init_kv_connector(call.engine_id)
     if isinstance(call, rpc.InitializeKVCache):
         return worker.initialize_kv_cache(call.num_blocks)
     if isinstance(call, rpc.GetLoadTime):

@@ -36,6 +36,19 @@ def layouts_match(a: list[list[StoreLayout]], b: list[list[StoreLayout]]) -> boo
                                     for x, y in zip(a, b))
 
 
+def layout_mismatch(theirs: list[list[StoreLayout]], their_settings: str, mine: list[list[StoreLayout]],
+                    my_settings: str, their_role: str) -> str:
+    """Why two instances cannot move KV between them, naming both sides' settings ("" when they can)."""
+    if layouts_match(theirs, mine):
+        return ""
+    shape = lambda g: [[s.block_bytes for s in stores] for stores in g]  # noqa: E731
+    diff = (f"{len(theirs)} KV group(s) vs {len(mine)}" if len(theirs) != len(mine) else
+            f"bytes per block per store {shape(theirs)} vs {shape(mine)}")
+    return (f"KV layouts differ ({diff}): the {their_role} runs [{their_settings or 'unknown settings'}], this "
+            f"instance [{my_settings}]; start both with the same model, block_size, kv_cache_dtype, "
+            f"speculative_config and tensor_parallel_size")
+
+
 def block_descs(src_ids: list[list[int]], dst_ids: list[list[int]], src: list[list[StoreLayout]],
                 dst: list[list[StoreLayout]]) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
     """(address, bytes, device) of every (group, store, block) that both sides name (-1 on either side: skipped)."""
@@ -67,10 +80,11 @@ class _Write:
 
 
 class PushWriter:
-    def __init__(self, agent, layout: list[list[StoreLayout]], config: KVTransferConfig) -> None:
+    def __init__(self, agent, layout: list[list[StoreLayout]], config: KVTransferConfig, settings: str = "") -> None:
         self.agent = agent
         self.layout = layout
         self.config = config
+        self.settings = settings
         self.held: dict[str, list[list[int]]] = {}  # held request id -> its blocks (from the scheduler side)
         self._inbox: queue.SimpleQueue[PushRequest] = queue.SimpleQueue()
         self._peers: dict[str, str] = {}  # decoder engine id -> its NIXL agent's name here
@@ -105,8 +119,9 @@ class PushWriter:
         try:
             if held is None:
                 raise RuntimeError(f"no held prompt {req.remote_request_id!r} here (expired, read, or never held)")
-            if not layouts_match(self.layout, req.groups):
-                raise RuntimeError("the decoder's KV layout differs from this instance's")
+            why = layout_mismatch(req.groups, req.settings, self.layout, self.settings, "decoder")
+            if why:
+                raise RuntimeError(why)
             local_d, remote_d = block_descs(held, req.block_ids, self.layout, req.groups)
             if not local_d:
                 self.agent.send_notif(peer, PUSH_DONE + notif_id)

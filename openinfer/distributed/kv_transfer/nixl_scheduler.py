@@ -30,14 +30,16 @@ logger = logging.getLogger(__name__)
 _REMOTE_FIELDS = {"remote_engine_id": str, "remote_request_id": str, "remote_host": str, "remote_port": int}
 
 
-def group_block_lists(value: Any, num_groups: int) -> list[list[int]]:
-    """remote_block_ids as one list per group (a flat list is the one group's)."""
+def group_block_lists(value: Any) -> list[list[int]]:
+    """remote_block_ids as one list per group of the producer (a flat list is its one group's). How many groups it
+    has is not checked here: a producer with another layout (another model, no drafter) is named by the handshake,
+    which also tells it to free the prompt it holds."""
     if not isinstance(value, list):
         raise ValueError(f"kv_transfer_params.remote_block_ids must be a list, got {type(value).__name__}")
-    lists = [value] if num_groups == 1 and all(isinstance(b, int) for b in value) else value
-    if len(lists) != num_groups or not all(isinstance(g, list) for g in lists):
-        raise ValueError(f"kv_transfer_params.remote_block_ids must hold {num_groups} list(s) of block ids (one per "
-                         f"KV group of this model)")
+    lists = [value] if all(isinstance(b, int) for b in value) else value
+    if not lists or not all(isinstance(g, list) for g in lists):
+        raise ValueError("kv_transfer_params.remote_block_ids must be a list of block ids, or one such list per KV "
+                         "group")
     for g in lists:
         if any(isinstance(b, bool) or not isinstance(b, int) or b < -1 for b in g):
             raise ValueError("kv_transfer_params.remote_block_ids must be block ids (integers >= -1)")
@@ -45,12 +47,16 @@ def group_block_lists(value: Any, num_groups: int) -> list[list[int]]:
 
 
 class NixlConnectorScheduler(KVConnectorScheduler):
-    def __init__(self, config: KVTransferConfig, group_tokens_per_block: list[int]) -> None:
+    def __init__(self, config: KVTransferConfig, group_tokens_per_block: list[int], engine_id: str | None = None,
+                 tp_size: int = 1) -> None:
         self.config = config
-        self.engine_id = config.engine_id or uuid.uuid4().hex
+        self.engine_id = engine_id or config.engine_id or uuid.uuid4().hex  # a data-parallel replica's: ranks.py
         self.tokens_per_block = list(group_tokens_per_block)
+        self.tp_size = tp_size  # this replica's ranks: each moves its own shard (its own agent and side channel)
         self.host = config.side_channel_host
         self.port = config.side_channel_port
+        self.ports: list[int] = []  # every rank's side channel, in tensor-parallel rank order
+        self.kv_replicated = False  # every tensor-parallel rank holds the whole KV (latent caches: DeepSeek)
         self.stats = KVTransferStats()
         self._tried: set[str] = set()  # consumer: requests whose remote read was attempted (once only)
         self._pending: list[KVLoad] = []  # consumer: loads not yet handed to the worker side
@@ -63,6 +69,8 @@ class NixlConnectorScheduler(KVConnectorScheduler):
 
     def set_side_channel(self, info: dict[str, Any]) -> None:
         self.host, self.port = info["host"], info["port"]
+        self.ports = list(info.get("ports", [self.port]))
+        self.kv_replicated = bool(info.get("kv_replicated", False))
 
     # -- requests -----------------------------------------------------------------------------------------
     def validate_params(self, params: dict[str, Any] | None, num_prompt_tokens: int, block_size: int) -> None:
@@ -83,9 +91,24 @@ class NixlConnectorScheduler(KVConnectorScheduler):
                     raise ValueError(f"kv_transfer_params.{key} must be a {kind.__name__}, got "
                                      f"{params.get(key)!r}")
             tp = params.get("tp_size", 1)
-            if tp != 1:
-                raise ValueError(f"kv_transfer_params.tp_size={tp!r}: only tp_size 1 producers are supported")
-            group_block_lists(params.get("remote_block_ids"), len(self.tokens_per_block))
+            if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+                raise ValueError(f"kv_transfer_params.tp_size must be an integer >= 1, got {tp!r}")
+            if tp != self.tp_size:
+                # Another tensor_parallel_size works where every rank holds the whole KV (a latent cache): rank i
+                # reads any copy. Split KV heads would need a rank to gather slices of several producer ranks.
+                why = ("this model's KV heads are split over the ranks" if not self.kv_replicated else
+                       "push (send_type PUT) pairs rank i with rank i" if self.config.push else
+                       "one size must divide the other" if max(tp, self.tp_size) % min(tp, self.tp_size) else "")
+                if why:
+                    raise ValueError(f"kv_transfer_params.tp_size={tp!r} (the prefill instance's "
+                                     f"tensor_parallel_size) differs from this instance's tensor_parallel_size="
+                                     f"{self.tp_size} and {why}: start both with the same tensor_parallel_size")
+            ports = params.get("remote_ports")
+            if tp > 1 and (not isinstance(ports, list) or len(ports) != tp
+                           or any(isinstance(p, bool) or not isinstance(p, int) for p in ports)):
+                raise ValueError(f"kv_transfer_params.remote_ports must list the producer's {tp} ranks' side-channel "
+                                 f"ports (tp_size={tp}), got {ports!r}")
+            group_block_lists(params.get("remote_block_ids"))
 
     def _remote_blocks_fit(self, req: ConnectorRequest, remote: list[list[int]]) -> bool:
         """The producer's tables cover exactly this prompt (the same tokenization)."""
@@ -97,8 +120,8 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         if not params or not params.get("do_remote_prefill") or req.request_id in self._tried:
             return 0, False
         self._tried.add(req.request_id)
-        remote = group_block_lists(params["remote_block_ids"], len(self.tokens_per_block))
-        if not self._remote_blocks_fit(req, remote):
+        remote = group_block_lists(params["remote_block_ids"])
+        if len(remote) == len(self.tokens_per_block) and not self._remote_blocks_fit(req, remote):
             logger.warning("request %s: remote_block_ids do not cover its %d prompt tokens; computing the prompt "
                            "here", req.request_id, req.num_prompt_tokens)
             self.stats.fallbacks += 1
@@ -107,11 +130,11 @@ class NixlConnectorScheduler(KVConnectorScheduler):
 
     def update_state_after_alloc(self, req: ConnectorRequest, params: dict[str, Any],
                                  block_ids: list[list[int]], num_local_blocks: list[int]) -> None:
-        remote = group_block_lists(params["remote_block_ids"], len(self.tokens_per_block))
+        remote = group_block_lists(params["remote_block_ids"])
         local = [[-1 if j < skip else b for j, b in enumerate(ids)] for ids, skip in zip(block_ids, num_local_blocks)]
         self._pending.append(KVLoad(req.request_id, local, remote, params["remote_engine_id"],
                                     params["remote_request_id"], params["remote_host"], params["remote_port"],
-                                    push=self.config.push))
+                                    push=self.config.push, remote_ports=list(params.get("remote_ports") or [])))
         self._loading.add(req.request_id)
 
     def build_connector_meta(self) -> KVConnectorMetadata:
@@ -153,12 +176,18 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         if not params or not params.get("do_remote_decode") or not finished_ok:
             return False, None
         self._sends[req.request_id] = now + self.config.abort_request_timeout_s
-        self._new_held[req.request_id] = [list(g) for g in block_ids]
+        # The prompt's blocks only: with speculative decoding the request also holds lookahead slots past it
+        # (a drafter's chain KV), which no decoder reads (the decoder allocates just the prompt's before reading).
+        n = req.num_prompt_tokens
+        block_ids = [list(g[:-(-n // r)]) for g, r in zip(block_ids, self.tokens_per_block)]
+        self._new_held[req.request_id] = block_ids
         ids: list[Any] = block_ids[0] if len(block_ids) == 1 else block_ids
         return True, {
             "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
             "remote_block_ids": ids, "remote_request_id": req.request_id, "remote_host": self.host,
-            "remote_port": self.port, "tp_size": 1,
+            "remote_port": self.port, "tp_size": self.tp_size,
+            # openinfer's addition for several ranks: each rank's side channel (rank i of the decoder pairs with i)
+            **({"remote_ports": list(self.ports)} if self.tp_size > 1 else {}),
         }
 
     def expired_sends(self, now: float) -> list[str]:

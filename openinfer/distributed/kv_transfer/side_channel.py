@@ -37,6 +37,7 @@ class HandshakeReply(msgspec.Struct, tag="handshake_reply"):
     agent_metadata: bytes = b""
     groups: list[list[StoreLayout]] = []
     error: str = ""
+    settings: str = ""  # what shapes the layout (model, block size, KV dtype, groups, drafter): for error messages
 
 
 class PushRequest(msgspec.Struct, tag="push"):
@@ -47,6 +48,7 @@ class PushRequest(msgspec.Struct, tag="push"):
     req_id: str  # the decoder's request id: the completion notification names it
     remote_request_id: str  # the producer's held request
     block_ids: list[list[int]]  # the decoder's blocks per group, position for position with the held ones; -1: skip
+    settings: str = ""  # the decoder's (HandshakeReply.settings)
 
 
 class PushReply(msgspec.Struct, tag="push_reply"):
@@ -66,7 +68,8 @@ class SideChannelServer:
     agent is the engine thread's."""
 
     def __init__(self, host: str, port: int, engine_id: str, agent_metadata: bytes,
-                 groups: list[list[StoreLayout]], on_push: Callable[[PushRequest], str] | None = None) -> None:
+                 groups: list[list[StoreLayout]], on_push: Callable[[PushRequest], str] | None = None,
+                 settings: str = "") -> None:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -76,7 +79,7 @@ class SideChannelServer:
             self._sock.bind(f"tcp://{host}:{port}")
             self.port = port
         self.host = host
-        self._reply = HandshakeReply(engine_id, agent_metadata, groups)
+        self._reply = HandshakeReply(engine_id, agent_metadata, groups, settings=settings)
         self._on_push = on_push
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="kv-side-channel", daemon=True)

@@ -45,7 +45,7 @@ class Proposer(abc.ABC):
 
     def kv_stores(self) -> list[tuple[str, torch.Tensor | None]]:
         """(engine group name, store) of the proposer's bound KV, in a fixed order (models/interface.py's
-        ``KVStores``): what a KV connector moves with the target's."""
+        ``KVStores``): what a KV connector (PD transfer, the offloading tier) moves beside the target's stores."""
         return []
 
     # Forwards through collective layers (expert-parallel MoE) each step under data-parallel lockstep: every rank

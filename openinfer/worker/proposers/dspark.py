@@ -79,6 +79,9 @@ class DSparkProposer(DraftingModel):
         super().__init__(store, k, config.model.max_model_len, config.cache.block_size, device)
         self.last_confidence: dict[str, list[float]] = {}
 
+    def kv_stores(self) -> list[tuple[str, torch.Tensor]]:
+        return [] if self.module.keys is None else [(self.prefix + WINDOW_GROUP, self.module.keys)]
+
     def propose(self, step: ProposeInputs) -> dict[str, list[int]]:
         batch = step.batch
         (g,) = self.group_rows(batch).values()
