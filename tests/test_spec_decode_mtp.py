@@ -114,6 +114,28 @@ def test_engine_drafts_equal_a_whole_sequence_recompute(v3):
     assert engine_model(llm) is not proposer.module  # the MTP layer is its own module beside the target
 
 
+def test_drafts_after_a_prompt_chunked_alone(v3):
+    """A prompt alone in the engine, split into chunks: the steps of its first chunks sample nothing, and the MTP
+    layer must still run over them (its KV for those positions), or its first drafts read empty rows."""
+    path, prompts, _ = v3
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_gb=0.05, max_num_batched_tokens=16,
+              speculative_config=mtp(2))
+    proposer = llm.engine.core.executor.driver_worker.model_runner.proposer
+    seen: list[tuple[list[int], list[int]]] = []
+    propose = proposer.propose
+
+    def spy(step):
+        out = propose(step)
+        seen.extend((list(r.state.token_ids), out[r.state.req_id]) for r in step.sampled if r.state.req_id in out)
+        return out
+
+    proposer.propose = spy
+    greedy(llm, [prompts[4]])  # 64 tokens: three chunks that sample nothing, then the fourth
+    tokens, drafts = seen[0]
+    assert len(tokens) == len(prompts[4]) + 1
+    assert drafts == reference_drafts(path, tokens, 2)
+
+
 def test_mtp_start_up_errors(v3, tmp_path):
     path, _, _ = v3
     from helpers import make_dense_checkpoint

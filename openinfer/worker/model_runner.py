@@ -217,11 +217,13 @@ class ModelRunner:
                 with self._row(out, r):
                     self._verify(logits[first:first + len(r.drafts) + 1], r, out, masks.get(r.state.req_id))
             self._take_driver_tokens(out, [r for r, _ in plain + spec])
-            if self.proposer is not None:
-                out.spec_token_ids = self.proposer.propose(
-                    ProposeInputs(inputs.rows, [r for r, _ in plain + spec], hidden, batch))
-                out.spec_confidence = self.proposer.confidence()
-                proposer_forwards = self.proposer.forwards
+        if self.proposer is not None:
+            # Also on a step that samples nothing (a prompt's non-final chunks): the drafter catches up over those
+            # positions (an MTP layer writes their KV), or its first drafts after the prompt read empty rows.
+            out.spec_token_ids = self.proposer.propose(
+                ProposeInputs(inputs.rows, [r for r, _ in plain + spec], hidden, batch))
+            out.spec_confidence = self.proposer.confidence()
+            proposer_forwards = self.proposer.forwards
         if lockstep:
             self._pad_proposer(hidden, proposer_forwards)
         for r, first in plp:
