@@ -254,3 +254,37 @@ def test_sampled_drafts_keep_the_target_distribution(v41):
     sd = (want * (1 - want) / len(samples)) ** 0.5
     assert abs(s.num_accepted_tokens / s.num_draft_tokens - want) < 4 * sd, (s.num_accepted_tokens, want)
     assert kv_manager(llm).all_free()
+
+
+# -- confidence-scheduled verification ---------------------------------------------------------------------------
+
+def test_confidence_scheduling_keeps_greedy_and_verifies_what_the_head_picks(v41):
+    """speculative_config.confidence_token_cost: greedy output unchanged, and each step's requests verify exactly
+    the drafts engine/confidence_schedule.py picks from the confidence head's predictions for that step's
+    proposals (fewer than all of them at this cost)."""
+    from openinfer.engine.confidence_schedule import drafts_to_verify
+
+    path, prompts, ref = v41
+    cost = 0.3
+    llm = LLM(str(path), **BASE, num_kv_blocks=64,
+              speculative_config={**dspark(4), "confidence_token_cost": cost})
+    (sched,) = llm.engine.core.schedulers
+    picked: list[tuple[list[int], list[int]]] = []
+    inner = sched.update_from_output
+
+    def update(s, result):
+        outputs = inner(s, result)
+        reqs = [sched.requests[rid] for rid in result.spec_token_ids if rid in sched.requests
+                and sched.requests[rid].status.name == "RUNNING" and result.spec_token_ids[rid]]
+        want = drafts_to_verify([result.spec_confidence[r.request_id] for r in reqs], cost)
+        picked.append(([len(r.spec_token_ids) for r in reqs], want))
+        return outputs
+
+    sched.update_from_output = update
+    for out, want in zip(greedy(llm, prompts), ref):
+        assert out.outputs[0].token_ids == want.outputs[0].token_ids
+    assert picked and all(got == want for got, want in picked)
+    verified = sum(sum(got) for got, _ in picked)
+    assert 0 < verified < 4 * sum(len(got) for got, _ in picked)
+    assert len({n for got, _ in picked for n in got}) > 1  # the head's predictions make the counts differ
+    assert kv_manager(llm).all_free()
