@@ -256,6 +256,18 @@ def test_sampled_drafts_keep_the_target_distribution(v41):
     assert kv_manager(llm).all_free()
 
 
+def test_seeded_sampling_repeats_with_sampled_drafts(v41):
+    """A seeded request draws its drafts from its own generators too: the same request twice, in different batch
+    company, gives the same tokens."""
+    path, prompts, _ = v41
+    llm = LLM(str(path), **BASE, num_kv_blocks=64, speculative_config=dspark(3))
+    sp = [SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True, seed=s) for s in (1, 2)]
+    a = llm.generate([{"prompt_token_ids": prompts[1]}, {"prompt_token_ids": prompts[2]}], sp, use_tqdm=False)
+    b = llm.generate([{"prompt_token_ids": prompts[2]}], sp[1:], use_tqdm=False)
+    assert a[1].outputs[0].token_ids == b[0].outputs[0].token_ids
+    assert llm.engine.stats().spec_decode.num_draft_tokens > 0
+
+
 # -- confidence-scheduled verification ---------------------------------------------------------------------------
 
 def test_confidence_scheduling_keeps_greedy_and_verifies_what_the_head_picks(v41):
