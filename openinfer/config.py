@@ -295,6 +295,8 @@ class SchedulerConfig:
     # vLLM's --scheduling-policy: "fcfs" (arrival order) or "priority" (lower ``priority`` value first, ties by
     # arrival; preemption takes the lowest priority running request first).
     policy: str = "fcfs"
+    # speculative_config.confidence_token_cost: the confidence head decides how many drafts are verified
+    confidence_token_cost: float | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULING_POLICIES:
@@ -387,8 +389,17 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
     model: str | None = None
+    # Confidence-scheduled verification (engine/confidence_schedule.py, DeepInfer's MTP varlen): None verifies
+    # every draft; a cost >= 0 lets the DSpark confidence head pick how many drafts each request verifies.
+    confidence_token_cost: float | None = None
 
     def __post_init__(self) -> None:
+        c = self.confidence_token_cost
+        if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 <= c < float("inf")):
+            raise ValueError(f"speculative_config.confidence_token_cost must be a finite number >= 0, got {c!r}")
+        if c is not None and self.method != "mtp":
+            raise ValueError("speculative_config.confidence_token_cost needs the DSpark confidence head: method "
+                             f"'mtp' on DeepSeek-V4.1, not {self.method!r}")
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config.method={self.method!r}; choose one of "
                              f"{', '.join(SPECULATIVE_METHODS)}")

@@ -233,6 +233,9 @@ class EngineArgs:
 
                 if not uses_dspark(model.architecture):  # DSpark blocks load with the target (proposers/dspark.py)
                     resolve_mtp_class(model.architecture)  # the architecture has an MTP layer openinfer can run
+                    if speculative.confidence_token_cost is not None:
+                        raise ValueError("speculative_config.confidence_token_cost needs the DSpark confidence "
+                                         f"head (DeepSeek-V4.1); {model.architecture} has none")
                 elif self.kv_transfer_config is not None:  # its context keys over the connector: not tested yet
                     raise ValueError(f"speculative_config.method='mtp' (DSpark on {model.architecture}) with "
                                      "kv_transfer_config is not supported yet; run the decode instance with n-gram "
@@ -260,7 +263,9 @@ class EngineArgs:
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       num_lookahead_tokens=speculative.num_lookahead_tokens if speculative else 0,
-                                      policy=self.scheduling_policy),
+                                      policy=self.scheduling_policy,
+                                      confidence_token_cost=speculative.confidence_token_cost if speculative
+                                      else None),
             parallel=parallel,
             speculative=speculative,
             seed=self.seed,

@@ -180,3 +180,123 @@ def test_confidence_stats_record_and_merge():
     assert m.accepted_per_pos == [2, 1, 0] and m.num_drafts == 3
     assert m.confidence_count_per_pos == [2, 1, 1]
     assert m.mean_confidence_per_pos == [0.625, 0.25, 0.125]
+
+
+# -- temperature > 0: sampled drafts with their distributions --------------------------------------------------
+
+SAMPLED = dict(temperature=0.8, top_k=3)  # top-k 3 over 3 tokens: 27 outcomes, a few thousand samples suffice
+
+
+def _exact_three_tokens(model, prompt: list[int], params: SamplingParams) -> dict[tuple[int, ...], float]:
+    """The target's own distribution of its first three sampled tokens after ``prompt`` (whole-sequence
+    recomputes; temperature and top-k applied as the sampler applies them)."""
+    from openinfer.worker.sampler import SamplingRow, sampling_probs
+
+    def dist(logits: torch.Tensor) -> torch.Tensor:
+        return sampling_probs(logits[None].float(), [SamplingRow(params, prompt, [])])[0].double()
+
+    out: dict[tuple[int, ...], float] = {}
+    first = dist(reference_logits(model, prompt)[-1])
+    for t1 in first.nonzero().flatten().tolist():
+        second = dist(reference_logits(model, prompt + [t1])[-1])
+        for t2 in second.nonzero().flatten().tolist():
+            third = dist(reference_logits(model, prompt + [t1, t2])[-1])
+            for t3 in third.nonzero().flatten().tolist():
+                out[(t1, t2, t3)] = float(first[t1] * second[t2] * third[t3])
+    return out
+
+
+def test_sampled_drafts_keep_the_target_distribution(v41):
+    """temperature > 0: the drafts are drawn from the drafter's (Markov-corrected, temperature, top-k) distribution
+    and verified against it, so the emitted tokens follow the target's own distribution (chi-square against the
+    exact three-token distribution), drafts are both accepted and rejected on the way, and the same test rejects
+    a distribution half-way from the target's to uniform (its power). The random tiny drafter's top-3 never meets
+    the target's, so its corrected logits are made the target's own plus noise (a drafter that half agrees):
+    everything after them - the draw, the hand-over, the rejection sampler - is the engine's."""
+    from stats_utils import goodness_of_fit
+
+    path, prompts, _ = v41
+    prompt = prompts[0][:6]
+    llm = LLM(str(path), **BASE, num_kv_blocks=1200, max_num_seqs=512, speculative_config=dspark(2))
+    model = engine_model(llm)
+    sp = SamplingParams(max_tokens=3, ignore_eos=True, **SAMPLED)
+    first = reference_logits(model, prompt)[-1]
+    noise = torch.randn(first.shape[0], generator=torch.Generator().manual_seed(0)) * 0.7
+    target_after = {t: reference_logits(model, prompt + [t])[-1] for t in first.topk(3).indices.tolist()}
+    corrected = model.mtp.corrected
+
+    def half_agreeing(hidden, logits, prev, temperature=1.0):
+        step, conf = corrected(hidden, logits, prev, temperature)
+        for row, t in enumerate(prev.tolist()):
+            if t in target_after:  # the first draft after the first sampled token
+                step[row] = target_after[t] + noise
+        return step, conf
+
+    model.mtp.corrected = half_agreeing
+    outs = llm.generate([{"prompt_token_ids": prompt}] * 2000, sp, use_tqdm=False)
+    samples = [tuple(o.outputs[0].token_ids) for o in outs]
+    expected = _exact_three_tokens(model, prompt, sp)
+    assert goodness_of_fit(samples, expected) > 1e-3
+    uniform = 1 / len(expected)
+    assert goodness_of_fit(samples, {s: 0.5 * p + 0.5 * uniform for s, p in expected.items()}) < 1e-6
+    # Acceptance is speculative sampling's: a draft drawn from q is kept with probability sum_x min(p(x), q(x))
+    # (handed as one-hot, as before, it would be sum_x q(x) p(x): still exact, but lower).
+    from openinfer.worker.sampler import SamplingRow, sampling_probs
+
+    def dist(logits):
+        return sampling_probs(logits[None].float(), [SamplingRow(sp, prompt, [])])[0].double()
+
+    p1 = dist(first)
+    want = sum(float(p1[t]) * float(torch.minimum(dist(after), dist(after + noise)).sum())
+               for t, after in target_after.items())
+    s = llm.engine.stats().spec_decode
+    assert s.num_draft_tokens == len(samples)  # one draft verified per request (max_tokens=3)
+    sd = (want * (1 - want) / len(samples)) ** 0.5
+    assert abs(s.num_accepted_tokens / s.num_draft_tokens - want) < 4 * sd, (s.num_accepted_tokens, want)
+    assert kv_manager(llm).all_free()
+
+
+def test_seeded_sampling_repeats_with_sampled_drafts(v41):
+    """A seeded request draws its drafts from its own generators too: the same request twice, in different batch
+    company, gives the same tokens."""
+    path, prompts, _ = v41
+    llm = LLM(str(path), **BASE, num_kv_blocks=64, speculative_config=dspark(3))
+    sp = [SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True, seed=s) for s in (1, 2)]
+    a = llm.generate([{"prompt_token_ids": prompts[1]}, {"prompt_token_ids": prompts[2]}], sp, use_tqdm=False)
+    b = llm.generate([{"prompt_token_ids": prompts[2]}], sp[1:], use_tqdm=False)
+    assert a[1].outputs[0].token_ids == b[0].outputs[0].token_ids
+    assert llm.engine.stats().spec_decode.num_draft_tokens > 0
+
+
+# -- confidence-scheduled verification ---------------------------------------------------------------------------
+
+def test_confidence_scheduling_keeps_greedy_and_verifies_what_the_head_picks(v41):
+    """speculative_config.confidence_token_cost: greedy output unchanged, and each step's requests verify exactly
+    the drafts engine/confidence_schedule.py picks from the confidence head's predictions for that step's
+    proposals (fewer than all of them at this cost)."""
+    from openinfer.engine.confidence_schedule import drafts_to_verify
+
+    path, prompts, ref = v41
+    cost = 0.3
+    llm = LLM(str(path), **BASE, num_kv_blocks=64,
+              speculative_config={**dspark(4), "confidence_token_cost": cost})
+    (sched,) = llm.engine.core.schedulers
+    picked: list[tuple[list[int], list[int]]] = []
+    inner = sched.update_from_output
+
+    def update(s, result):
+        outputs = inner(s, result)
+        reqs = [sched.requests[rid] for rid in result.spec_token_ids if rid in sched.requests
+                and sched.requests[rid].status.name == "RUNNING" and result.spec_token_ids[rid]]
+        want = drafts_to_verify([result.spec_confidence[r.request_id] for r in reqs], cost)
+        picked.append(([len(r.spec_token_ids) for r in reqs], want))
+        return outputs
+
+    sched.update_from_output = update
+    for out, want in zip(greedy(llm, prompts), ref):
+        assert out.outputs[0].token_ids == want.outputs[0].token_ids
+    assert picked and all(got == want for got, want in picked)
+    verified = sum(sum(got) for got, _ in picked)
+    assert 0 < verified < 4 * sum(len(got) for got, _ in picked)
+    assert len({n for got, _ in picked for n in got}) > 1  # the head's predictions make the counts differ
+    assert kv_manager(llm).all_free()

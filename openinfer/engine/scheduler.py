@@ -30,6 +30,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING
 
+from openinfer.engine.confidence_schedule import drafts_to_verify
 from openinfer.engine.core_io import EngineCoreOutput
 from openinfer.engine.kv_cache_manager import KVCacheManager
 from openinfer.engine.request import INVALID_REQUEST, Request, RequestStatus
@@ -456,7 +457,19 @@ class Scheduler:
                 self._finish(req, status)
             outputs.append(self._output(req, tokens, lps if req.sampling_params.logprobs is not None else None,
                                         prompt_lp, status, now))
+        if self.config.confidence_token_cost is not None:
+            self._schedule_by_confidence(result)
         return outputs
+
+    def _schedule_by_confidence(self, result: ModelRunnerOutput) -> None:
+        """Confidence-scheduled verification (confidence_schedule.py): of the drafts proposed this step, keep
+        for verification the ones the confidence head's ranking picks. Drafts without a confidence count as sure
+        ones (DeepInfer pads 1.0)."""
+        reqs = [r for rid in result.spec_token_ids if (r := self.requests.get(rid)) is not None
+                and r.status == RequestStatus.RUNNING and r.spec_token_ids]
+        rates = [(r.spec_confidence + [1.0] * len(r.spec_token_ids))[:len(r.spec_token_ids)] for r in reqs]
+        for r, n in zip(reqs, drafts_to_verify(rates, self.config.confidence_token_cost)):
+            r.spec_token_ids = r.spec_token_ids[:n]
 
     @staticmethod
     def _output(req: Request, tokens: list[int], lp, prompt_lp, status: RequestStatus | None,

@@ -215,8 +215,9 @@ class DSparkTarget(CausalLM):
 
     @abstractmethod
     def propose_over_keys(self, keys: torch.Tensor, ctx_pos: torch.Tensor, golden: torch.Tensor,
-                          block_size: int | None = None):
-        """Draft tokens (and their confidence) over paged context keys."""
+                          block_size: int | None = None, draw=None):
+        """Draft tokens (and their confidence) over paged context keys; ``draw(logits [B, V], i)`` picks draft
+        position i's tokens (default argmax)."""
 
 
 # -- the checks the registry runs on every class it resolves -----------------------------------------------------

@@ -21,6 +21,8 @@ class CachedRequestState:
     token_ids: list[int]  # prompt + every token generated so far (the worker appends what it samples)
     output_token_ids: list[int]
     draft_computed: int = 0  # a draft model's KV holds this request's first draft_computed tokens
+    # A proposer that samples its drafts: (the drafts it proposed, their distributions [k, V]) for verification
+    draft_probs: tuple[list[int], torch.Tensor] | None = None
     mm_images: list[MMImage] = field(default_factory=list)
     # Each image's embeddings once its first position is computed, until its last one is (vLLM's encoder cache,
     # per request: a prompt chunk may end inside an image).

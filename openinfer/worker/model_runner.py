@@ -309,7 +309,8 @@ class ModelRunner:
         draft the grammar forbids is never accepted and every emitted token is one the grammar allows."""
         st = r.state
         tokens, raw_lp = verify(logits, r.drafts, st.sampling_params, st.prompt_token_ids, st.output_token_ids,
-                                self.generator, allowed_masks=self._masks(mask, len(r.drafts) + 1, logits.shape[1]))
+                                self.generator, _draft_probs(r),
+                                allowed_masks=self._masks(mask, len(r.drafts) + 1, logits.shape[1]))
         out.sampled[st.req_id] = [self._token(t, raw_lp, j, st.sampling_params.logprobs) for j, t in enumerate(tokens)]
         self.input_batch.append_sampled(r, tokens)
 
@@ -384,6 +385,18 @@ class ModelRunner:
         rows = [first + (p - r.start) for p in positions]
         lp = torch.log_softmax(self.model.compute_logits(hidden[rows]).float(), dim=-1)
         return [top_logprobs(lp, i, st.prompt_token_ids[p + 1], k) for i, p in enumerate(positions)]
+
+
+def _draft_probs(r: ScheduledRow) -> torch.Tensor | None:
+    """The distributions the row's drafts were drawn from (None: drawn deterministically, one-hot). The scheduler
+    verifies a prefix of what was proposed (trimmed by budget, context, grammar or confidence)."""
+    if r.state.draft_probs is None or r.state.sampling_params.greedy:
+        return None
+    proposed, probs = r.state.draft_probs
+    if proposed[:len(r.drafts)] != r.drafts:
+        raise RuntimeError(f"request {r.state.req_id}: verifying drafts {r.drafts} that are not a prefix of the "
+                           f"sampled proposal {proposed}")
+    return probs[:len(r.drafts)]
 
 
 def _sent_away(row: ScheduledRow) -> bool:

@@ -13,10 +13,14 @@ Draft step after the target accepted position a (golden = the token the target j
   streams to h_i (no hc_head), and
   logits_i = lm_head(norm(h_i)) + markov_head(markov_embed[t_{i-1}])            (Markov correction, t_{-1} = golden)
   conf_i   = sigmoid([h_i, markov_embed[t_{i-1}]] . confidence_w / T)           (predicted acceptance)
-  t_i      = argmax logits_i  (greedy)
+  t_i      = argmax logits_i  (greedy), or a draw from the request's sampling distribution of logits_i when it
+             samples (``draw``: DeepInfer's sample_drafts runs the request's own sampling on each position; the
+             Markov term of the next position then reads the drawn token)
 Draft position i proposes the token at a + 2 + i.
 """
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -29,6 +33,9 @@ from openinfer.models.deepseek_v41.attention import Attention
 from openinfer.models.deepseek_v41.config import DeepseekV41Config
 from openinfer.models.deepseek_v41.hc import ShiftedHyperConnection, apply_pre, first_pre, hc_post
 from openinfer.models.deepseek_v41.moe import MoE
+
+# Picks one draft position's tokens: (Markov-corrected logits [B, V], position i) -> tokens [B]
+Draw = Callable[[torch.Tensor, int], torch.Tensor]
 
 
 def target_features(streams: list[torch.Tensor]) -> torch.Tensor:
@@ -129,22 +136,23 @@ class DSparkDrafter(nn.ModuleList):
     @torch.no_grad()
     def propose(self, features: torch.Tensor, ctx_pos: torch.Tensor, golden: torch.Tensor, embed: nn.Module,
                 lm_head: nn.Module, rotary, temperature: float = 1.0,
-                block_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                block_size: int | None = None, draw: Draw | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """features [B, W, targets*D] of the last W accepted tokens (ctx_pos [B, W], -1 = none; the last column
         is the accepted position a); golden [B] -> (draft tokens [B, S], confidences [B, S]), S = ``block_size``
-        (default the checkpoint's dspark_block_size)."""
+        (default the checkpoint's dspark_block_size); ``draw`` picks each position's tokens (default argmax)."""
         b, w = ctx_pos.shape
         keys = self.context_keys(features.reshape(b * w, -1), ctx_pos.reshape(-1), rotary).view(b, w, len(self), -1)
-        return self.propose_over_keys(keys, ctx_pos, golden, embed, lm_head, rotary, temperature, block_size)
+        return self.propose_over_keys(keys, ctx_pos, golden, embed, lm_head, rotary, temperature, block_size, draw)
 
     @torch.no_grad()
     def propose_over_keys(self, keys: torch.Tensor, ctx_pos: torch.Tensor, golden: torch.Tensor, embed: nn.Module,
                           lm_head: nn.Module, rotary, temperature: float = 1.0,
-                          block_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                          block_size: int | None = None, draw: Draw | None = None,
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
         """As ``propose``, over the context keys [B, W, blocks, d] (``context_keys``) of positions ctx_pos. A
         serving engine runs the blocks with S = its number of speculative tokens, as DeepInfer does."""
         hidden = self.block_hidden(keys, ctx_pos, golden, embed, rotary, block_size or self.cfg.dspark.block_size)
-        return self.sample(hidden, golden, lm_head, temperature)
+        return self.sample(hidden, golden, lm_head, temperature, draw)
 
     def block_hidden(self, keys: torch.Tensor, ctx_pos: torch.Tensor, golden: torch.Tensor, embed: nn.Module,
                      rotary, s: int) -> torch.Tensor:
@@ -179,14 +187,15 @@ class DSparkDrafter(nn.ModuleList):
         return step, torch.sigmoid((z[:, 0] / temperature).clamp(-60, 60))
 
     def sample(self, hidden: torch.Tensor, golden: torch.Tensor, lm_head: nn.Module,
-               temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden [B, S, D] before the norm -> greedy drafts with the Markov correction and their confidences."""
+               temperature: float = 1.0, draw: Draw | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [B, S, D] before the norm -> drafts with the Markov correction (argmax, or ``draw(logits, i)``
+        at each position i) and their confidences."""
         last = self[-1]
         logits = lm_head(last.norm(hidden)).float()
         prev, tokens, confidence = golden, [], []
         for i in range(hidden.shape[1]):
             step, conf = self.corrected(hidden[:, i], logits[:, i], prev, temperature)
             confidence.append(conf)
-            prev = step.argmax(dim=-1)
+            prev = step.argmax(dim=-1) if draw is None else draw(step, i)
             tokens.append(prev)
         return torch.stack(tokens, dim=1), torch.stack(confidence, dim=1)

@@ -252,10 +252,10 @@ class DeepseekV41ForCausalLM(DSparkTarget):
         return self.model.dspark_features
 
     def propose(self, features: torch.Tensor, ctx_pos: torch.Tensor, golden: torch.Tensor,
-                block_size: int | None = None):
+                block_size: int | None = None, draw=None):
         """DSpark drafts after the accepted tokens whose target features are ``features`` (dspark.py)."""
         return self.mtp.propose(features, ctx_pos, golden, self.model.embed_tokens, self.lm_head,
-                                self.model.rotary["main"], block_size=block_size)
+                                self.model.rotary["main"], block_size=block_size, draw=draw)
 
     def dspark_context_positions(self, accepted: torch.Tensor, window: int, k: int) -> torch.Tensor:
         return draft_positions(accepted, window, k)[0]
@@ -265,10 +265,10 @@ class DeepseekV41ForCausalLM(DSparkTarget):
         return self.mtp.context_keys(features, positions, self.model.rotary["main"])
 
     def propose_over_keys(self, keys: torch.Tensor, ctx_pos: torch.Tensor, golden: torch.Tensor,
-                          block_size: int | None = None):
+                          block_size: int | None = None, draw=None):
         """``propose`` over paged context keys [B, W, blocks, d] (``dspark_context_keys``)."""
         return self.mtp.propose_over_keys(keys, ctx_pos, golden, self.model.embed_tokens, self.lm_head,
-                                          self.model.rotary["main"], block_size=block_size)
+                                          self.model.rotary["main"], block_size=block_size, draw=draw)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         from openinfer.models.deepseek_v41.loading import load_v41_weights

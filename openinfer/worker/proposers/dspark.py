@@ -15,10 +15,15 @@ chunked prefill and preemption treat them like the target's window rows. Each st
    [golden, noise x (k - 1)]; position i drafts the token at a + 2 + i. The block size is k (DeepInfer sizes its
    draft block by the number of speculative tokens), so k may not exceed the checkpoint's dspark_block_size.
 
-Drafts are argmax with the Markov correction (deterministic: verification treats them as one-hot, which keeps
-sampling exact). The confidence head's predicted acceptance is reported (``SpecDecodeStats.confidence_per_pos``
-beside the measured ``accepted_per_pos``); it does not gate verification (DeepInfer's confidence-scheduled
-verification is not implemented).
+Drafts carry the Markov correction. A greedy request's are the argmax (verification treats them as one-hot); a
+sampling request's are drawn from its own sampling distribution (temperature, top-k / top-p / min-p) of each
+position's corrected logits, as DeepInfer's ``sample_drafts`` runs the request's sampling per draft position, and
+those distributions q go with the drafts (``CachedRequestState.draft_probs``) to the rejection sampler, which
+accepts with min(1, p / q) and resamples from max(p - q, 0): the output stays the target's distribution and
+acceptance is DeepInfer's. The confidence head's predicted acceptance is reported
+(``SpecDecodeStats.confidence_per_pos`` beside the measured ``accepted_per_pos``) and, with
+``speculative_config.confidence_token_cost``, decides how many of the drafts the next step verifies
+(engine/confidence_schedule.py).
 """
 from __future__ import annotations
 
@@ -27,8 +32,10 @@ import torch
 from openinfer.config import EngineConfig
 from openinfer.kv_cache_interface import KVGroupSpec
 from openinfer.models.interface import DSparkTarget
+from openinfer.worker.input_batch import CachedRequestState
 from openinfer.worker.proposers import ProposeInputs
 from openinfer.worker.proposers.drafting import DraftingModel
+from openinfer.worker.sampler import SamplingRow, sampling_probs, seeded_generator
 
 WINDOW_GROUP = "window"
 
@@ -111,12 +118,58 @@ class DSparkProposer(DraftingModel):
         ctx_pos = self.target.dspark_context_positions(accepted, self.window, self.k)
         keys = torch.stack([store[slots(st.block_ids[g], p.clamp(min=0))] for st, p in zip(states, ctx_pos)])
         golden = torch.tensor([st.token_ids[-1] for st in states], dtype=torch.long, device=self.device)
-        tokens, confidence = self.target.propose_over_keys(keys, ctx_pos, golden, block_size=self.k)
+        draw = DraftDraw(states)
+        tokens, confidence = self.target.propose_over_keys(keys, ctx_pos, golden, block_size=self.k, draw=draw)
         self.last_confidence = {st.req_id: c for st, c in zip(states, confidence.tolist())}
-        return {st.req_id: t for st, t in zip(states, tokens.tolist())}
+        proposals = {st.req_id: t for st, t in zip(states, tokens.tolist())}
+        draw.hand_over(proposals)
+        return proposals
 
     def kv_stores(self) -> list[tuple[str, torch.Tensor | None]]:
         return [(self.prefix + WINDOW_GROUP, self.module.keys)]
 
     def confidence(self) -> dict[str, list[float]]:
         return self.last_confidence
+
+
+class DraftDraw:
+    """Picks each draft position's tokens: argmax for greedy requests; for sampling ones a draw from the request's
+    sampling distribution, kept (per request, [k, V]) for verification. A seeded request draws from its own
+    generator per output position (a stream apart from the verifier's), so its drafts - and so its output -
+    repeat."""
+
+    STREAM = 2  # seeded_generator streams: 0 the plain / residual draws, 1 the acceptance coins
+
+    def __init__(self, states: list[CachedRequestState]) -> None:
+        self.states = states
+        self.rows = [i for i, st in enumerate(states) if not st.sampling_params.greedy]
+        self.probs: list[torch.Tensor] = []  # per draft position: [len(rows), V]
+
+    def __call__(self, logits: torch.Tensor, i: int) -> torch.Tensor:
+        tokens = logits.argmax(dim=-1)
+        if not self.rows:
+            return tokens
+        idx = torch.tensor(self.rows, device=logits.device)
+        sampled = [self.states[r] for r in self.rows]
+        q = sampling_probs(logits.index_select(0, idx).float(),
+                           [SamplingRow(st.sampling_params, st.prompt_token_ids, st.output_token_ids)
+                            for st in sampled])
+        race = torch.empty_like(q)
+        for j, st in enumerate(sampled):
+            seed = st.sampling_params.seed
+            g = None if seed is None else seeded_generator(seed, len(st.output_token_ids) + i, q.device, self.STREAM)
+            race[j].exponential_(generator=g)
+        tokens[idx] = (q / race).argmax(dim=-1)  # the exponential race: a draw from q
+        self.probs.append(q)
+        return tokens
+
+    def hand_over(self, proposals: dict[str, list[int]]) -> None:
+        """Each request's drafts with their distributions (None for greedy ones: one-hot)."""
+        for st in self.states:
+            st.draft_probs = None
+        if not self.rows:
+            return
+        probs = torch.stack(self.probs, dim=1)  # [rows, k, V]
+        for j, r in enumerate(self.rows):
+            st = self.states[r]
+            st.draft_probs = (proposals[st.req_id], probs[j])
