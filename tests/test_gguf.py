@@ -15,6 +15,7 @@ from helpers import engine_model, hf_greedy
 from openinfer import LLM, SamplingParams
 from openinfer.config import ModelConfig
 from openinfer.gguf_file import GGUFError, gguf_config
+from openinfer.layers import dispatch
 
 PROMPTS = [[5, 17, 99, 200, 3], [40, 41, 42], [120, 7, 7, 250, 33, 64, 1, 90]]
 K = dict(hidden=256, intermediate=512)  # K-quant blocks hold 256 weights: rows must be a multiple
@@ -46,11 +47,15 @@ def test_gguf_matches_transformers_on_the_same_weights(case, tmp_path):
     gguf_path, hf_dir = write_gguf(tmp_path, arch, qtype, types, **kw)
     ref = hf_greedy(hf_dir, PROMPTS, 10)
     llm, outs = run(gguf_path)
+    # fp32 activations: transformers' fp32 model up to summation order; int8 activations per 32 columns (the
+    # default where the kernels have VNNI / AVX2, as llama.cpp runs them): their rounding moves these tiny random
+    # models' log-probs by up to ~1e-2 (the same greedy tokens; kernel bounds in test_gguf_q8.py)
+    atol = 3e-2 if dispatch.active().gguf_int8 else 2e-3
     for out, (toks, lps) in zip(outs, ref):
         got = out.outputs[0]
         assert got.token_ids == toks
         ours = [got.logprobs[j][t] for j, t in enumerate(toks)]
-        assert np.allclose(ours, lps, atol=2e-3), (ours, lps)
+        assert np.allclose(ours, lps, atol=atol), (np.abs(np.subtract(ours, lps)).max(), ours, lps)
     # every linear (and the embedding) holds its packed blocks: nothing was dequantised at load
     from openinfer.layers.gguf_quant import GGUFWeight, GGUFWeightParts
     from openinfer.layers.linear import Linear
