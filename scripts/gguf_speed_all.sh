@@ -16,6 +16,7 @@
 #   INPUT_LEN [128]  OUTPUT_LEN [32]  ITERS [1]  OUT [docs/gguf_bench]
 set -euo pipefail
 cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's openinfer in every process bench peers starts
 
 PYTHON=${PYTHON:-/work/main/.venv/bin/python}
 [ -x "$PYTHON" ] || PYTHON=python
