@@ -86,6 +86,9 @@ class KernelConfig:
     amx: bool = True  # AMX tiles in the decode attention kernels where the CPU has them
     fp8_weights: str = "packed"  # packed | dequantize (FP8 block-quantised linears)
     mxfp4_experts: str = "packed"  # packed | dequantize (MXFP4 routed experts)
+    # auto | int8 | fp32: GGUF linears' activations (int8 per 32 columns + integer dots, or fp32; auto: int8 where
+    # the kernel build has a SIMD integer dot product, layers/dispatch.py)
+    gguf_activations: str = "auto"
     cflags: str = ""  # appended to the kernel build's compiler flags
     cache_dir: str | None = None  # the kernel build's cache folder (None: torch's extension cache)
 
@@ -95,6 +98,8 @@ class KernelConfig:
         for name in ("fp8_weights", "mxfp4_experts"):
             if getattr(self, name) not in ("packed", "dequantize"):
                 raise ValueError(f"kernel {name}={getattr(self, name)!r}; choose packed or dequantize")
+        if self.gguf_activations not in ("auto", "int8", "fp32"):
+            raise ValueError(f"kernel gguf_activations={self.gguf_activations!r}; choose auto, int8 or fp32")
 
     @classmethod
     def from_env(cls, backend: str = "auto") -> KernelConfig:
@@ -106,7 +111,7 @@ class KernelConfig:
             backend = "torch"
         return cls(backend=backend, panels=envs.CPU_PANELS, gemv=envs.CPU_GEMV, prepack=envs.CPU_PREPACK,
                    decode_blocks=envs.DECODE_BLOCKS, amx=envs.CPU_AMX, fp8_weights=envs.FP8_WEIGHTS,
-                   mxfp4_experts=envs.MXFP4_EXPERTS, cflags=envs.KERNEL_CFLAGS or "",
+                   mxfp4_experts=envs.MXFP4_EXPERTS, gguf_activations=envs.GGUF_ACTIVATIONS, cflags=envs.KERNEL_CFLAGS or "",
                    cache_dir=envs.KERNEL_CACHE or None)
 
 

@@ -74,6 +74,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "FP8_WEIGHTS": _choice("OPENINFER_FP8_WEIGHTS", "packed", ("packed", "dequantize")),
     # packed | dequantize: MXFP4 routed experts kept packed, or dequantised at load
     "MXFP4_EXPERTS": _choice("OPENINFER_MXFP4_EXPERTS", "packed", ("packed", "dequantize")),
+    # auto | int8 | fp32: GGUF linears' activations quantised to int8 per 32 columns with integer dot products, or
+    # kept fp32 (auto: int8 where the kernel build has a SIMD integer dot product)
+    "GGUF_ACTIVATIONS": _choice("OPENINFER_GGUF_ACTIVATIONS", "auto", ("auto", "int8", "fp32")),
     # -- engine and workers ------------------------------------------------------------------------------------
     # 0 = DeepSeek-V4.1's layers compute every row, also those no later layer reads (to measure the saving)
     "SKIP_UNREAD_ROWS": _flag("OPENINFER_SKIP_UNREAD_ROWS"),
@@ -111,7 +114,7 @@ def variable(name: str) -> str:
 
 
 _KERNEL_SWITCHES = ("CPU_KERNELS", "KERNEL_CFLAGS", "KERNEL_CACHE", "CPU_AMX", "CPU_PANELS", "CPU_GEMV", "CPU_PREPACK",
-                    "DECODE_BLOCKS", "FP8_WEIGHTS", "MXFP4_EXPERTS")
+                    "DECODE_BLOCKS", "FP8_WEIGHTS", "MXFP4_EXPERTS", "GGUF_ACTIVATIONS")
 
 
 def kernel_switches() -> tuple[str | None, ...]:

@@ -7,9 +7,12 @@ sum); larger M as ms per call. Enough copies of each weight are cycled through t
 cache (``--stream-mib`` in all), so every call reads its weight from memory as a model's decode step does.
 ``--compare-int4`` adds the int4 kernel (lowbit_gemm.cpp) with group 32 on the same matrix (what Q4_0 would run
 after repacking); ``--crossover`` times the register-tile kernel against decoded rows + GEMM at each M (the
-GGUF_DEQUANT_ROWS choice).
+GGUF_DEQUANT_ROWS choice). ``--compare-fp32`` times the int8-activation kernel (gguf_q8_gemm.cpp, the default where
+the build has VNNI / AVX2) against the fp32-activation one (gguf_gemm.cpp) on the same weights, alternating calls
+in the same process (``fp32 / int8`` is the speed-up), so a shared host's load moves both alike.
 
     python scripts/gguf_gemm_speed.py --threads 1 --m 1 8 32
+    python scripts/gguf_gemm_speed.py --threads 1 --m 1 4 8 16 --compare-fp32
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from openinfer.layers import gguf_quant  # noqa: E402
+from openinfer.layers import dispatch, gguf_quant  # noqa: E402
 from openinfer.layers.gguf_quant import GGUF_TYPES, GGUFWeight, type_info  # noqa: E402
 from openinfer.layers.quant_linear import QuantizedWeight  # noqa: E402
 
@@ -81,6 +84,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--compare-int4", action="store_true")
     ap.add_argument("--crossover", action="store_true")
+    ap.add_argument("--compare-fp32", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rng = np.random.default_rng(0)
@@ -99,6 +103,20 @@ def main() -> None:
             copies = max(2, (args.stream_mib << 20) // one.numel())
             ws = [GGUFWeight(qtype, one.clone(), (n, k), torch.float32) for _ in range(copies)]
             cols = []
+            if args.compare_fp32:
+                ops = dispatch.active().ops  # builds / loads the kernels
+                code = type_info(qtype)[0]
+                for m in args.m:
+                    x, y = torch.randn(m, k), torch.empty(m, n)
+                    t8, t32 = [], []
+                    for _ in range(args.reps):  # alternating: the same load on both
+                        t8.append(timed(lambda i: ops.gguf_linear_q8(y, x, ws[i].data, code, None), copies, 1))
+                        t32.append(timed(lambda i: ops.gguf_linear(y, x, ws[i].data, code, None), copies, 1))
+                    a, b = statistics.median(t8), statistics.median(t32)
+                    cols.append(f"M={m}: int8 {a * 1e3:.3f} ms ({one.numel() / a / 1e9:.1f} GB/s), fp32 "
+                                f"{b * 1e3:.3f} ms, fp32/int8 {b / a:.2f}x")
+                print(f"{qtype:5} {n}x{k} ({one.numel() / 1e6:6.2f} MB): " + "; ".join(cols), flush=True)
+                continue
             for m in args.m:
                 x = torch.randn(m, k)
                 s = timed(lambda i: ws[i].matmul(x), copies, args.reps)

@@ -189,8 +189,8 @@ def test_llama_block_steps_aside_for_bias_and_qk_norm(kernel_ops, monkeypatch, t
 
 @pytest.mark.parametrize("types,runs_block", [
     ({"ffn_down": "Q8_0"}, True),
-    # Q4_K_M's layer: q / k in Q4_K, v in Q6_K, so the fused projection has two kernels and the layer stays in Python
-    ({"attn_v": "Q6_K", "ffn_down": "Q6_K"}, False),
+    # Q4_K_M's layer: q / k in Q4_K, v in Q6_K, so the fused projection has two kernels (each writes its columns)
+    ({"attn_v": "Q6_K", "ffn_down": "Q6_K"}, True),
 ])
 def test_llama_block_runs_gguf_linears(kernel_ops, monkeypatch, tmp_path, types, runs_block):
     """A GGUF file's Llama layers: the block calls the GGUF kernel on the file's blocks, as GGUFWeight.matmul does;

@@ -41,10 +41,14 @@ CASES = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
-def test_gguf_matches_transformers_on_the_same_weights(case, tmp_path):
+def test_gguf_matches_transformers_on_the_same_weights(case, tmp_path, monkeypatch):
     arch, qtype, types, kw = CASES[case]
     gguf_path, hf_dir = write_gguf(tmp_path, arch, qtype, types, **kw)
     ref = hf_greedy(hf_dir, PROMPTS, 10)
+    # fp32 activations, so the file's weights are checked against transformers' fp32 model to summation order; the
+    # int8-activation kernels (the default on VNNI / AVX2 builds) move these tiny random models' log-probs by up to
+    # ~5e-2 and are checked against their own bounds (test_gguf_q8.py) and on real weights (test_smollm2.py)
+    monkeypatch.setenv("OPENINFER_GGUF_ACTIVATIONS", "fp32")
     llm, outs = run(gguf_path)
     for out, (toks, lps) in zip(outs, ref):
         got = out.outputs[0]

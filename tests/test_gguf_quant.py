@@ -29,6 +29,13 @@ from openinfer.layers.gguf_quant import (GGUF_DEQUANT_ROWS, GGUF_TYPES, GGUFWeig
 from openinfer.layers.linear import Linear
 
 U = 2.0 ** -24
+
+
+@pytest.fixture(autouse=True)
+def _fp32_activations(monkeypatch):
+    """These tests hold the fp32-activation kernel (gguf_gemm.cpp) to fp32 rounding; the int8 one
+    (gguf_q8_gemm.cpp, the default on VNNI / AVX2 builds) has its own bounds in test_gguf_q8.py."""
+    monkeypatch.setenv("OPENINFER_GGUF_ACTIVATIONS", "fp32")
 # the bytes of each format's integers, per block (zeroing them leaves each element at its offset o_g)
 _QUANT_BYTES = {"Q8_0": (2, 34), "Q4_0": (2, 18), "Q4_1": (4, 20), "Q5_0": (2, 22), "Q5_1": (4, 24),
                 "Q4_K": (16, 144), "Q5_K": (16, 176), "Q6_K": (0, 192)}
@@ -195,12 +202,15 @@ def test_linear_load_quantized_takes_gguf_parts(kernel_ops):
     np.testing.assert_allclose(lin(x).double().numpy(), x.double().numpy() @ w.T.astype(np.float64), rtol=1e-4,
                                atol=1e-4)
     assert torch.equal(lin.dense_weight(), torch.from_numpy(w))
-    # a fused weight of two types has no one kernel in the Llama decode block: its layer keeps the Python path
-    assert decode_blocks.layer_linear(lin) is None
+    # a fused weight of two types: the Llama decode block runs each part's kernel into its columns
+    parts_data, table, kind, _ = decode_blocks.layer_linear(lin)
+    assert kind == decode_blocks.LINEAR_KINDS["gguf_parts"]
+    assert [d.data_ptr() for d in parts_data] == [p.data.data_ptr() for p in lin._quant.parts]
+    assert table.tolist() == [[int(gguf.GGMLQuantizationType[t]), n, 0] for t, n in parts]  # 0: fp32 activations
     one = Linear(256, 6, bias=False)
     one.load_quantized(GGUFWeight("Q4_K", torch.from_numpy(datas[0]), (6, 256), torch.float32))
     data, scales, kind, code = decode_blocks.layer_linear(one)
-    assert data is one._quant.data and scales is None and kind == decode_blocks.LINEAR_KINDS["gguf"]
+    assert data is one._quant.data and scales is None and kind == decode_blocks.LINEAR_KINDS["gguf"]  # fp32 here
     assert code == int(gguf.GGMLQuantizationType.Q4_K)
 
 
@@ -222,16 +232,20 @@ def test_bad_input_is_a_value_error():
 
 _VARIANT_CHECK = """
 import sys
+import gguf
 import numpy as np, torch
+from gguf import quants as gq
 from torch.utils import cpp_extension
 sys.path.insert(0, {tests!r})
-cpp_extension.load(name="gguf_variant_" + {march!r}.replace("-", "_"), sources=[{src!r}],
+cpp_extension.load(name="gguf_variant_" + {march!r}.replace("-", "_"), sources={srcs!r},
                    extra_cflags=["-O3", "-march=" + {march!r}, "-fopenmp"], extra_ldflags=["-fopenmp"],
                    build_directory={build!r}, is_python_module=False)
 ops = torch.ops.openinfer_cpu
 import test_gguf_quant as t
+import test_gguf_q8 as t8
 from openinfer.layers import decode_blocks
-from openinfer.layers.gguf_quant import type_info
+from openinfer.layers.gguf_quant import matmul_q8_reference, type_info
+print("integer dot", ops.gguf_int_dot())
 for qt in t.GGUF_TYPES:
     for n, k in t._shapes(qt):
         d = t._blocks(qt, n, k)
@@ -246,6 +260,15 @@ for qt in t.GGUF_TYPES:
             ops.gguf_linear(y, torch.from_numpy(x), torch.from_numpy(d), code, None)
             exact = x.astype(np.float64) @ w.T
             assert (np.abs(y.numpy() - exact) <= t._bound(x, w, o, exact)).all(), (qt, n, k, m)
+            # the int8 path (gguf_q8_gemm.cpp): its integer math to the bit, its fp32 sums within their rounding
+            ops.gguf_linear_q8(y, torch.from_numpy(x), torch.from_numpy(d), code, None)
+            ref = matmul_q8_reference(torch.from_numpy(x), torch.from_numpy(d), qt, k).numpy()
+            assert (np.abs(y.numpy() - ref) <= t8._q8_bound(x, d, qt, k)).all(), ("q8", qt, n, k, m)
+            du = t8._unit_scale_blocks(qt, n, k, seed=m)
+            xi = t8._integer_x(m, k, seed=m)
+            ops.gguf_linear_q8(y, torch.from_numpy(xi), torch.from_numpy(du), code, None)
+            wu = gq.dequantize(du, gguf.GGMLQuantizationType[qt]).astype(np.float64)
+            assert np.array_equal(y.numpy(), xi.astype(np.float64) @ wu.T), ("q8 exact", qt, n, k, m)
 print("variant ok")
 """
 
@@ -253,7 +276,7 @@ print("variant ok")
 @pytest.mark.slow
 @pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])
 def test_gguf_kernel_isa_variants(march, tmp_path):
-    """The kernel built alone (this one source, ~1 min, not the whole extension) for AVX2 without AVX-512
+    """The GGUF kernels built alone (their two sources, ~1-2 min, not the whole extension) for AVX2 without AVX-512
     (x86-64-v3: the AVX2 code CI's other host runs; on an AVX-512 host the native build compiles the same
     intrinsics with AVX-512 enabled) and for plain x86-64 (the portable loop, what non-x86 hosts run), checked as
     above in a subprocess (its ops register under the same names as the main build's)."""
@@ -266,9 +289,12 @@ def test_gguf_kernel_isa_variants(march, tmp_path):
     if march == "x86-64-v3" and "avx512f" not in cpu_info()[1]:
         pytest.skip("no AVX-512 here: the native build is the AVX2 build, which the tests above ran")
     tests = os.path.dirname(os.path.abspath(__file__))
-    src = os.path.join(os.path.dirname(tests), "openinfer", "layers", "cpu_kernels", "gguf_gemm.cpp")
-    code = _VARIANT_CHECK.format(tests=tests, march=march, src=src, build=str(tmp_path))
+    kdir = os.path.join(os.path.dirname(tests), "openinfer", "layers", "cpu_kernels")
+    srcs = [os.path.join(kdir, f) for f in ("gguf_gemm.cpp", "gguf_q8_gemm.cpp")]
+    code = _VARIANT_CHECK.format(tests=tests, march=march, srcs=srcs, build=str(tmp_path))
     env = dict(os.environ, OMP_NUM_THREADS="1")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900,
                        check=False, cwd=os.path.dirname(tests))
     assert r.returncode == 0 and "variant ok" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    # the int8 path's dot product in that build: AVX2 maddubs (x86-64-v3), the portable loop (x86-64)
+    assert f"integer dot {1 if march == 'x86-64-v3' else 0}" in r.stdout, r.stdout[-3000:]

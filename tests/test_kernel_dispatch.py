@@ -40,6 +40,7 @@ def ckpt(tmp_path_factory):
     ("OPENINFER_CPU_AMX", "false", "amx", False),
     ("OPENINFER_FP8_WEIGHTS", "dequantize", "fp8_weights", "dequantize"),
     ("OPENINFER_MXFP4_EXPERTS", "dequantize", "mxfp4_experts", "dequantize"),
+    ("OPENINFER_GGUF_ACTIVATIONS", "fp32", "gguf_activations", "fp32"),
     ("OPENINFER_KERNEL_CFLAGS", "-march=x86-64-v3", "cflags", "-march=x86-64-v3"),
     ("OPENINFER_KERNEL_CACHE", "/tmp/k", "cache_dir", "/tmp/k"),
 ])

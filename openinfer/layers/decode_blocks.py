@@ -8,8 +8,9 @@ Each function returns None when the block cannot take the call, and the module r
 CPU, kernels unavailable or ``OPENINFER_CPU_KERNELS=0``, ``OPENINFER_DECODE_BLOCKS=0``, a step with a prefill in
 it, more than one rank, weights not in the panel layout (native-bf16 oneDNN, MXFP4 / FP8 experts, quantised ones
 other than the Llama block's W4A8 / W8A8 / weight-only int8 / symmetric int4 / GGUF linears (a fused GGUF projection
-of two types excepted), and the weight-only ones from the row count where their Python path decodes to fp32), biases, an fp8 cache (DeepSeek attention) or a cache in
-another dtype than the activations (Llama), Qwen3's q / k norms.
+of two types included: each part's kernel writes its columns), and the weight-only ones from the row count where their
+Python path decodes to fp32), biases, an fp8 cache (DeepSeek attention) or a cache in another dtype than the
+activations (Llama), Qwen3's q / k norms.
 """
 from __future__ import annotations
 
@@ -85,7 +86,7 @@ def moe_block(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None, 
 
 
 # how cpu_kernels/decode_blocks.cpp's layer_linear runs each Llama linear
-LINEAR_KINDS = {"panels": 0, "w4a8": 1, "w8a8": 2, "int8": 3, "int4": 4, "gguf": 5}
+LINEAR_KINDS = {"panels": 0, "w4a8": 1, "w8a8": 2, "int8": 3, "int4": 4, "gguf": 5, "gguf_q8": 6, "gguf_parts": 7}
 
 
 def layer_linear(linear) -> tuple[torch.Tensor, torch.Tensor | None, int, int] | None:
@@ -98,8 +99,14 @@ def layer_linear(linear) -> tuple[torch.Tensor, torch.Tensor | None, int, int] |
         return None if panels is None else (panels, None, LINEAR_KINDS["panels"], 0)
     if linear.bias is not None or getattr(q, "method", None) not in LINEAR_KINDS:
         return None
-    if q.method == "gguf":  # a GGUF file's blocks as they are; a fused weight of mixed types has no one kernel
-        return None if not isinstance(q, GGUFWeight) else (q.data, None, LINEAR_KINDS["gguf"], q.code)
+    if q.method == "gguf":  # a GGUF file's blocks as they are, with the kernel GGUFWeight.matmul picks
+        int8 = dispatch.active().gguf_int8
+        if isinstance(q, GGUFWeight):
+            return q.data, None, LINEAR_KINDS["gguf_q8" if int8 else "gguf"], q.code
+        # a fused weight of mixed types (GGUFWeightParts): its parts' bytes and a table (code, rows, int8) per part;
+        # _llama_layer_weights appends the parts to the layer's weight list and points ``group`` at them
+        table = torch.tensor([[p.code, p.shape[0], int(int8)] for p in q.parts], dtype=torch.int64)
+        return [p.data for p in q.parts], table, LINEAR_KINDS["gguf_parts"], 0
     if q.zero_corr is not None:
         return None
     return q.qweight, q.scales, LINEAR_KINDS[q.method], q.group
@@ -109,7 +116,7 @@ def _max_rows(lins) -> float:
     """The row count from which a step leaves these linears to their Python path: weight-only int8 / int4 switch
     to a decoded GEMM from ``LOWBIT_DEQUANT_ROWS`` rows, which the block does not do (inf: no such linear)."""
     kinds = {v: k for k, v in LINEAR_KINDS.items()}
-    rows = dict(LOWBIT_DEQUANT_ROWS, gguf=GGUF_DEQUANT_ROWS)
+    rows = dict(LOWBIT_DEQUANT_ROWS, gguf=GGUF_DEQUANT_ROWS, gguf_q8=GGUF_DEQUANT_ROWS, gguf_parts=GGUF_DEQUANT_ROWS)
     return min((rows.get(kinds[lin[2]], math.inf) for lin in lins), default=math.inf)
 
 
@@ -124,6 +131,13 @@ def _llama_layer_weights(layer) -> tuple | None:
     if any(p is None for p in lins) or rot.cos.dtype != torch.float32 or norms[0].dtype != norms[1].dtype:
         return None
     weights, scales, kinds, groups = (list(t) for t in zip(*lins))
+    extra: list[torch.Tensor] = []
+    for i, w in enumerate(weights):  # GGUF parts: after the four linears, ``group`` their first index
+        if isinstance(w, list):
+            groups[i] = 4 + len(extra)
+            extra += w
+            weights[i] = w[0]
+    weights += extra
     return (a, norms, weights, scales, kinds, groups, rot.cos, rot.sin, attn.num_heads, attn.num_kv_heads,
             attn.head_dim, rot.rot_dim, float(a.scale), mlp.gate_up_proj.out_features // 2,
             float(layer.input_layernorm.eps), _max_rows(lins))

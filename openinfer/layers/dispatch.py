@@ -39,6 +39,9 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["KernelBuildError", "KernelSelection", "active", "isa_summary", "report", "select", "use"]
 
+# the GGUF int8 kernel's integer dot product per KernelSelection.gguf_int_dot
+_INT_DOTS = {3: "AVX512-VNNI", 2: "AVX-VNNI", 1: "AVX2 maddubs", 0: "portable"}
+
 # Up to this many activation rows a plain fp32 weight runs the gemv kernel (it matches or beats oneDNN up to 8:
 # layers/linear.py's table); bf16 without native bf16 runs it at every M.
 GEMV_MAX_M = 8
@@ -67,6 +70,9 @@ class KernelSelection:
     build: str = ""  # one line for the report: built / cached / not built and why
     build_isa: str = ""  # the kernels' build: "AVX-512" (16 lanes) or "AVX2" (8), "" when not built
     amx: bool = False  # the decode attention kernels run AMX tiles
+    # the GGUF int8 kernel's integer dot product in this build (gguf_q8_gemm.cpp): 3 AVX512-VNNI, 2 AVX-VNNI,
+    # 1 AVX2 maddubs, 0 a portable loop; -1 not built
+    gguf_int_dot: int = -1
     fast_bf16: bool = False  # the CPU has bf16 matrix hardware (oneDNN's AMX / AVX512-BF16 GEMMs)
 
     @property
@@ -101,6 +107,15 @@ class KernelSelection:
         return self.kernels and self.config.decode_blocks
 
     @property
+    def gguf_int8(self) -> bool:
+        """GGUF linears quantise their activations to int8 per 32 columns and run integer dot products
+        (``gguf_q8_gemm.cpp``, llama.cpp's arithmetic) rather than fp32 FMAs on decoded weights: ``int8`` asked
+        for, or ``auto`` where the build has a SIMD integer dot product (VNNI or AVX2; the portable loop is no
+        faster than the fp32 one)."""
+        mode = self.config.gguf_activations
+        return self.kernels and (mode == "int8" or (mode == "auto" and self.gguf_int_dot >= 1))
+
+    @property
     def fp8_packed(self) -> bool:
         return self.config.fp8_weights == "packed"
 
@@ -130,7 +145,9 @@ class KernelSelection:
             ("linear int8 / int4 / w8a8 / w4a8", f"C++ low-bit kernels{isa}" if k else
              "torch reference (dequantised per call)"),
             ("linear GGUF Q4_0/1, Q5_0/1, Q8_0, Q4/5/6_K",
-             f"C++ GGUF block kernels{isa}, packed (prefill: decoded row chunks + GEMM)" if k else
+             (f"C++ GGUF block kernels{isa}, packed, "
+              + (f"int8 activations per 32 columns, {_INT_DOTS.get(self.gguf_int_dot, 'integer')} dots"
+                 if self.gguf_int8 else "fp32 activations") + " (prefill: decoded row chunks + GEMM)") if k else
              "torch reference, packed (dequantised per call)"),
             ("linear fp8 (block)", "dequantised at load (dense path)" if not self.fp8_packed else
              f"C++ fp8 kernel{isa}, packed" if k else "torch reference, packed (dequantised per call)"),
@@ -182,11 +199,12 @@ def select(config: KernelConfig, device: torch.device | str = "cpu") -> KernelSe
     ops = built.ops
     amx = bool(ops.decode_attention_use_amx(config.amx)) and config.amx
     ops.mla_decode_use_amx(config.amx)
+    int_dot = int(ops.gguf_int_dot())
     lanes = int(ops.vector_lanes())
     build_isa = {16: "AVX-512", 8: "AVX2"}.get(lanes, f"{lanes}-lane") if _platform.machine() in (
         "x86_64", "AMD64") else f"{lanes}-lane"
     flags = " ".join(f for f in built.cflags if f.startswith("-m"))
-    return KernelSelection(backend="cpu", ops=ops, build_isa=build_isa, amx=amx,
+    return KernelSelection(backend="cpu", ops=ops, build_isa=build_isa, amx=amx, gguf_int_dot=int_dot,
                            build=f"{built.how}, loaded in {built.seconds:.1f} s ({built.name}, {flags})", **base)
 
 

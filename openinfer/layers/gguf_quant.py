@@ -5,8 +5,11 @@
 files and SmolLM2's Q4_1 hold: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K. It offers ``Linear`` what
 ``QuantizedWeight`` does (``Linear.load_quantized`` takes it as it is): ``matmul``, ``to_dense``, ``nbytes``, ``cat``.
 
-``matmul`` runs ``cpu_kernels/gguf_gemm.cpp`` on the CPU: the blocks decoded in registers, fp32 activations, fp32
-accumulation, so the result is dequantise-then-matmul up to fp32 summation order; from ``GGUF_DEQUANT_ROWS``
+``matmul`` runs ``cpu_kernels/gguf_q8_gemm.cpp`` on the CPU where the kernel selection says int8
+(``KernelSelection.gguf_int8``: the default where the build has VNNI or AVX2): x quantised to int8 per row and
+32 columns, integer dot products with the blocks' integers, as llama.cpp computes (``matmul_q8_reference`` below is
+its arithmetic in torch). Otherwise ``cpu_kernels/gguf_gemm.cpp``: the blocks decoded in registers, fp32 activations,
+fp32 accumulation, so the result is dequantise-then-matmul up to fp32 summation order. From ``GGUF_DEQUANT_ROWS``
 activation rows on (prefill) row chunks are decoded to fp32 by the kernel and multiplied by torch's GEMM
 (``quant_linear.decoded_matmul``). Where the kernels are off (torch backend, no compiler, a GPU tensor) the torch
 reference below decodes the blocks with torch ops (any device) and multiplies in fp32. Both decoders give
@@ -30,7 +33,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from openinfer.layers import cpu_ops
+from openinfer.layers import cpu_ops, dispatch
 from openinfer.layers.quant_linear import decoded_matmul
 
 GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
@@ -107,7 +110,9 @@ class GGUFWeight:
             self._decode_into(out, data)
         return out
 
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None, fp32_activations: bool = False) -> torch.Tensor:
+        """x W^T + bias; ``fp32_activations`` keeps x in fp32 where the selection would quantise it to int8 (the
+        logits head: ``ParallelLMHead``)."""
         n, k = self.shape
         x2 = x.reshape(-1, k)
         ops = cpu_ops.ops_for(x2, self.data)
@@ -122,7 +127,8 @@ class GGUFWeight:
                 y += b
         else:
             y = torch.empty(xf.shape[0], n, dtype=torch.float32)
-            ops.gguf_linear(y, xf, self.data, self.code, b)
+            int8 = not fp32_activations and dispatch.active().gguf_int8
+            (ops.gguf_linear_q8 if int8 else ops.gguf_linear)(y, xf, self.data, self.code, b)
         return y.to(x.dtype).reshape(*x.shape[:-1], n)
 
     @classmethod
@@ -183,8 +189,8 @@ class GGUFWeightParts:
             start += p.shape[0]
         return out
 
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        y = torch.cat([p.matmul(x, None) for p in self.parts], dim=-1)
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None, fp32_activations: bool = False) -> torch.Tensor:
+        y = torch.cat([p.matmul(x, None, fp32_activations) for p in self.parts], dim=-1)
         return y if bias is None else y + bias.to(y.dtype)
 
     @classmethod
@@ -221,9 +227,11 @@ def _scale_min_k4(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, mn
 
 
-def dequantize_reference(data: torch.Tensor, qtype: str, k: int) -> torch.Tensor:
-    """fp32 ``[N, k]`` from GGUF rows ``data`` (uint8 ``[N, row_bytes]``) in torch ops, on data's device: w = q * s + o
-    per group, gguf.quants.dequantize's values to the bit (the module docstring says why)."""
+def decode_reference(data: torch.Tensor, qtype: str, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """GGUF rows ``data`` (uint8 ``[N, row_bytes]``) taken apart in torch ops, on data's device: ``(q, s, o)`` with
+    q int32 ``[N, blocks, groups, group size]`` (the integers, a _0 type's or Q6_K's offset taken off), s fp32
+    ``[N, blocks, groups]`` the group scales, o the group mins in s's shape (None for the types without one); the
+    weight is w = q * s + o per group."""
     _, block, size = type_info(qtype)
     n = data.shape[0]
     b = data.reshape(n, k // block, size)
@@ -257,7 +265,45 @@ def dequantize_reference(data: torch.Tensor, qtype: str, k: int) -> torch.Tensor
         s, o = _f16(b[..., 208:210])[..., None] * b[..., 192:208].view(torch.int8).float(), None
     else:
         raise ValueError(f"GGUF tensor type {qtype!r} has no reference decoder")
+    return q.expand(*s.shape, q.shape[-1]), s, o
+
+
+def dequantize_reference(data: torch.Tensor, qtype: str, k: int) -> torch.Tensor:
+    """fp32 ``[N, k]`` from GGUF rows ``data`` in torch ops, on data's device: w = q * s + o per group,
+    gguf.quants.dequantize's values to the bit (the module docstring says why)."""
+    q, s, o = decode_reference(data, qtype, k)
     w = q.float() * s[..., None]
     if o is not None:
         w = w + o[..., None]
-    return w.reshape(n, k)
+    return w.reshape(data.shape[0], k)
+
+
+def quantize_activations_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x ``[M, K]`` (K a multiple of 32) as the int8 kernel quantises it, per row and 32-column block:
+    ``(q int8 [M, K], d fp32 [M, K / 32])`` with d = max |x| / 127 and q = round_half_even(x * (1 / d)) (0 where
+    a block is all zeros) -- the same fp32 operations as ``gguf_q8_gemm.cpp``, so the same integers."""
+    xb = x.float().reshape(x.shape[0], -1, 32)
+    d = xb.abs().amax(-1) / 127.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(xb * inv[..., None]).clamp_(-127, 127).to(torch.int8)
+    return q.reshape(x.shape), d
+
+
+def matmul_q8_reference(x: torch.Tensor, data: torch.Tensor, qtype: str, k: int) -> torch.Tensor:
+    """The int8 path's arithmetic in torch, float64 ``[M, N]``: x quantised as ``quantize_activations_q8``, per group
+    the exact integer dot of the weight's integers with x's, times the group scale and x's block scale, plus each
+    group's min times the block's sum of x: y = Σ_g s_g d_x Σ q_w q_x + Σ_g o_g Σ x. The kernel computes the same
+    integers and rounds only its fp32 sums of these terms."""
+    qx, dx = quantize_activations_q8(x)
+    q, s, o = decode_reference(data, qtype, k)
+    n, gs = q.shape[0], q.shape[-1]
+    qw = q.reshape(n, -1, gs).to(torch.int64)  # [N, K / gs, gs]
+    xg = qx.reshape(x.shape[0], -1, gs).to(torch.int64)  # [M, K / gs, gs]
+    dots = torch.einsum("mgi,ngi->mng", xg, qw)  # exact
+    per = 32 // gs  # scale groups per 32-column activation block
+    dxg = dx.double().repeat_interleave(per, dim=1)  # [M, K / gs]
+    y = (dots.double() * s.reshape(n, -1).double()[None] * dxg[:, None]).sum(-1)
+    if o is not None:  # the min terms, with x's own sum per group
+        xsum = x.double().reshape(x.shape[0], -1, gs).sum(-1)
+        y = y + xsum @ o.reshape(n, -1).double().T
+    return y

@@ -83,7 +83,14 @@ class ParallelLMHead(CheckpointLinear):
         self.weight = embedding.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.matmul(hidden, None)
+        if getattr(self._quant, "method", None) == "gguf":
+            # The logits keep fp32 activations where GGUF linears quantise theirs to int8 (as int8 schemes leave
+            # lm_head out: bitsandbytes' LLM.int8, GPTQ / AWQ): the greedy pick is read off these values, and
+            # rounding both the last layers' and the head's inputs flipped SmolLM2's near-tied first token of
+            # "What is the capital of France?" (0.09 apart) to llama.cpp's "L'Étoile, ..." (docs/gguf_kernels.md)
+            logits = self._quant.matmul(hidden, None, fp32_activations=True)
+        else:
+            logits = self.matmul(hidden, None)
         if self.tp.world_size == 1:
             return logits
         return self.tp.all_gather(logits, dim=-1)[..., :self.vocab_size]

@@ -117,21 +117,55 @@ at::Tensor moe_block(const at::Tensor& x, const at::Tensor& gate_w, const c10::o
 // scales, group the int4 / w4a8 group; QuantizedWeight.matmul: x widened to fp32 and zero-padded to the packed width,
 // the kernel's fp32 result back in x's dtype). Kinds 3 / 4 only below their decoded-GEMM row count: the caller
 // (layers/decode_blocks.py) keeps the Python path for larger steps.
-enum LinearKind : int64_t { kPanels = 0, kW4A8 = 1, kW8A8 = 2, kInt8 = 3, kInt4 = 4, kGGUF = 5 };
+// 5 / 6 a GGUF weight (w its block bytes, group its GGML type code; 6 with int8 activations), 7 a fused GGUF weight
+// whose row blocks have different types (GGUFWeightParts: Q4_K_M's q / k in Q4_K, v in Q6_K): its parts are
+// weights[group ..] of the layer's list, scales an int64 [parts, 3] table of (type code, rows, int8 activations),
+// each part's output written into its columns (GGUFWeightParts.matmul's concatenation).
+enum LinearKind : int64_t {
+  kPanels = 0, kW4A8 = 1, kW8A8 = 2, kInt8 = 3, kInt4 = 4, kGGUF = 5, kGGUFQ8 = 6, kGGUFParts = 7
+};
 
 at::Tensor layer_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& scales,
-                        int64_t kind, int64_t group, int64_t n) {
+                        int64_t kind, int64_t group, int64_t n, at::TensorList all) {
   if (kind == kPanels) return oi::panel_linear(x, w, n, c10::nullopt);
   at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
   at::Tensor y = at::empty({x.size(0), n}, x.options().dtype(at::kFloat));
-  if (kind == kGGUF) {  // the file's block bytes [n, row bytes]; ``group`` carries the GGML type code
+  if (kind == kGGUFParts) {
+    TORCH_CHECK(scales.has_value() && scales->dim() == 2 && scales->size(1) == 3 && scales->scalar_type() == at::kLong,
+                "llama_decode_layer: a GGUF parts linear needs an int64 [parts, 3] table");
+    const at::Tensor tab = scales->contiguous();
+    const int64_t* t = tab.data_ptr<int64_t>();
+    const int64_t parts = tab.size(0);
+    TORCH_CHECK(group >= 0 && group + parts <= static_cast<int64_t>(all.size()),
+                "llama_decode_layer: a GGUF parts linear's parts are missing from the weights");
+    xf = xf.contiguous();
+    int64_t col = 0;
+    for (int64_t p = 0; p < parts; ++p) {
+      const int64_t rows = t[3 * p + 1];
+      const at::Tensor& wp = all[group + p];
+      TORCH_CHECK(wp.size(0) == rows && col + rows <= n, "llama_decode_layer: a GGUF part's rows disagree");
+      at::Tensor yp = at::empty({x.size(0), rows}, y.options());
+      if (t[3 * p + 2])
+        oi::gguf_gemm_q8(yp, xf, wp, t[3 * p]);
+      else
+        oi::gguf_gemm(yp, xf, wp, t[3 * p]);
+      y.narrow(1, col, rows).copy_(yp);
+      col += rows;
+    }
+    TORCH_CHECK(col == n, "llama_decode_layer: a GGUF parts linear's rows do not add up to its width");
+    return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
+  }
+  if (kind == kGGUF || kind == kGGUFQ8) {  // the file's block bytes [n, row bytes]; ``group``: the GGML type code
     TORCH_CHECK(w.size(0) == n, "llama_decode_layer: a GGUF linear's data must have n rows");
-    oi::gguf_gemm(y, xf.contiguous(), w, group);
+    if (kind == kGGUF)
+      oi::gguf_gemm(y, xf.contiguous(), w, group);
+    else  // activations as int8 per 32 columns (KernelSelection.gguf_int8)
+      oi::gguf_gemm_q8(y, xf.contiguous(), w, group);
     return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
   }
   TORCH_CHECK(kind >= kW4A8 && kind <= kInt4 && scales.has_value() && scales->size(0) == n,
-              "llama_decode_layer: a linear is kind 0 (panels), 1 (w4a8), 2 (w8a8), 3 (int8), 4 (int4) or 5 "
-              "(GGUF), quantised ones 1-4 with scales [n, ...]");
+              "llama_decode_layer: a linear is kind 0 (panels), 1 (w4a8), 2 (w8a8), 3 (int8), 4 (int4), 5 "
+              "(GGUF) or 6 (GGUF, int8 activations), quantised ones 1-4 with scales [n, ...]");
   if (kind == kW4A8 || kind == kInt4) {  // packed two per byte, K padded
     const int64_t kp = w.size(1) * 2;
     if (kp != xf.size(1)) xf = at::constant_pad_nd(xf, {0, kp - xf.size(1)});
@@ -149,7 +183,8 @@ at::Tensor layer_linear(const at::Tensor& x, const at::Tensor& w, const c10::opt
 // models/llama.py's LlamaDecoderLayer.forward for a step of decodes: x [T, hidden] the previous layer's MLP output
 // (or the embeddings, with residual undefined: then x itself becomes the residual, as in the Python path), both
 // updated in place like add_rms_norm_ does there. Returns the MLP's output; the residual is the tensor the caller
-// holds. weights / scales / kinds / groups: the four linears (qkv, o, gate_up, down) as layer_linear takes them;
+// holds. weights / scales / kinds / groups: the four linears (qkv, o, gate_up, down) as layer_linear takes them
+// (weights past the fourth: the parts of kind-7 linears);
 // cos / sin the rotary tables [max_pos, rot_dim / 2].
 at::Tensor llama_decode_layer(at::Tensor x, const c10::optional<at::Tensor>& residual, const at::Tensor& in_norm,
                               at::TensorList weights, const c10::List<c10::optional<at::Tensor>>& scales,
@@ -160,13 +195,13 @@ at::Tensor llama_decode_layer(at::Tensor x, const c10::optional<at::Tensor>& res
                               int64_t rot_dim, double scale, const at::Tensor& post_norm, int64_t inter, double eps) {
   TORCH_CHECK(x.dim() == 2 && k_cache.dim() == 4 && k_cache.scalar_type() == x.scalar_type(),
               "llama_decode_layer: x must be [T, hidden] and the caches [blocks, block_size, Hk, D] in x's dtype");
-  TORCH_CHECK(weights.size() == 4 && scales.size() == 4 && kinds.size() == 4 && groups.size() == 4,
-              "llama_decode_layer: four linears (qkv, o, gate_up, down)");
+  TORCH_CHECK(weights.size() >= 4 && scales.size() == 4 && kinds.size() == 4 && groups.size() == 4,
+              "llama_decode_layer: four linears (qkv, o, gate_up, down), then any GGUF parts");
   const int64_t T = x.size(0), hidden = x.size(1);
   const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim;
   const int64_t widths[4] = {q_size + 2 * kv_size, hidden, 2 * inter, hidden};
   auto linear = [&](int i, const at::Tensor& in) {
-    return layer_linear(in, weights[i], scales.get(i), kinds[i], groups[i], widths[i]);
+    return layer_linear(in, weights[i], scales.get(i), kinds[i], groups[i], widths[i], weights);
   };
   // input_layernorm: RMSNorm(x) into a new tensor for the first layer, else the fused residual add in place
   at::Tensor h, res;

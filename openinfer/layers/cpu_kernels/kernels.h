@@ -49,4 +49,6 @@ void moe_experts_panels(at::Tensor out, const at::Tensor& rows, const at::Tensor
 
 // y [M, N] = x [M, K] fp32 . W^T, W a GGUF block-quantized matrix (rows of the file's bytes; gguf_gemm.cpp)
 void gguf_gemm(at::Tensor y, const at::Tensor& x, const at::Tensor& data, int64_t qtype);
+// the same with x quantised to int8 per 32 columns and integer dot products (gguf_q8_gemm.cpp)
+void gguf_gemm_q8(at::Tensor y, const at::Tensor& x, const at::Tensor& data, int64_t qtype);
 }  // namespace oi
