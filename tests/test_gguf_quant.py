@@ -286,8 +286,8 @@ def test_gguf_kernel_isa_variants(march, tmp_path):
 
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("x86 only")
-    if march == "x86-64-v3" and "avx512f" not in cpu_info()[1]:
-        pytest.skip("no AVX-512 here: the native build is the AVX2 build, which the tests above ran")
+    if march == "x86-64-v3" and not {"avx512f", "avx_vnni"} & cpu_info()[1]:
+        pytest.skip("no AVX-512 or AVX-VNNI here: the native build is the x86-64-v3 build, which the tests above ran")
     tests = os.path.dirname(os.path.abspath(__file__))
     kdir = os.path.join(os.path.dirname(tests), "openinfer", "layers", "cpu_kernels")
     srcs = [os.path.join(kdir, f) for f in ("gguf_gemm.cpp", "gguf_q8_gemm.cpp")]
