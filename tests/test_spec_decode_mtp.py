@@ -93,11 +93,8 @@ def reference_drafts(path: Path, tokens: list[int], k: int) -> list[int]:
     return drafts
 
 
-def test_engine_drafts_equal_a_whole_sequence_recompute(v3):
-    path, prompts, _ = v3
-    llm = LLM(str(path), dtype="float32", kv_cache_memory_gb=0.05, max_num_batched_tokens=16,
-              speculative_config=mtp(3))
-    proposer = llm.engine.core.executor.driver_worker.model_runner.proposer
+def record_drafts(proposer) -> list[tuple[list[int], list[int]]]:
+    """(the request's tokens, the drafts proposed after them) for every draft the proposer makes from now on."""
     seen: list[tuple[list[int], list[int]]] = []
     propose = proposer.propose
 
@@ -107,6 +104,15 @@ def test_engine_drafts_equal_a_whole_sequence_recompute(v3):
         return out
 
     proposer.propose = spy
+    return seen
+
+
+def test_engine_drafts_equal_a_whole_sequence_recompute(v3):
+    path, prompts, _ = v3
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_gb=0.05, max_num_batched_tokens=16,
+              speculative_config=mtp(3))
+    proposer = llm.engine.core.executor.driver_worker.model_runner.proposer
+    seen = record_drafts(proposer)
     greedy(llm, prompts[:4])
     assert len(seen) > 20
     for tokens, drafts in seen[::7]:  # after prefills, chunked prefills and verified steps alike
@@ -121,15 +127,7 @@ def test_drafts_after_a_prompt_chunked_alone(v3):
     llm = LLM(str(path), dtype="float32", kv_cache_memory_gb=0.05, max_num_batched_tokens=16,
               speculative_config=mtp(2))
     proposer = llm.engine.core.executor.driver_worker.model_runner.proposer
-    seen: list[tuple[list[int], list[int]]] = []
-    propose = proposer.propose
-
-    def spy(step):
-        out = propose(step)
-        seen.extend((list(r.state.token_ids), out[r.state.req_id]) for r in step.sampled if r.state.req_id in out)
-        return out
-
-    proposer.propose = spy
+    seen = record_drafts(proposer)
     greedy(llm, [prompts[4]])  # 64 tokens: three chunks that sample nothing, then the fourth
     tokens, drafts = seen[0]
     assert len(tokens) == len(prompts[4]) + 1
