@@ -71,7 +71,8 @@ def _record_drafts(llm) -> list:
 
     def recording(step):
         drafts = propose(step)
-        seen.append(sorted(drafts.values()))
+        if step.sampled:  # the steps that sample (a prompt's other chunks only catch the drafter up)
+            seen.append(sorted(drafts.values()))
         return drafts
 
     proposer.propose = recording

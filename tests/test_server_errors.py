@@ -115,7 +115,7 @@ CASES = [
         "image-part",
         _chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
         400,
-        "only text content parts",
+        "takes no image input",
         None,
     ),
     ("logit-bias-range", _cmpl(logit_bias={"5": 500}), 400, "logit_bias must be", "logit_bias"),

@@ -35,6 +35,10 @@ def supported_architectures() -> list[str]:
     return sorted(_MODELS)
 
 
+# The architectures whose vision tower openinfer builds (deepseek_v41/vision.py): images are placed for these only.
+IMAGE_ARCHITECTURES = frozenset({"DeepseekV41ForCausalLM"})
+
+
 def resolve_model_class(architecture: str) -> type[CausalLM]:
     if architecture not in _MODELS:
         raise ValueError(

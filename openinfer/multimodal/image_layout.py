@@ -17,10 +17,6 @@ import math
 from dataclasses import dataclass
 
 
-# The architectures whose vision tower openinfer builds (models/deepseek_v41/vision.py).
-IMAGE_ARCHITECTURES = ("DeepseekV41ForCausalLM",)
-
-
 class TokenType(enum.IntEnum):
     """DeepInfer's ``multimodal_tokens.TokenType`` values (its wire format), for the positions of one image."""
 
@@ -45,6 +41,8 @@ class VisionGeometry:
     def takes_images(hf_config: dict) -> bool:
         """A checkpoint whose images openinfer can place: DeepSeek-V4.1 with its vision_config (another model's
         vision_config describes a tower openinfer does not build)."""
+        from openinfer.models.registry import IMAGE_ARCHITECTURES  # the models package knows its classes
+
         archs = hf_config.get("architectures") or [""]
         return archs[0] in IMAGE_ARCHITECTURES and isinstance(hf_config.get("vision_config"), dict)
 
