@@ -120,15 +120,23 @@ def openinfer_run(gguf: str, backend: str, prompts: list[list[int]], chunks: lis
     res = {"sequences": [list(o.outputs[0].token_ids) for o in outs], "top2_gaps": gaps,
            "generate_s": time.perf_counter() - t0}
     if chunks:
-        outs = llm.generate([{"prompt_token_ids": c} for c in chunks],
-                            SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-        nll, n = 0.0, 0
-        for c, o in zip(chunks, outs):
-            for i in range(len(c) // 2, len(c)):
-                nll -= o.prompt_logprobs[i][c[i]]
-                n += 1
-        res["nll"], res["scored"] = nll, n
+        res["nll"], res["scored"] = scored_nll(llm, chunks)
     return res
+
+
+def scored_nll(llm, chunks: list[list[int]]) -> tuple[float, int]:
+    """(summed negative log-likelihood, tokens scored) of each chunk's second half given what precedes it: the
+    perplexity protocol both engines are held to here."""
+    from openinfer import SamplingParams
+
+    outs = llm.generate([{"prompt_token_ids": c} for c in chunks],
+                        SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    nll, n = 0.0, 0
+    for c, o in zip(chunks, outs):
+        for i in range(len(c) // 2, len(c)):
+            nll -= o.prompt_logprobs[i][c[i]]
+            n += 1
+    return nll, n
 
 
 def transformers_run(gguf: str, prompts: list[list[int]], max_tokens: int, eos: list[int]) -> list[list[int]]:

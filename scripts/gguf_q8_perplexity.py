@@ -35,7 +35,8 @@ def main() -> None:
     args = ap.parse_args()
     os.environ["OPENINFER_GGUF_ACTIVATIONS"] = args.activations  # read by KernelConfig.from_env via envs.py
 
-    from openinfer import LLM, SamplingParams
+    from gguf_accuracy import scored_nll  # the same perplexity protocol as the llama.cpp comparison
+    from openinfer import LLM
     from openinfer.assets_path import smollm2_path
     from openinfer.layers import gguf_quant
     from openinfer.tokenizer import load_tokenizer
@@ -49,13 +50,7 @@ def main() -> None:
     gguf_quant.GGUF_DEQUANT_ROWS = 1 << 30  # every step's rows through the register-tile kernels
     llm = LLM(model=gguf, dtype="float32", max_model_len=1024, max_num_seqs=8)
     t0 = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": c} for c in chunks],
-                        SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-    nll, n = 0.0, 0
-    for c, o in zip(chunks, outs):
-        for i in range(len(c) // 2, len(c)):
-            nll -= o.prompt_logprobs[i][c[i]]
-            n += 1
+    nll, n = scored_nll(llm, chunks)
     ppl = math.exp(nll / n)
     res = {"gguf": Path(gguf).name, "activations": args.activations, "chunks": len(chunks), "scored_tokens": n,
            "perplexity": ppl, "seconds": time.perf_counter() - t0, "command": " ".join(sys.argv)}
