@@ -51,7 +51,10 @@ def stepping(prod):
         yield
     finally:
         stop.set()
-        t.join(30)
+        t.join(60)
+        # Still stepping: going on would drive the producer from two threads at once (its executor's socket is
+        # not thread-safe), which hangs instead of failing.
+        assert not t.is_alive(), "the producer's step did not return within 60 s"
 
 
 def drain_and_check_free(prod, cons):
