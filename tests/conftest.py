@@ -6,6 +6,9 @@ import pytest
 
 # Tests share 2 cores; one intra-op thread per process avoids oversubscription stalls.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Ray reads this once, when first imported: 0 keeps a local Ray node (and the actors it starts) on loopback. Set
+# before any test module can import ray; tests/test_ray_executor.py relies on it.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 sys.path.insert(0, str(Path(__file__).parent))
 
 

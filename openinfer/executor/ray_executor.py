@@ -34,12 +34,22 @@ def _stop_actors(actors: list, placement_group) -> None:
         pass
 
 
-class RayExecutor(MultiprocExecutor):
-    bind_host = "0.0.0.0"  # actors on other machines connect back here
+def _ensure_ray() -> None:
+    import ray
 
-    def _rpc_host(self) -> str:
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS"))  # a running cluster if there is one, else local
+
+
+class RayExecutor(MultiprocExecutor):
+    @property
+    def bind_host(self) -> str:
+        """The address this node has in the Ray cluster, where every actor (on any node) connects back: not
+        0.0.0.0, so a cluster kept on loopback (``ray start --node-ip-address 127.0.0.1``, or
+        ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``) never listens on an external interface."""
         import ray
 
+        _ensure_ray()
         return ray.util.get_node_ip_address()
 
     def _start_workers(self, config_json: str, rpc_address: str) -> None:
@@ -49,8 +59,7 @@ class RayExecutor(MultiprocExecutor):
 
         from openinfer.worker.ray_worker import RayWorkerHost
 
-        if not ray.is_initialized():
-            ray.init(address=os.environ.get("RAY_ADDRESS"))  # a running cluster if there is one, else local
+        _ensure_ray()
         world = len(self._ids)
         gpu = self.config.model.device.type == "cuda"
         bundle = {"CPU": 1, "GPU": 1} if gpu else {"CPU": 1}
