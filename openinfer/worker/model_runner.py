@@ -140,9 +140,14 @@ class ModelRunner:
     @torch.inference_mode()
     def profile_run(self) -> None:
         """One forward at max_num_batched_tokens against a throwaway cache, so the activation peak is paid (and,
-        on CUDA, reserved) before free memory is measured."""
+        on CUDA, reserved) before free memory is measured. On a CPU the KV budget holds half of free memory back
+        instead of measuring a peak (``Worker.determine_kv_budget``), so the warm-up only has to run every kernel
+        once: at max(16, max_num_seqs) tokens, as vLLM's CPU runner does. At the full budget it cost SmolLM2 (8k
+        context -> 8192 tokens) ~70 s of one core at every start, most of the README's first command."""
         sc = self.config.scheduler
         n = min(sc.max_num_batched_tokens, self.config.model.max_model_len)
+        if self.device.type == "cpu":
+            n = min(n, max(16, sc.max_num_seqs))
         specs = self.kv_cache_spec()
         slots = n + sc.num_lookahead_tokens  # as the scheduler allocates: a drafting proposer writes past the tokens
         blocks = {s.name: blocks_for_tokens(slots, s.tokens_per_block(self.block_size)) for s in specs}
