@@ -5,8 +5,10 @@ Why the write starts only once the prompt is done: vllm-router's PD mode (and vL
 its request only after the prefill answer is back - the decoder cannot allocate, let alone register, blocks while
 the prefill runs. So the decoder registers over the side channel when its request arrives, and the producer writes
 the whole held prompt in one transfer. The producer serves only requests it holds (the block ids come from its own
-scheduler, never from the message), at most once each; the held blocks go back to its pool when the write is
-over, however it ended.
+scheduler, never from the message), for as many decoder ranks as register for it (one at the same
+tensor_parallel_size; across sizes each takes its slice of the heads, tp_slices.py); the held blocks go back to its
+pool once every registrant's write is over, however it ended. A decoder that refuses the prompt outright sends a
+release instead (side_channel.ReleaseRequest): it is freed at once.
 
 A write that errors, is refused (unknown request, another layout) or outlives ``load_timeout_s`` is reported to
 the decoder with a failure notification - sent only once the transfer is confirmed over (done, errored, or

@@ -16,9 +16,10 @@ Push loads: the registration goes out on the handshake thread; then the load wai
 within twice ``load_timeout_s`` (the producer gives up its write after one) fails it too.
 
 One of these runs on every rank of an instance (ranks.py), over that rank's stores: its agent is named after its
-replica and tensor-parallel rank, and it pairs with the other side's ranks as ``_pairing`` says (rank i with rank i;
-across sizes, where every rank holds the whole KV, rank i reads rank i mod P and tells the producer ranks nobody
-reads). Handshakes are per producer rank.
+replica and tensor-parallel rank, and it pairs with the other side's ranks as ``_pairing`` says (rank i with rank i
+at the same tensor_parallel_size; across sizes, tp_slices.py: a split store's head slices from the producer ranks
+holding them - one READ, or one push registration, per producer rank - and a whole store from rank i mod P).
+Handshakes are per producer rank.
 
 Everything here runs on the engine's thread (the worker process's), between steps, except the handshakes and push
 registrations (ZeroMQ only) and the side channel's listener.
