@@ -236,10 +236,7 @@ class EngineArgs:
                     if speculative.confidence_token_cost is not None:
                         raise ValueError("speculative_config.confidence_token_cost needs the DSpark confidence "
                                          f"head (DeepSeek-V4.1); {model.architecture} has none")
-                elif self.kv_transfer_config is not None:  # its context keys over the connector: not tested yet
-                    raise ValueError(f"speculative_config.method='mtp' (DSpark on {model.architecture}) with "
-                                     "kv_transfer_config is not supported yet; run the decode instance with n-gram "
-                                     "or without speculative_config")
+                # With kv_transfer_config its context keys (the dspark.window group) travel with the target's KV.
                 elif parallel.lockstep:  # its block forward has no dummy step for idle replicas yet
                     raise ValueError(f"speculative_config.method='mtp' (DSpark on {model.architecture}) with "
                                      f"enable_expert_parallel and data_parallel_size={parallel.data_parallel_size} "

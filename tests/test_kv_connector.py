@@ -286,41 +286,117 @@ def test_a_replicas_ranks_reports_combine_once_every_rank_spoke():
     assert KVOutputAggregator(1).merge([lone]) is lone
 
 
-@pytest.mark.parametrize("p, d, want", [
-    (2, 2, [(0, [0], 1), (1, [1], 1)]),  # the same size: rank i <-> rank i
-    (2, 1, [(0, [0, 1], 1)]),  # prefill TP 2 -> decode TP 1: read rank 0, tell rank 1
-    (1, 2, [(0, [0], 2), (0, [0], 2)]),  # TP 1 -> TP 2: both read rank 0, which waits for two notices
-    (4, 2, [(0, [0, 2], 1), (1, [1, 3], 1)]),
+@pytest.mark.parametrize("p, d, split, want", [
+    (2, 2, False, [([0], [0], 1), ([1], [1], 1)]),  # the same size: rank i <-> rank i
+    (2, 1, False, [([0], [0, 1], 1)]),  # whole stores, prefill TP 2 -> decode TP 1: read rank 0, tell rank 1
+    (1, 2, False, [([0], [0], 2), ([0], [0], 2)]),  # TP 1 -> TP 2: both read rank 0, which waits for two notices
+    (4, 2, False, [([0], [0, 2], 1), ([1], [1, 3], 1)]),
+    (2, 1, True, [([0, 1], [0, 1], 1)]),  # split heads: the one decoder rank gathers both halves
+    (1, 2, True, [([0], [0], 2), ([0], [0], 2)]),  # each takes its half of the one producer rank's rows
+    (4, 2, True, [([0, 1], [0, 1], 1), ([2, 3], [2, 3], 1)]),
 ])
-def test_which_producer_rank_each_decoder_rank_reads_and_tells(p, d, want):
+def test_which_producer_ranks_each_decoder_rank_reads_and_tells(p, d, split, want):
     from types import SimpleNamespace
 
     from openinfer.distributed.kv_transfer.nixl_worker import NixlConnectorWorker
+    from openinfer.distributed.kv_transfer.side_channel import StoreLayout
     from openinfer.step_io import KVLoad
 
     spec = KVLoad("r", [[0]], [[0]], "prod", "p-1", "127.0.0.1", 1, remote_ports=list(range(p)) if p > 1 else [])
-    got = [NixlConnectorWorker._pairing(SimpleNamespace(tp_size=d, tp_rank=i), spec) for i in range(d)]
+    layout = [[StoreLayout(0, 64, 8, 4 if split else 0)]]
+    got = [NixlConnectorWorker._pairing(SimpleNamespace(tp_size=d, tp_rank=i, layout=layout), spec) for i in range(d)]
     assert got == want
 
 
-def test_another_tp_size_is_moved_only_where_every_rank_holds_the_whole_kv():
+def _heads_cache(ranks: int, rank: int, base: int, heads: int = 4, rows: int = 2, blocks: int = 3):
+    """A split store's layout and its bytes: block b, row t, head h (of all heads) is the byte 100 b + 10 t + h."""
+    from openinfer.distributed.kv_transfer.side_channel import StoreLayout
+
+    mine = range(rank * heads // ranks, (rank + 1) * heads // ranks)
+    data = bytes(100 * b + 10 * t + h for b in range(blocks) for t in range(rows) for h in mine)
+    return StoreLayout(base, rows * len(mine), blocks, rows), data
+
+
+@pytest.mark.parametrize("p, d", [(2, 1), (1, 2), (4, 2), (2, 4), (2, 2), (1, 1)])
+def test_split_heads_move_to_whatever_tensor_parallel_size(p, d):
+    """Every decoder rank ends up with exactly its heads of every row of the blocks it names, gathered from the
+    producer ranks holding them (one byte a head here), whatever the two sizes."""
+    from openinfer.distributed.kv_transfer.tp_slices import answers_for, sources, stores_fit, transfer_descs
+
+    prod = [_heads_cache(p, r, 10_000 * (r + 1)) for r in range(p)]
+    src_ids, dst_ids = [[2, 0, -1]], [[1, 2, 0]]  # producer block 2 -> decoder block 1, 0 -> 2, nothing into 0
+    for i in range(d):
+        layout, want_all = _heads_cache(d, i, 500_000)
+        got = bytearray(len(want_all))
+        assert stores_fit([[prod[0][0]]], p, [[layout]], d)
+        for r in sources(p, d, i, True):
+            s_layout, s_data = prod[r]
+            for (sa, n, _), (da, m, _) in zip(*transfer_descs(src_ids, dst_ids, [[s_layout]], r, p, [[layout]], i, d)):
+                assert n == m
+                got[da - layout.base_addr:da - layout.base_addr + n] = s_data[sa - s_layout.base_addr:
+                                                                              sa - s_layout.base_addr + n]
+        assert set(answers_for(p, d, i, True)) == set(sources(p, d, i, True))
+        bb = layout.block_bytes
+        for sb, db in ((2, 1), (0, 2)):
+            assert bytes(got[db * bb:(db + 1) * bb]) == want_all[sb * bb:(sb + 1) * bb]
+        assert not any(got[:bb])  # block 0 was not named
+
+
+def test_stores_that_do_not_split_over_both_sizes_do_not_fit():
+    from openinfer.distributed.kv_transfer.nixl_push import layout_mismatch
+    from openinfer.distributed.kv_transfer.side_channel import StoreLayout
+
+    # Two KV heads of 8 bytes a row: TP 4 would replicate them (8 bytes a rank, not 4): not the same KV sharded.
+    two_heads = [[StoreLayout(0, 16 * 2, 8, 2)]]
+    assert layout_mismatch([[StoreLayout(0, 8 * 2, 8, 2)]], "prod settings", 2, two_heads, "mine", 1, "producer") == ""
+    why = layout_mismatch([[StoreLayout(0, 8 * 2, 8, 2)]], "prod settings", 4, two_heads, "mine", 1, "producer")
+    assert "tensor_parallel_size=4" in why and "tensor_parallel_size=1" in why and "prod settings" in why
+    assert "one must divide" in layout_mismatch(two_heads, "a", 3, two_heads, "b", 2, "producer")
+
+
+def test_another_tp_size_is_moved_where_one_size_divides_the_other():
     params = {**remote_params(20), "tp_size": 2, "remote_ports": [1, 2]}
     _, _, conn = make("kv_consumer")
-    with pytest.raises(ValueError, match="tp_size=2 .*tensor_parallel_size=1 and this model's KV heads are split"):
-        conn.validate_params(params, 20, BS)
-    conn.set_side_channel({"host": "127.0.0.1", "port": 5555, "kv_replicated": True})  # a latent cache
-    conn.validate_params(params, 20, BS)
+    conn.validate_params(params, 20, BS)  # TP 2 -> TP 1: each rank's heads gathered (tp_slices.py)
     with pytest.raises(ValueError, match="remote_ports"):
         conn.validate_params({**params, "remote_ports": [1]}, 20, BS)
     two = NixlConnectorScheduler(KVTransferConfig("NixlConnector", "kv_consumer"), [BS], tp_size=2)
-    two.set_side_channel({"host": "127.0.0.1", "port": 5555, "ports": [7, 8], "kv_replicated": True})
-    with pytest.raises(ValueError, match="one size must divide the other"):
+    two.set_side_channel({"host": "127.0.0.1", "port": 5555, "ports": [7, 8]})
+    with pytest.raises(ValueError, match=r"tp_size=3 .*tensor_parallel_size=2: one must divide the other"):
         two.validate_params({**params, "tp_size": 3, "remote_ports": [1, 2, 3]}, 20, BS)
     push = NixlConnectorScheduler(KVTransferConfig("NixlConnector", "kv_consumer",
                                                    kv_connector_extra_config={"send_type": "PUT"}), [BS], tp_size=1)
-    push.set_side_channel({"host": "127.0.0.1", "port": 5555, "kv_replicated": True})
-    with pytest.raises(ValueError, match="push"):
-        push.validate_params(params, 20, BS)
+    push.validate_params(params, 20, BS)  # push too: each producer rank writes its slice
+
+
+def test_a_prompt_refused_for_its_layout_is_released_at_every_producer_rank():
+    """A decoder that cannot take a producer's copy (sizes that do not divide) tells each producer rank holding it
+    to free it now, over the side channel (msgpack); a rank that is no producer says so."""
+    import time
+
+    from openinfer.distributed.kv_transfer.side_channel import ReleaseRequest, SideChannelServer, release_held
+
+    got = []
+    servers = [SideChannelServer("127.0.0.1", 0, "prod", b"", [], on_release=lambda r: got.append(r) or "")
+               for _ in range(3)]
+    try:
+        params = {**remote_params(20), "tp_size": 3, "remote_ports": [s.port for s in servers]}
+        two = NixlConnectorScheduler(KVTransferConfig("NixlConnector", "kv_consumer"), [BS], tp_size=2)
+        with pytest.raises(ValueError, match="one must divide the other"):
+            two.validate_params(params, 20, BS)
+        deadline = time.monotonic() + 10
+        while len(got) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert got == [ReleaseRequest(two.engine_id, "prod", "p-1")] * 3
+    finally:
+        for s in servers:
+            s.close()
+    no_producer = SideChannelServer("127.0.0.1", 0, "prod", b"", [])
+    try:
+        with pytest.raises(RuntimeError, match="not a kv_producer"):
+            release_held("127.0.0.1", no_producer.port, ReleaseRequest("me", "prod", "p-1"), 5.0)
+    finally:
+        no_producer.close()
 
 
 def test_kv_transfer_under_external_launcher_is_refused_naming_it():

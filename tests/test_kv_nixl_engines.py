@@ -272,6 +272,42 @@ class _StuckRelease:
         return getattr(self._agent, name)
 
 
+@pytest.mark.parametrize("send_type", ["GET", "PUT"])
+def test_a_copy_the_decoder_refuses_for_its_layout_is_freed_at_the_producer_at_once(engines, send_type):
+    """A decoder with another block_size cannot take the producer's blocks. A 20-token prompt: the block tables'
+    lengths differ, so its scheduler refuses and tells the producer over the side channel; a 5-token one (one block
+    each side): the handshake's layout check (pull) or the producer's (push) refuses. Either way the decoder computes
+    the prompt itself - the same tokens - and the producer's pool is whole within a few steps, not at its abort
+    timeout (480 s here: nothing expired)."""
+    from helpers import random_prompts
+
+    from openinfer.entrypoints.llm import LLM
+
+    prod, _, ref, _ = engines
+    extra = {"kv_connector_extra_config": {"send_type": "PUT"}} if send_type == "PUT" else {}
+    other = LLM(prod.engine.config.model.path, kv_transfer_config=json.dumps(
+        {"kv_connector": "NixlConnector", "kv_role": "kv_consumer", "load_timeout_s": 2.0, **extra}),
+        dtype="float32", max_model_len=256, num_kv_blocks=64, block_size=8)
+    try:
+        expired = prod.engine.stats().kv_transfer.sends_expired
+        for prompt in random_prompts(11 if send_type == "GET" else 12, [20, 5]):
+            want = greedy(ref, prompt, 4).outputs[0].token_ids
+            held = greedy(prod, prompt, 1, {"do_remote_decode": True}).kv_transfer_params
+            assert not prod.engine.core.kv.all_free()
+            with stepping(prod):
+                d = greedy(other, prompt, 4, held)
+            assert d.outputs[0].token_ids == want and d.num_cached_tokens == 0
+            deadline = time.monotonic() + 10  # bounded; a release the producer missed would take 480 s
+            while not prod.engine.core.kv.all_free() and time.monotonic() < deadline:
+                prod.engine.step()
+                time.sleep(0.01)
+            assert prod.engine.core.kv.all_free() and other.engine.core.kv.all_free()
+        assert prod.engine.stats().kv_transfer.sends_expired == expired
+        assert other.engine.stats().kv_transfer.fallbacks == 2
+    finally:
+        other.engine.shutdown()
+
+
 def test_a_timed_out_read_is_reported_only_once_nixl_released_its_transfer():
     """The read's blocks go back to the pool (failed_recving) only after release_xfer_handle succeeded: a release
     NIXL refuses means the transfer may still write into them."""
@@ -283,7 +319,7 @@ def test_a_timed_out_read_is_reported_only_once_nixl_released_its_transfer():
     try:
         w.agent = _StuckRelease(w.agent)
         spec = KVLoad("r", [[0]], [[0]], "prod", "p-1", "127.0.0.1", 1)
-        w._loads["r"] = _Load(spec, time.monotonic() - 1, handle=object())
+        w._loads["r"] = _Load(spec, time.monotonic() - 1, handles={0: object()}, started=True)
         assert not w.get_finished().failed_recving and "r" in w._loads  # refused: still the request's
         out = w.get_finished()
         assert out.failed_recving == {"r": "transfer not done within 0.0 s"} and not w._loads

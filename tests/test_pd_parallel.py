@@ -2,8 +2,8 @@
 rank runs its own agent over its shard and its own side channel, each data-parallel replica is an engine of its
 own to the other side, and a replica's ranks' reports are combined (a prompt has moved once every rank read its
 shard). Greedy tokens identical to one process, pull and push, with every block back in both sides' pools; a
-producer rank killed while the decoder reads ends in the decoder computing the prompt itself; a decoder of another
-tensor_parallel_size is refused naming both sizes."""
+producer rank killed while the decoder reads ends in the decoder computing the prompt itself; decoders of another
+tensor_parallel_size take the slices of the KV heads they own (split caches) or a whole copy (latent caches)."""
 from __future__ import annotations
 
 import json
@@ -91,18 +91,22 @@ def test_tp2_to_tp2_llama(llama_tp2, send_type):
     assert params["remote_port"] == params["remote_ports"][0]
 
 
-def test_decoder_of_another_tp_size_is_refused_naming_both(llama_tp2):
-    """Heterogeneous tensor parallelism is not moved (a TP=1 decoder would need both producer ranks' halves):
-    the request is refused at once with both sizes named."""
-    (prompt,) = random_prompts(1, [20])
-    prod = llama_tp2["prod"]
-    held = _greedy(prod, [prompt], 1, [{"do_remote_decode": True}])[0].kv_transfer_params
-    one = LLM(prod.engine.config.model.path, kv_transfer_config=json.dumps(
-        {"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}), **KW)
+@pytest.mark.parametrize("send_type", ["GET", "PUT"])
+def test_tp2_to_tp1_and_back_llama(llama_tp2, send_type):
+    """Heterogeneous tensor parallelism on split KV heads (Llama's GQA cache, each rank half the KV heads), as vLLM's
+    NIXL connector does it: a TP 1 decoder gathers both producer ranks' halves of every token row (one read - or
+    one write, push - per producer rank); then that instance prefills for the TP 2 decoder, whose ranks each take
+    their half of its rows. Tokens as one process; both sides' pools whole."""
+    extra = {"kv_connector_extra_config": {"send_type": "PUT"}} if send_type == "PUT" else {}
+    one = LLM(llama_tp2["prod"].engine.config.model.path, kv_transfer_config=json.dumps(
+        {"kv_connector": "NixlConnector", "kv_role": "kv_both", "load_timeout_s": 3.0, **extra}), **KW)
     try:
-        with pytest.raises(ValueError, match=r"tp_size=2 .*tensor_parallel_size=1"):
-            _greedy(one, [prompt], 4, [held])
-        assert _all_free(one)
+        seed = 20 if send_type == "GET" else 22  # prompts neither side has cached
+        _check_pd({"prod": llama_tp2["prod"], send_type: one, "ref": llama_tp2["ref"]}, send_type,
+                  random_prompts(seed, [40, 17, 5]))
+        held = _check_pd({"prod": one, send_type: llama_tp2[send_type], "ref": llama_tp2["ref"]}, send_type,
+                         random_prompts(seed + 1, [40, 17, 5]))
+        assert held[0].kv_transfer_params["tp_size"] == 1
     finally:
         one.engine.shutdown()
 
@@ -207,22 +211,61 @@ def test_a_producer_rank_killed_before_the_read(llama_tp2):
 
 def test_tp2_to_dp2_ep_and_back_deepseek_v3(tmp_path_factory):
     """Heterogeneous layouts where every rank holds the whole KV (DeepSeek's latent cache): prefill TP 2 -> decode
-    DP 2 + EP (each replica one rank reads producer rank 0's copy and tells rank 1 it is done), and the reverse
-    (both decoder ranks read the one producer rank, which frees after hearing from both); MTP k = 2 throughout."""
+    DP 2 + EP by pull (each replica one rank reads producer rank 0's copy and tells rank 1 it is done), and the
+    reverse by push (both decoder ranks register with the producer replica's one rank, which writes its copy into
+    each and frees once both were written); MTP k = 2 throughout."""
     pytest.importorskip("nixl")
     from make_deepseek_checkpoint import make_v3
 
     ck = make_v3(tmp_path_factory.mktemp("pd-het"), "tiny", overrides={"num_nextn_predict_layers": 1})
     spec = {"method": "mtp", "num_speculative_tokens": 2}
-    kt = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both", "load_timeout_s": 3.0})
-    tp2 = LLM(str(ck), kv_transfer_config=kt, speculative_config=spec, tensor_parallel_size=2, **KW)
+    kt = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "load_timeout_s": 3.0}
+    push = json.dumps({**kt, "kv_connector_extra_config": {"send_type": "PUT"}})  # send_type: the decoding side's
+    tp2 = LLM(str(ck), kv_transfer_config=push, speculative_config=spec, tensor_parallel_size=2, **KW)
+    kt = json.dumps(kt)
     dep = LLM(str(ck), kv_transfer_config=kt, speculative_config=spec, data_parallel_size=2,
               enable_expert_parallel=True, **KW)
     ref = LLM(str(ck), speculative_config=spec, **KW)
     try:
-        for prod, cons in ((tp2, dep), (dep, tp2)):
-            held = _check_pd({"prod": prod, "GET": cons, "ref": ref}, "GET", random_prompts(3, [40, 17, 33]))
+        for prod, cons, send_type in ((tp2, dep, "GET"), (dep, tp2, "PUT")):
+            held = _check_pd({"prod": prod, send_type: cons, "ref": ref}, send_type, random_prompts(3, [40, 17, 33]))
             assert {h.kv_transfer_params["tp_size"] for h in held} == {prod.engine.config.parallel.tensor_parallel_size}
     finally:
         for llm in (tp2, dep, ref):
+            llm.engine.shutdown()
+
+
+def test_dp2_ep_to_dp2_ep_deepseek_v4_with_mtp_chunked_and_prefix_hits(tmp_path_factory):
+    """DeepSeek-V4's three KV groups (full, sliding window with released blocks, coarse compressed entries; 8-token
+    blocks) plus its MTP block's, from prefill DP 2 + EP to decode DP 2 + EP, MTP k = 2 on both: pull one way, push
+    the other (each instance decodes with its own send_type). The producer prefills in 16-token chunks; the second
+    round's prompts extend the first's, so both sides resume from prefix hits and only the rest moves. Tokens as one
+    process with MTP; both sides' pools whole."""
+    pytest.importorskip("nixl")
+    from test_deepseek_v4 import _generator, write_release_with_mtp
+
+    tmp = tmp_path_factory.mktemp("pd-v4")
+    hf = _generator().make_checkpoint(tmp / "tiny", "tiny", seed=0)
+    write_release_with_mtp(hf, tmp / "release")
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    kw = {**KW, "block_size": 8, "tokenizer": str(hf), "max_num_batched_tokens": 16}
+    kt = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "load_timeout_s": 3.0}
+    dep = dict(data_parallel_size=2, enable_expert_parallel=True, speculative_config=spec, **kw)
+    pull = LLM(str(tmp / "release"), kv_transfer_config=json.dumps(kt), **dep)
+    push = LLM(str(tmp / "release"), kv_transfer_config=json.dumps(
+        {**kt, "kv_connector_extra_config": {"send_type": "PUT"}}), **dep)
+    ref = LLM(str(tmp / "release"), speculative_config=spec, **kw)
+    try:
+        for prod, cons, send_type, seed in ((push, pull, "GET", 4), (pull, push, "PUT", 5)):
+            engines = {"prod": prod, send_type: cons, "ref": ref}
+            first = random_prompts(seed, [40, 21, 33])  # past the 16-token window: released window blocks too
+            _check_pd(engines, send_type, first)
+            hits = cons.engine.stats().prefix_cache_hits
+            more = random_prompts(seed + 10, [9, 12, 5])
+            held = _check_pd(engines, send_type, [p[:32] + q for p, q in zip(first, more)])
+            assert cons.engine.stats().prefix_cache_hits > hits  # the decoder resumed past its own cached blocks
+            assert len({h.kv_transfer_params["remote_engine_id"] for h in held}) == 2
+            assert cons.engine.stats().spec_decode.num_draft_tokens > 0
+    finally:
+        for llm in (pull, push, ref):
             llm.engine.shutdown()

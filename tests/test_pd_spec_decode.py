@@ -226,3 +226,45 @@ def test_mtp_k2_on_the_decode_side_of_pd_deepseek_v4(tmp_path):
     finally:
         for llm in engines.values():
             llm.engine.shutdown()
+
+
+@pytest.mark.slow  # three V4.1 engines
+def test_dspark_on_the_decode_side_of_pd_deepseek_v41(tmp_path):
+    """DeepSeek-V4.1's MTP is DSpark: its context keys (the ``dspark.window`` group, filled from the target's features
+    by the producer's prompt pass) travel with the target's window and full groups, pull and push, and the decoder
+    drafts from them at its first step - the same drafts, step for step, as one engine. The producer runs without
+    prefix caching (YOCO's shortened prefill would skip consumer-layer rows it hands on: test_kv_nixl_engines)."""
+    from helpers import load_script, random_prompts
+
+    from openinfer.entrypoints.llm import LLM
+
+    ck = load_script("make_deepseek_v41_checkpoint").make_checkpoint(tmp_path / "v41", "tiny", seed=0,
+                                                                      quantize=False)
+    kw = dict(dtype="float32", max_model_len=256, num_kv_blocks=64, block_size=8, speculative_config=MTP)
+
+    def pd(role, **extra):
+        return LLM(str(ck), kv_transfer_config=json.dumps({"kv_connector": "NixlConnector", "kv_role": role,
+                                                             "load_timeout_s": 3.0, **extra}), **kw)
+
+    engines = {"prod": LLM(str(ck), kv_transfer_config=json.dumps({"kv_connector": "NixlConnector",
+                                                                   "kv_role": "kv_producer"}),
+                           enable_prefix_caching=False, **kw),
+               "GET": pd("kv_consumer"), "PUT": pd("kv_consumer", kv_connector_extra_config={"send_type": "PUT"}),
+               "ref": LLM(str(ck), **kw)}
+    try:
+        assert [s.name for s in engines["GET"].engine.core.kv_specs] == ["full", "window", "dspark.window"]
+        for send_type, seed in (("GET", 7), ("PUT", 8)):
+            cons, ref = engines[send_type], engines["ref"]
+            got_drafts, want_drafts = _record_drafts(cons), _record_drafts(ref)
+            try:
+                for got, want in _pd(engines, send_type, random_prompts(seed, [40, 13]), n=8):
+                    assert got == want
+                assert got_drafts == want_drafts and any(got_drafts)
+            finally:
+                for llm in (cons, ref):
+                    del llm.engine.core.executor.driver_worker.model_runner.proposer.propose
+            s = cons.engine.stats()
+            assert s.kv_transfer.fallbacks == 0 and s.spec_decode.num_draft_tokens > 0
+    finally:
+        for llm in engines.values():
+            llm.engine.shutdown()

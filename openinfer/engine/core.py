@@ -160,7 +160,7 @@ class EngineCore:
                                        replica_engine_id(base, d, dp), tp)
             ranks = infos[d * tp:(d + 1) * tp]
             c.set_side_channel({"host": ranks[0]["host"], "port": ranks[0]["port"],
-                                "ports": [r["port"] for r in ranks], "kv_replicated": ranks[0]["kv_replicated"]})
+                                "ports": [r["port"] for r in ranks]})
             connectors.append(c)
         return connectors
 

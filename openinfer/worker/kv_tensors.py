@@ -49,9 +49,11 @@ def kv_settings(config: EngineConfig, group_names: list[str], kv_dtype: torch.dt
             f"tensor_parallel_size={config.parallel.tensor_parallel_size}")
 
 
-def kv_replicated_across_tp(model: CausalLM, proposer: Proposer | None) -> bool:
-    """Whether every tensor-parallel rank holds the whole KV: no store is a slice of KV heads (``Attention`` splits
-    them over the ranks; DeepSeek's latent caches - MLA, V4's single KV head - are computed whole on every rank).
-    Then a rank may read any other instance's rank's copy, whatever either side's tensor_parallel_size."""
+def head_split_rows(model: CausalLM, proposer: Proposer | None) -> dict[int, int]:
+    """id(store) -> token rows per block, for every store split by KV heads over the tensor-parallel ranks
+    (``Attention``'s ``[block, token, kv head, head dim]`` caches: a row is the rank's slice of the heads). The other
+    stores (DeepSeek's latent caches - MLA, V4's single KV head) are computed whole on every rank. A KV connector
+    reads the slices each rank owns when the other instance runs another tensor_parallel_size (tp_slices.py)."""
     roots = [model] + ([proposer.module] if isinstance(getattr(proposer, "module", None), torch.nn.Module) else [])
-    return not any(isinstance(m, Attention) for root in roots for m in root.modules())
+    return {id(t): t.shape[1] for root in roots for m in root.modules() if isinstance(m, Attention)
+            for t in (m.k_cache, m.v_cache) if t is not None}

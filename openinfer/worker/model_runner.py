@@ -106,16 +106,16 @@ class ModelRunner:
 
     def init_kv_connector(self, engine_id: str, tp_rank: int = 0, rank: int = 0) -> dict:
         from openinfer.distributed.kv_transfer.nixl_worker import NixlConnectorWorker
-        from openinfer.worker.kv_tensors import kv_block_tensors, kv_replicated_across_tp, kv_settings
+        from openinfer.worker.kv_tensors import head_split_rows, kv_block_tensors, kv_settings
 
         specs = self.kv_cache_spec()
         names = [s.name for s in specs]
         self.kv_connector = NixlConnectorWorker(self.config.kv_transfer, engine_id,
                                                 kv_settings(self.config, names, self.kv_dtype), tp_rank,
                                                 self.config.parallel.tensor_parallel_size, rank)
-        info = self.kv_connector.register_kv_caches(kv_block_tensors(
-            self.model, names, self.proposer, frozenset(s.name for s in specs if s.bytes_per_block == 0)))
-        return {**info, "kv_replicated": kv_replicated_across_tp(self.model, self.proposer)}
+        return self.kv_connector.register_kv_caches(kv_block_tensors(
+            self.model, names, self.proposer, frozenset(s.name for s in specs if s.bytes_per_block == 0)),
+            head_split_rows(self.model, self.proposer))
 
     def init_kv_offload(self, backend: str, locations: list[str], fingerprint: str) -> dict:
         """Start the offloading tier's worker side over the bound cache (every group's stores), on this rank's

@@ -5,8 +5,10 @@ Why the write starts only once the prompt is done: vllm-router's PD mode (and vL
 its request only after the prefill answer is back - the decoder cannot allocate, let alone register, blocks while
 the prefill runs. So the decoder registers over the side channel when its request arrives, and the producer writes
 the whole held prompt in one transfer. The producer serves only requests it holds (the block ids come from its own
-scheduler, never from the message), at most once each; the held blocks go back to its pool when the write is
-over, however it ended.
+scheduler, never from the message), for as many decoder ranks as register for it (one at the same
+tensor_parallel_size; across sizes each takes its slice of the heads, tp_slices.py); the held blocks go back to its
+pool once every registrant's write is over, however it ended. A decoder that refuses the prompt outright sends a
+release instead (side_channel.ReleaseRequest): it is freed at once.
 
 A write that errors, is refused (unknown request, another layout) or outlives ``load_timeout_s`` is reported to
 the decoder with a failure notification - sent only once the transfer is confirmed over (done, errored, or
@@ -22,7 +24,8 @@ import time
 from dataclasses import dataclass, field
 
 from openinfer.config import KVTransferConfig
-from openinfer.distributed.kv_transfer.side_channel import PushRequest, StoreLayout
+from openinfer.distributed.kv_transfer.side_channel import PushRequest, ReleaseRequest, StoreLayout
+from openinfer.distributed.kv_transfer.tp_slices import size_mismatch, stores_fit, transfer_descs
 from openinfer.step_io import KVConnectorOutput
 
 logger = logging.getLogger(__name__)
@@ -31,40 +34,22 @@ PUSH_DONE = b"push-done\x00"  # + the decoder's request id: NIXL notification pr
 PUSH_FAIL = b"push-fail\x00"
 
 
-def layouts_match(a: list[list[StoreLayout]], b: list[list[StoreLayout]]) -> bool:
-    return len(a) == len(b) and all(len(x) == len(y) and all(s.block_bytes == t.block_bytes for s, t in zip(x, y))
-                                    for x, y in zip(a, b))
-
-
-def layout_mismatch(theirs: list[list[StoreLayout]], their_settings: str, mine: list[list[StoreLayout]],
-                    my_settings: str, their_role: str) -> str:
-    """Why two instances cannot move KV between them, naming both sides' settings ("" when they can)."""
-    if layouts_match(theirs, mine):
+def layout_mismatch(theirs: list[list[StoreLayout]], their_settings: str, their_tp: int,
+                    mine: list[list[StoreLayout]], my_settings: str, my_tp: int, their_role: str) -> str:
+    """Why two instances cannot move KV between them, naming both sides' settings ("" when they can). Either side
+    may be the producer: whether the stores fit does not depend on the direction."""
+    why = size_mismatch(their_tp, my_tp)
+    if not why and stores_fit(theirs, their_tp, mine, my_tp):
         return ""
-    shape = lambda g: [[s.block_bytes for s in stores] for stores in g]  # noqa: E731
-    diff = (f"{len(theirs)} KV group(s) vs {len(mine)}" if len(theirs) != len(mine) else
-            f"bytes per block per store {shape(theirs)} vs {shape(mine)}")
-    return (f"KV layouts differ ({diff}): the {their_role} runs [{their_settings or 'unknown settings'}], this "
-            f"instance [{my_settings}]; start both with the same model, block_size, kv_cache_dtype, "
-            f"speculative_config and tensor_parallel_size")
-
-
-def block_descs(src_ids: list[list[int]], dst_ids: list[list[int]], src: list[list[StoreLayout]],
-                dst: list[list[StoreLayout]]) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
-    """(address, bytes, device) of every (group, store, block) that both sides name (-1 on either side: skipped)."""
-    src_d, dst_d = [], []
-    for s_ids, d_ids, s_stores, d_stores in zip(src_ids, dst_ids, src, dst):
-        if len(s_ids) != len(d_ids):
-            raise RuntimeError(f"block lists differ in length ({len(s_ids)} vs {len(d_ids)})")
-        for a, b in zip(s_ids, d_ids):
-            if a < 0 or b < 0:
-                continue
-            for s, d in zip(s_stores, d_stores):
-                if a >= s.num_blocks or b >= d.num_blocks:
-                    raise RuntimeError(f"block id out of range ({a}, {b})")
-                src_d.append((s.base_addr + a * s.block_bytes, s.block_bytes, 0))
-                dst_d.append((d.base_addr + b * d.block_bytes, d.block_bytes, 0))
-    return src_d, dst_d
+    if not why:
+        shape = lambda g: [[(s.block_bytes, s.rows) if s.rows else s.block_bytes for s in stores]  # noqa: E731
+                           for stores in g]
+        why = (f"{len(theirs)} KV group(s) vs {len(mine)}" if len(theirs) != len(mine) else
+               f"bytes per block per store (rows where split over tensor-parallel ranks) {shape(theirs)} at "
+               f"tensor_parallel_size={their_tp} vs {shape(mine)} at tensor_parallel_size={my_tp}")
+    return (f"KV layouts differ ({why}): the {their_role} runs [{their_settings or 'unknown settings'}], this "
+            f"instance [{my_settings}]; start both with the same model, block_size, kv_cache_dtype and "
+            f"speculative_config, and tensor_parallel_size that divide each other (and the KV heads)")
 
 
 @dataclass
@@ -80,20 +65,27 @@ class _Write:
 
 
 class PushWriter:
-    def __init__(self, agent, layout: list[list[StoreLayout]], config: KVTransferConfig, settings: str = "") -> None:
+    def __init__(self, agent, layout: list[list[StoreLayout]], config: KVTransferConfig, settings: str = "",
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
         self.agent = agent
         self.layout = layout
         self.config = config
         self.settings = settings
+        self.tp_rank, self.tp_size = tp_rank, tp_size  # this producer rank's slice of split stores
         self.held: dict[str, list[list[int]]] = {}  # held request id -> its blocks (from the scheduler side)
-        self._inbox: queue.SimpleQueue[PushRequest] = queue.SimpleQueue()
+        # A held prompt several decoder ranks register for (another tensor_parallel_size, tp_slices.py): how many
+        # registered so far, and its writes in flight. Its blocks go back once every registrant's write is over.
+        self._taken: dict[str, int] = {}
+        self._in_flight: dict[str, int] = {}
+        self._inbox: queue.SimpleQueue[PushRequest | ReleaseRequest] = queue.SimpleQueue()
         self._peers: dict[str, str] = {}  # decoder engine id -> its NIXL agent's name here
         self._writes: list[_Write] = []
         self.bytes_sent = 0
         self.seconds_sending = 0.0
 
-    def on_push(self, req: PushRequest) -> str:
-        """Side-channel thread: queue it; the engine thread checks it against what it holds."""
+    def on_push(self, req: PushRequest | ReleaseRequest) -> str:
+        """Side-channel thread (a push registration or a release): queue it; the engine thread checks it against
+        what it holds."""
         self._inbox.put(req)
         return ""
 
@@ -103,8 +95,34 @@ class PushWriter:
                 req = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            self._start(req, out)
+            if isinstance(req, ReleaseRequest):
+                self._release(req, out)
+            else:
+                self._start(req, out)
         self._writes = [w for w in self._writes if not self._progress(w, out)]
+
+    def _release(self, req: ReleaseRequest, out: KVConnectorOutput) -> None:
+        """A decoder refused the held prompt: free it now - unless a decoder rank already registered for it (a write
+        may read from it; that decoder's own outcome frees it)."""
+        rid = req.remote_request_id
+        if rid in self.held and not self._taken.get(rid) and not self._in_flight.get(rid):
+            logger.info("freeing held prompt %s: decoder %s refused it", rid, req.engine_id)
+            self._close(rid)
+            out.finished_sending.append(rid)
+
+    def _close(self, rid: str) -> None:
+        """No more registrations for ``rid`` (all came, or one was refused: the decoder computes the prompt)."""
+        self.held.pop(rid, None)
+        self._taken.pop(rid, None)
+
+    def _over(self, rid: str, out: KVConnectorOutput) -> None:
+        """One write (or registration with nothing to write) for ``rid`` is over: free the prompt once it is closed
+        and nothing writes from it any more."""
+        n = self._in_flight.pop(rid, 0) - 1
+        if n > 0:
+            self._in_flight[rid] = n
+        elif rid not in self.held:
+            out.finished_sending.append(rid)
 
     def _start(self, req: PushRequest, out: KVConnectorOutput) -> None:
         try:
@@ -114,29 +132,39 @@ class PushWriter:
         except Exception as e:
             logger.warning("push for %s: cannot add decoder %s's agent: %s", req.remote_request_id, req.engine_id, e)
             return  # no way to tell it; its own deadline makes it compute the prompt (nothing was written)
-        notif_id = req.req_id.encode()
-        held = self.held.pop(req.remote_request_id, None)
+        rid, notif_id = req.remote_request_id, req.req_id.encode()
+        held = self.held.get(rid)
         try:
             if held is None:
-                raise RuntimeError(f"no held prompt {req.remote_request_id!r} here (expired, read, or never held)")
-            why = layout_mismatch(req.groups, req.settings, self.layout, self.settings, "decoder")
+                raise RuntimeError(f"no held prompt {rid!r} here (expired, read, or never held)")
+            why = layout_mismatch(req.groups, req.settings, req.tp_size, self.layout, self.settings, self.tp_size,
+                                  "decoder")
             if why:
                 raise RuntimeError(why)
-            local_d, remote_d = block_descs(held, req.block_ids, self.layout, req.groups)
-            if not local_d:
-                self.agent.send_notif(peer, PUSH_DONE + notif_id)
-                out.finished_sending.append(req.remote_request_id)
-                return
-            handle = self.agent.initialize_xfer("WRITE", self.agent.get_xfer_descs(local_d, "DRAM"),
-                                                self.agent.get_xfer_descs(remote_d, "DRAM"), peer,
-                                                PUSH_DONE + notif_id)
+            local_d, remote_d = transfer_descs(held, req.block_ids, self.layout, self.tp_rank, self.tp_size,
+                                               req.groups, req.tp_rank, req.tp_size)
+            handle = None
+            if local_d:
+                handle = self.agent.initialize_xfer("WRITE", self.agent.get_xfer_descs(local_d, "DRAM"),
+                                                    self.agent.get_xfer_descs(remote_d, "DRAM"), peer,
+                                                    PUSH_DONE + notif_id)
         except Exception as e:
-            logger.warning("push for %s refused: %s", req.remote_request_id, e)
+            logger.warning("push for %s refused: %s", rid, e)
             self._notify(peer, PUSH_FAIL + notif_id)
-            if held is not None:
-                out.finished_sending.append(req.remote_request_id)  # the decoder computes it; free ours
+            if held is not None:  # the decoder computes it: free ours once no other registrant's write reads it
+                self._close(rid)
+                self._in_flight[rid] = self._in_flight.get(rid, 0) + 1
+                self._over(rid, out)
             return
-        w = _Write(req.remote_request_id, peer, notif_id, handle, time.monotonic() + self.config.load_timeout_s,
+        self._taken[rid] = self._taken.get(rid, 0) + 1
+        if self._taken[rid] >= req.registrants:
+            self._close(rid)
+        self._in_flight[rid] = self._in_flight.get(rid, 0) + 1
+        if handle is None:  # nothing of this prompt is this decoder rank's (or every position was local there)
+            self.agent.send_notif(peer, PUSH_DONE + notif_id)
+            self._over(rid, out)
+            return
+        w = _Write(rid, peer, notif_id, handle, time.monotonic() + self.config.load_timeout_s,
                    sum(n for _, n, _ in local_d))
         out.sending_started.append(w.rid)  # the scheduler side must not expire (free) its blocks meanwhile
         try:
@@ -154,7 +182,7 @@ class PushWriter:
                 self.agent.release_xfer_handle(w.handle)
                 self.bytes_sent += w.nbytes
                 self.seconds_sending += time.monotonic() - w.started_s
-                out.finished_sending.append(w.rid)
+                self._over(w.rid, out)
                 return True
             if state == "PROC" and time.monotonic() <= w.deadline:
                 return False
@@ -167,7 +195,7 @@ class PushWriter:
             return False
         logger.warning("push for %s failed: %s", w.rid, w.failed)
         self._notify(w.peer, PUSH_FAIL + w.notif_id)
-        out.finished_sending.append(w.rid)
+        self._over(w.rid, out)
         return True
 
     def _notify(self, peer: str, msg: bytes) -> None:

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import logging
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from openinfer.config import KVTransferConfig
 from openinfer.distributed.kv_transfer.base import ConnectorRequest, KVConnectorScheduler
+from openinfer.distributed.kv_transfer.side_channel import ReleaseRequest, release_held
 from openinfer.distributed.kv_transfer.stats import KVTransferStats
 from openinfer.step_io import KVConnectorMetadata, KVConnectorOutput, KVLoad
 
@@ -46,6 +48,12 @@ def group_block_lists(value: Any) -> list[list[int]]:
     return lists
 
 
+def _log_release_failure(fut: Future) -> None:
+    if fut.exception() is not None:
+        logger.info("could not free a refused prompt at its producer (it frees it at its abort timeout): %s",
+                    fut.exception())
+
+
 class NixlConnectorScheduler(KVConnectorScheduler):
     def __init__(self, config: KVTransferConfig, group_tokens_per_block: list[int], engine_id: str | None = None,
                  tp_size: int = 1) -> None:
@@ -56,7 +64,6 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         self.host = config.side_channel_host
         self.port = config.side_channel_port
         self.ports: list[int] = []  # every rank's side channel, in tensor-parallel rank order
-        self.kv_replicated = False  # every tensor-parallel rank holds the whole KV (latent caches: DeepSeek)
         self.stats = KVTransferStats()
         self._tried: set[str] = set()  # consumer: requests whose remote read was attempted (once only)
         self._pending: list[KVLoad] = []  # consumer: loads not yet handed to the worker side
@@ -66,11 +73,11 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         self._released: list[str] = []  # producer: expired since the last step
         self._undelivered = False  # the last metadata built names held or released prompts
         self._writing: set[str] = set()  # producer: held requests a push write reads from (never expired meanwhile)
+        self._releaser: ThreadPoolExecutor | None = None  # consumer: tells producers of refused prompts to free them
 
     def set_side_channel(self, info: dict[str, Any]) -> None:
         self.host, self.port = info["host"], info["port"]
         self.ports = list(info.get("ports", [self.port]))
-        self.kv_replicated = bool(info.get("kv_replicated", False))
 
     # -- requests -----------------------------------------------------------------------------------------
     def validate_params(self, params: dict[str, Any] | None, num_prompt_tokens: int, block_size: int) -> None:
@@ -93,22 +100,34 @@ class NixlConnectorScheduler(KVConnectorScheduler):
             tp = params.get("tp_size", 1)
             if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
                 raise ValueError(f"kv_transfer_params.tp_size must be an integer >= 1, got {tp!r}")
-            if tp != self.tp_size:
-                # Another tensor_parallel_size works where every rank holds the whole KV (a latent cache): rank i
-                # reads any copy. Split KV heads would need a rank to gather slices of several producer ranks.
-                why = ("this model's KV heads are split over the ranks" if not self.kv_replicated else
-                       "push (send_type PUT) pairs rank i with rank i" if self.config.push else
-                       "one size must divide the other" if max(tp, self.tp_size) % min(tp, self.tp_size) else "")
-                if why:
-                    raise ValueError(f"kv_transfer_params.tp_size={tp!r} (the prefill instance's "
-                                     f"tensor_parallel_size) differs from this instance's tensor_parallel_size="
-                                     f"{self.tp_size} and {why}: start both with the same tensor_parallel_size")
             ports = params.get("remote_ports")
             if tp > 1 and (not isinstance(ports, list) or len(ports) != tp
                            or any(isinstance(p, bool) or not isinstance(p, int) for p in ports)):
                 raise ValueError(f"kv_transfer_params.remote_ports must list the producer's {tp} ranks' side-channel "
                                  f"ports (tp_size={tp}), got {ports!r}")
             group_block_lists(params.get("remote_block_ids"))
+            if tp != self.tp_size and max(tp, self.tp_size) % min(tp, self.tp_size):
+                # Another size is moved where one divides the other: each rank takes its slice of the heads from
+                # the ranks holding it, or a whole latent cache from one of them (tp_slices.py). A real producer's
+                # prompt refused here is freed there now (well-formed params say where it is held).
+                self.release_remote(params)
+                raise ValueError(f"kv_transfer_params.tp_size={tp!r} (the prefill instance's "
+                                 f"tensor_parallel_size) and this instance's tensor_parallel_size={self.tp_size}: "
+                                 "one must divide the other")
+
+    def release_remote(self, params: dict[str, Any]) -> None:
+        """A prompt held for this instance that it will not read (its params do not fit here): tell every producer
+        rank holding it to free it now, rather than at its abort timeout. On a thread, bounded; best effort (a
+        producer not reached frees at its timeout)."""
+        ports = params.get("remote_ports")
+        if not isinstance(ports, list) or not ports or not all(type(p) is int for p in ports):
+            ports = [params["remote_port"]]
+        req = ReleaseRequest(self.engine_id, params["remote_engine_id"], params["remote_request_id"])
+        if self._releaser is None:
+            self._releaser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-release")
+        for port in ports:
+            fut = self._releaser.submit(release_held, params["remote_host"], port, req, 2.0)
+            fut.add_done_callback(_log_release_failure)
 
     def _remote_blocks_fit(self, req: ConnectorRequest, remote: list[list[int]]) -> bool:
         """The producer's tables cover exactly this prompt (the same tokenization)."""
@@ -122,9 +141,10 @@ class NixlConnectorScheduler(KVConnectorScheduler):
         self._tried.add(req.request_id)
         remote = group_block_lists(params["remote_block_ids"])
         if len(remote) == len(self.tokens_per_block) and not self._remote_blocks_fit(req, remote):
-            logger.warning("request %s: remote_block_ids do not cover its %d prompt tokens; computing the prompt "
-                           "here", req.request_id, req.num_prompt_tokens)
+            logger.warning("request %s: remote_block_ids do not cover its %d prompt tokens (another block_size or "
+                           "tokenization?); computing the prompt here", req.request_id, req.num_prompt_tokens)
             self.stats.fallbacks += 1
+            self.release_remote(params)
             return 0, False
         return req.num_prompt_tokens - num_computed_tokens, True
 

@@ -16,9 +16,10 @@ Push loads: the registration goes out on the handshake thread; then the load wai
 within twice ``load_timeout_s`` (the producer gives up its write after one) fails it too.
 
 One of these runs on every rank of an instance (ranks.py), over that rank's stores: its agent is named after its
-replica and tensor-parallel rank, and it pairs with the other side's ranks as ``_pairing`` says (rank i with rank i;
-across sizes, where every rank holds the whole KV, rank i reads rank i mod P and tells the producer ranks nobody
-reads). Handshakes are per producer rank.
+replica and tensor-parallel rank, and it pairs with the other side's ranks as ``_pairing`` says (rank i with rank i
+at the same tensor_parallel_size; across sizes, tp_slices.py: a split store's head slices from the producer ranks
+holding them - one READ, or one push registration, per producer rank - and a whole store from rank i mod P).
+Handshakes are per producer rank.
 
 Everything here runs on the engine's thread (the worker process's), between steps, except the handshakes and push
 registrations (ZeroMQ only) and the side channel's listener.
@@ -35,9 +36,10 @@ import torch
 from openinfer.config import KVTransferConfig
 from openinfer.distributed.kv_transfer.base import KVConnectorWorker
 from openinfer.distributed.kv_transfer.ranks import agent_name
-from openinfer.distributed.kv_transfer.nixl_push import PUSH_DONE, PUSH_FAIL, PushWriter, block_descs, layout_mismatch
+from openinfer.distributed.kv_transfer.nixl_push import PUSH_DONE, PUSH_FAIL, PushWriter, layout_mismatch
 from openinfer.distributed.kv_transfer.side_channel import (HandshakeReply, PushRefused, PushRequest,
                                                             SideChannelServer, StoreLayout, handshake, register_push)
+from openinfer.distributed.kv_transfer.tp_slices import answers_for, notices_per_rank, sources, transfer_descs
 from openinfer.step_io import KVConnectorMetadata, KVConnectorOutput, KVLoad
 
 logger = logging.getLogger(__name__)
@@ -55,7 +57,9 @@ class _Load:
     spec: KVLoad
     deadline: float
     handshakes: dict[int, Future] = field(default_factory=dict)  # producer rank -> its handshake, while pending
-    handle: object | None = None
+    handles: dict[int, object] = field(default_factory=dict)  # producer rank -> its READ in flight
+    started: bool = False
+    done_ranks: set[int] = field(default_factory=set)  # producer ranks told (by their read's notice or ours)
     nbytes: int = 0
     started_s: float = field(default_factory=time.monotonic)
     failed: str = ""  # a failed read whose transfer NIXL has not released yet
@@ -65,8 +69,10 @@ class _Load:
 class _PushLoad:
     spec: KVLoad
     deadline: float
-    registered: Future
+    registered: dict[int, Future]  # producer rank -> its registration
     nbytes: int
+    outcomes: dict[int, bool] = field(default_factory=dict)  # producer rank -> wrote (True) or failed
+    refusal: str = ""
     started_s: float = field(default_factory=time.monotonic)
 
 
@@ -90,23 +96,27 @@ class NixlConnectorWorker(KVConnectorWorker):
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-handshake")
         self._loads: dict[str, _Load] = {}
         self._push_loads: dict[str, _PushLoad] = {}
+        self._push_agents: dict[str, dict[str, int]] = {}  # push load -> its producer ranks' agent names -> rank
         self.pusher: PushWriter | None = None
         self._metadata = b""
 
-    def register_kv_caches(self, groups: dict[str, list[torch.Tensor]]) -> dict:
+    def register_kv_caches(self, groups: dict[str, list[torch.Tensor]], rows: dict[int, int] | None = None) -> dict:
+        """``rows``: id(tensor) -> token rows per block, for the stores split by KV heads over the ranks."""
         tensors = [t for ts in groups.values() for t in ts]
         self.agent.register_memory(tensors)
-        self.layout = [[StoreLayout(t.data_ptr(), t.stride(0) * t.element_size(), t.shape[0]) for t in ts]
-                       for ts in groups.values()]
+        rows = rows or {}
+        self.layout = [[StoreLayout(t.data_ptr(), t.stride(0) * t.element_size(), t.shape[0], rows.get(id(t), 0))
+                        for t in ts] for ts in groups.values()]
         self._metadata = self.agent.get_agent_metadata()
         if self.config.is_producer:
-            self.pusher = PushWriter(self.agent, self.layout, self.config, self.settings)
+            self.pusher = PushWriter(self.agent, self.layout, self.config, self.settings, self.tp_rank, self.tp_size)
         # A fixed side-channel port is the first rank's; rank r listens on port + r (vLLM's scheme).
         port = self.config.side_channel_port + self.rank if self.config.side_channel_port else 0
         self.server = SideChannelServer(self.config.side_channel_host, port, self.engine_id,
                                         self._metadata, self.layout,
                                         on_push=self.pusher.on_push if self.pusher is not None else None,
-                                        settings=self.settings)
+                                        settings=self.settings, tp_rank=self.tp_rank, tp_size=self.tp_size,
+                                        on_release=self.pusher.on_push if self.pusher is not None else None)
         logger.info("KV connector %s (%s): side channel on %s:%d, %d stores registered", self.engine_id,
                     self.config.kv_role, self.server.host, self.server.port, len(tensors))
         return {"host": self.server.host, "port": self.server.port}
@@ -125,8 +135,7 @@ class NixlConnectorWorker(KVConnectorWorker):
                 self._start_push(spec, now)
                 continue
             load = _Load(spec, now + self.config.load_timeout_s)
-            read_rank, notify, _ = self._pairing(spec)
-            for r in {read_rank, *notify}:
+            for r in self._pairing(spec)[1]:
                 key = (spec.remote_engine_id, r)
                 if key not in self._remotes:
                     fut = self._handshakes.get(key)
@@ -142,16 +151,13 @@ class NixlConnectorWorker(KVConnectorWorker):
         r = self.tp_rank if producer_rank is None else producer_rank
         return spec.remote_ports[r] if spec.remote_ports else spec.remote_port
 
-    def _pairing(self, spec: KVLoad) -> tuple[int, list[int], int]:
-        """(the producer rank this rank reads from, the producer ranks it tells the prompt is read, how many such
-        notices each producer rank gets in all). The same tensor_parallel_size: rank i <-> rank i. Otherwise
-        (allowed only where every rank holds the whole KV, ranks.py): rank i reads rank i mod P; a producer rank
-        no decoder rank reads hears from rank j mod D; a producer rank several read from hears from each."""
+    def _pairing(self, spec: KVLoad) -> tuple[list[int], list[int], int]:
+        """(the producer ranks this rank takes bytes from, the producer ranks it answers for - tells the prompt is
+        read, or registers with for push - and how many such answers each producer rank gets in all). The same
+        tensor_parallel_size: rank i <-> rank i; otherwise tp_slices.py says who holds which slice."""
         p, d, i = max(1, len(spec.remote_ports)), self.tp_size, self.tp_rank
-        if p == d:
-            return i, [i], 1
-        notify = sorted({i % p, *(r for r in range(p) if r % d == i)})
-        return i % p, notify, max(1, d // p)
+        split = any(s.rows for stores in self.layout for s in stores)
+        return sources(p, d, i, split), answers_for(p, d, i, split), notices_per_rank(p, d)
 
     def _handshake(self, spec: KVLoad, producer_rank: int) -> HandshakeReply:
         """On the handshake thread: ZeroMQ only. The agent is touched on the engine's thread alone (NIXL's
@@ -165,52 +171,62 @@ class NixlConnectorWorker(KVConnectorWorker):
         n = self._pairing(spec)[2]
         return spec.remote_request_id.encode() + (b"\x00%d" % n if n > 1 else b"")
 
-    def _descs(self, spec: KVLoad, remote: _Remote) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
-        return block_descs(spec.local_block_ids, spec.remote_block_ids, self.layout, remote.groups)
-
-    def _start_read(self, load: _Load, remote: _Remote) -> str:
-        # Checked here, not on the handshake thread: with the producer's agent added, a read refused for its
-        # layout still tells the producer to free the prompt it holds (_fail).
-        why = layout_mismatch(remote.groups, remote.settings, self.layout, self.settings,
-                              f"producer {load.spec.remote_engine_id}")
-        if why:
-            raise RuntimeError(why)
-        local_d, remote_d = self._descs(load.spec, remote)
-        notif = self._notice(load.spec)
-        if not local_d:  # nothing to move (all positions local or released): just let the producer free
-            self.agent.send_notif(remote.agent_name, notif)
-            return "DONE"
-        load.nbytes = sum(n for _, n, _ in local_d)
-        load.handle = self.agent.initialize_xfer("READ", self.agent.get_xfer_descs(local_d, "DRAM"),
-                                                 self.agent.get_xfer_descs(remote_d, "DRAM"), remote.agent_name,
-                                                 notif)
+    def _start_reads(self, load: _Load) -> None:
+        """One READ per producer rank this rank takes bytes from (its slice of each of their rows, or their whole
+        blocks), each carrying that rank's completion notice; a rank with nothing to give just gets the notice."""
+        spec = load.spec
+        p = max(1, len(spec.remote_ports))
+        for r in self._pairing(spec)[0]:
+            remote = self._remotes[(spec.remote_engine_id, r)]
+            # Checked here, not on the handshake thread: with the producer's agent added, a read refused for its
+            # layout still tells the producer to free the prompt it holds (_fail).
+            why = layout_mismatch(remote.groups, remote.settings, p, self.layout, self.settings, self.tp_size,
+                                  f"producer {spec.remote_engine_id}")
+            if why:
+                raise RuntimeError(why)
+        load.started = True
         load.started_s = time.monotonic()
-        return self.agent.transfer(load.handle)
+        for r in self._pairing(spec)[0]:
+            remote = self._remotes[(spec.remote_engine_id, r)]
+            remote_d, local_d = transfer_descs(spec.remote_block_ids, spec.local_block_ids, remote.groups, r, p,
+                                               self.layout, self.tp_rank, self.tp_size)
+            if not local_d:  # nothing to move (all positions local or released): just let the producer free
+                self.agent.send_notif(remote.agent_name, self._notice(spec))
+                load.done_ranks.add(r)
+                continue
+            load.nbytes += sum(n for _, n, _ in local_d)
+            load.handles[r] = self.agent.initialize_xfer("READ", self.agent.get_xfer_descs(local_d, "DRAM"),
+                                                         self.agent.get_xfer_descs(remote_d, "DRAM"),
+                                                         remote.agent_name, self._notice(spec))
+            if self.agent.transfer(load.handles[r]) == "ERR":
+                raise RuntimeError(f"NIXL read from rank {r} failed at post")
 
     def _fail(self, load: _Load, why: str, out: KVConnectorOutput) -> bool:
-        """Report the load failed once its transfer is released (aborted if still active); False: NIXL could not
-        release it yet - it may still write into the blocks, so they stay the request's and this is retried."""
+        """Report the load failed once its transfers are released (aborted if still active); False: NIXL could not
+        release one yet - it may still write into the blocks, so they stay the request's and this is retried."""
         load.failed = why
-        if load.handle is not None:
+        for r, handle in list(load.handles.items()):
             try:
-                self.agent.release_xfer_handle(load.handle)
+                self.agent.release_xfer_handle(handle)
             except Exception:
-                logger.debug("request %s: read not released yet", load.spec.req_id, exc_info=True)
+                logger.debug("request %s: read from rank %d not released yet", load.spec.req_id, r, exc_info=True)
                 return False
-            load.handle = None
+            del load.handles[r]
         out.failed_recving[load.spec.req_id] = why
-        self._notify_others(load.spec, skip=None)  # the producer frees its held blocks now, not at its timeout
+        self._notify_others(load)  # the producer frees its held blocks now, not at its timeout
         return True
 
-    def _notify_others(self, spec: KVLoad, skip: int | None) -> None:
-        """Tell the producer ranks this rank answers for (but ``skip``, whose read carried the notice) that the
-        prompt is read; a rank not reached yet frees at its abort timeout."""
+    def _notify_others(self, load: _Load) -> None:
+        """Tell the producer ranks this rank answers for (but those whose read carried the notice) that the prompt
+        is read; a rank not reached yet frees at its abort timeout."""
+        spec = load.spec
         for r in self._pairing(spec)[1]:
             remote = self._remotes.get((spec.remote_engine_id, r))
-            if r == skip or remote is None:
+            if r in load.done_ranks or remote is None:
                 continue
             try:
                 self.agent.send_notif(remote.agent_name, self._notice(spec))
+                load.done_ranks.add(r)
             except Exception:
                 logger.debug("could not notify producer %s rank %d", spec.remote_engine_id, r, exc_info=True)
 
@@ -220,7 +236,7 @@ class NixlConnectorWorker(KVConnectorWorker):
         if load.failed:  # waiting for NIXL to let go of a failed read's transfer
             return self._fail(load, load.failed, out)
         try:
-            if load.handle is None:
+            if not load.started:
                 for r, fut in list(load.handshakes.items()):
                     key = (spec.remote_engine_id, r)
                     if key not in self._remotes:
@@ -232,62 +248,74 @@ class NixlConnectorWorker(KVConnectorWorker):
                         self._remotes[key] = _Remote(self.agent.add_remote_agent(reply.agent_metadata),
                                                      reply.groups, reply.settings)
                     del load.handshakes[r]
-                read_rank = self._pairing(spec)[0]
-                state = self._start_read(load, self._remotes[(spec.remote_engine_id, read_rank)])
-                if load.handle is None:
-                    self._notify_others(spec, skip=read_rank)
-                    out.finished_recving.append(spec.req_id)
-                    return True
-            else:
-                state = self.agent.check_xfer_state(load.handle)
+                self._start_reads(load)
+            for r, handle in list(load.handles.items()):
+                state = self.agent.check_xfer_state(handle)
+                if state == "DONE":
+                    self.agent.release_xfer_handle(handle)
+                    del load.handles[r]
+                    load.done_ranks.add(r)
+                elif state == "ERR":
+                    return self._fail(load, f"NIXL transfer error reading rank {r}", out)
         except Exception as e:
             logger.warning("request %s: KV read from %s failed: %s", spec.req_id, spec.remote_engine_id, e)
             return self._fail(load, f"{type(e).__name__}: {e}", out)
-        if state == "DONE":
-            self._notify_others(spec, skip=self._pairing(spec)[0])
+        if not load.handles:
+            self._notify_others(load)
             out.finished_recving.append(spec.req_id)
-            out.bytes_received += load.nbytes
-            out.seconds_receiving += time.monotonic() - load.started_s
-            self.agent.release_xfer_handle(load.handle)
+            if load.nbytes:
+                out.bytes_received += load.nbytes
+                out.seconds_receiving += time.monotonic() - load.started_s
             return True
-        if state == "ERR":
-            return self._fail(load, "NIXL transfer error", out)
         if now > load.deadline:
             return self._fail(load, f"transfer not done within {self.config.load_timeout_s:.1f} s", out)
         return False
 
     # -- push loads (send_type PUT) ------------------------------------------------------------------------
     def _start_push(self, spec: KVLoad, now: float) -> None:
+        """Register this rank's blocks with every producer rank it answers for (each writes its slice, or just
+        frees); the load is over once each of them reported."""
+        p = max(1, len(spec.remote_ports))
         nbytes = sum(sum(s.block_bytes for s in stores) for ids, rids, stores in
                      zip(spec.local_block_ids, spec.remote_block_ids, self.layout)
                      for lb, rb in zip(ids, rids) if lb >= 0 and rb >= 0)
+        _, ranks, registrants = self._pairing(spec)
         req = PushRequest(self.agent_name, spec.remote_engine_id, self._metadata, self.layout, spec.req_id,
-                          spec.remote_request_id, spec.local_block_ids, settings=self.settings)
-        fut = self._pool.submit(register_push, spec.remote_host, self._remote_port(spec), req,
-                                min(5.0, self.config.load_timeout_s))
-        self._push_loads[spec.req_id] = _PushLoad(spec, now + 2 * self.config.load_timeout_s, fut, nbytes)
+                          spec.remote_request_id, spec.local_block_ids, settings=self.settings, tp_rank=self.tp_rank,
+                          tp_size=self.tp_size, registrants=registrants)
+        futs = {r: self._pool.submit(register_push, spec.remote_host, self._remote_port(spec, r), req,
+                                     min(5.0, self.config.load_timeout_s)) for r in ranks}
+        self._push_loads[spec.req_id] = _PushLoad(spec, now + 2 * self.config.load_timeout_s, futs, nbytes)
+        self._push_agents[spec.req_id] = {agent_name(spec.remote_engine_id, r, p): r for r in ranks}
 
     def _progress_push(self, load: _PushLoad, notes: dict[tuple[str, str], bool], now: float,
                        out: KVConnectorOutput) -> bool:
         spec = load.spec
-        done = notes.pop((agent_name(spec.remote_engine_id, self.tp_rank, self.tp_size), spec.req_id), None)
-        if done is True:
-            out.finished_recving.append(spec.req_id)
-            out.bytes_received += load.nbytes
-            out.seconds_receiving += now - load.started_s
-            return True
-        if done is False:
-            out.failed_recving[spec.req_id] = "the producer could not write the prompt's KV"
-            return True
-        if load.registered.done() and isinstance(load.registered.exception(), PushRefused):
-            # Refused: the producer took nothing and writes nothing.
-            logger.warning("request %s: %s", spec.req_id, load.registered.exception())
-            out.failed_recving[spec.req_id] = str(load.registered.exception())
+        for name, r in self._push_agents[spec.req_id].items():
+            done = notes.pop((name, spec.req_id), None)
+            if done is not None:
+                load.outcomes[r] = done
+            elif r not in load.outcomes:
+                fut = load.registered[r]
+                if fut.done() and isinstance(fut.exception(), PushRefused):
+                    # Refused: that rank took nothing and writes nothing.
+                    logger.warning("request %s: %s", spec.req_id, fut.exception())
+                    load.outcomes[r] = False
+                    load.refusal = str(fut.exception())
+        if len(load.outcomes) == len(load.registered):
+            del self._push_agents[spec.req_id]
+            if all(load.outcomes.values()):
+                out.finished_recving.append(spec.req_id)
+                out.bytes_received += load.nbytes
+                out.seconds_receiving += now - load.started_s
+            else:
+                out.failed_recving[spec.req_id] = load.refusal or "the producer could not write the prompt's KV"
             return True
         if now > load.deadline:
             # No answer or no notification: the producer is gone or gave up its write (after load_timeout_s).
             logger.warning("request %s: no push from %s within %.1f s", spec.req_id, spec.remote_engine_id,
                            2 * self.config.load_timeout_s)
+            del self._push_agents[spec.req_id]
             out.failed_recving[spec.req_id] = "push not done in time"
             return True
         return False
@@ -300,8 +328,8 @@ class NixlConnectorWorker(KVConnectorWorker):
         if self.pusher is not None:  # producer: writes for decoders that registered their blocks
             self.pusher.step(out)
         notes: dict[tuple[str, str], bool] = {}  # (producer engine, request) -> pushed ok
-        for agent_name, msgs in self.agent.get_new_notifs().items():
-            name = agent_name.decode() if isinstance(agent_name, bytes) else agent_name
+        for peer, msgs in self.agent.get_new_notifs().items():
+            name = peer.decode() if isinstance(peer, bytes) else peer
             for m in msgs:
                 if m.startswith(PUSH_DONE) or m.startswith(PUSH_FAIL):
                     notes[(name, m[len(PUSH_DONE):].decode())] = m.startswith(PUSH_DONE)

@@ -3,8 +3,8 @@
 Each data-parallel replica is an engine of its own to the other instance (its own scheduler, block ids and
 ``remote_engine_id``, as vLLM names DP ranks' engines ``<engine_id>_dp<rank>``); each rank of a replica runs its
 own NIXL agent over its own KV stores (its tensor-parallel shard) and its own side channel. Tensor-parallel rank i
-of a decoder reads from rank i of the producer (homogeneous layouts: both sides run the same
-tensor_parallel_size), so a prompt has moved once *every* rank of the replica reports it, and a held prompt may be
+of a decoder reads from rank i of the producer at the same tensor_parallel_size (across sizes, from the ranks
+tp_slices.py names), so a prompt has moved once *every* rank of the replica reports it, and a held prompt may be
 freed once every rank's reader said it is done - ``KVOutputAggregator`` turns the ranks' step reports into that.
 """
 from __future__ import annotations

@@ -25,6 +25,7 @@ class StoreLayout(msgspec.Struct):
     base_addr: int
     block_bytes: int
     num_blocks: int
+    rows: int = 0  # > 0: split by KV heads over the tensor-parallel ranks, a block being this many rows (tp_slices.py)
 
 
 class HandshakeRequest(msgspec.Struct, tag="handshake"):
@@ -38,6 +39,8 @@ class HandshakeReply(msgspec.Struct, tag="handshake_reply"):
     groups: list[list[StoreLayout]] = []
     error: str = ""
     settings: str = ""  # what shapes the layout (model, block size, KV dtype, groups, drafter): for error messages
+    tp_rank: int = 0  # the answering rank's place in its replica (its slice of split stores)
+    tp_size: int = 1
 
 
 class PushRequest(msgspec.Struct, tag="push"):
@@ -49,6 +52,9 @@ class PushRequest(msgspec.Struct, tag="push"):
     remote_request_id: str  # the producer's held request
     block_ids: list[list[int]]  # the decoder's blocks per group, position for position with the held ones; -1: skip
     settings: str = ""  # the decoder's (HandshakeReply.settings)
+    tp_rank: int = 0  # the decoder rank's place in its replica: which slice of split stores it wants
+    tp_size: int = 1
+    registrants: int = 1  # how many decoder ranks register for this prompt with this producer rank
 
 
 class PushReply(msgspec.Struct, tag="push_reply"):
@@ -56,20 +62,29 @@ class PushReply(msgspec.Struct, tag="push_reply"):
     error: str = ""
 
 
+class ReleaseRequest(msgspec.Struct, tag="release"):
+    """A decoder refused a held prompt (its params do not fit that decoder's layout): free it now, not at the
+    abort timeout. Answered with a PushReply (error: not taken)."""
+    engine_id: str  # the decoder's (for the producer's log)
+    expect_engine_id: str
+    remote_request_id: str
+
+
 _encoder = msgspec.msgpack.Encoder()
-_request_decoder = msgspec.msgpack.Decoder(HandshakeRequest | PushRequest)
+_request_decoder = msgspec.msgpack.Decoder(HandshakeRequest | PushRequest | ReleaseRequest)
 _reply_decoder = msgspec.msgpack.Decoder(HandshakeReply)
 _push_reply_decoder = msgspec.msgpack.Decoder(PushReply)
 
 
 class SideChannelServer:
     """Answers handshakes on a daemon thread until ``close``. ``on_push`` (None: push is refused) takes each push
-    request on that thread and returns an error text or ""; it must only hand the request over (a queue): the NIXL
-    agent is the engine thread's."""
+    request - and ``on_release`` each release - on that thread and returns an error text or ""; they must only hand
+    the request over (a queue): the NIXL agent and the held prompts are the engine thread's."""
 
     def __init__(self, host: str, port: int, engine_id: str, agent_metadata: bytes,
                  groups: list[list[StoreLayout]], on_push: Callable[[PushRequest], str] | None = None,
-                 settings: str = "") -> None:
+                 settings: str = "", tp_rank: int = 0, tp_size: int = 1,
+                 on_release: Callable[[ReleaseRequest], str] | None = None) -> None:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -79,8 +94,10 @@ class SideChannelServer:
             self._sock.bind(f"tcp://{host}:{port}")
             self.port = port
         self.host = host
-        self._reply = HandshakeReply(engine_id, agent_metadata, groups, settings=settings)
+        self._reply = HandshakeReply(engine_id, agent_metadata, groups, settings=settings, tp_rank=tp_rank,
+                                     tp_size=tp_size)
         self._on_push = on_push
+        self._on_release = on_release
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="kv-side-channel", daemon=True)
         self._thread.start()
@@ -101,6 +118,10 @@ class SideChannelServer:
                     if not wrong and self._on_push is None:
                         wrong = f"engine {me} is not a kv_producer: it takes no push requests"
                     reply = PushReply(me, wrong or self._on_push(req))
+                elif isinstance(req, ReleaseRequest):
+                    if not wrong and self._on_release is None:
+                        wrong = f"engine {me} is not a kv_producer: it holds no prompts"
+                    reply = PushReply(me, wrong or self._on_release(req))
                 else:
                     reply = HandshakeReply(me, error=wrong) if wrong else self._reply
             except msgspec.DecodeError as e:
@@ -146,3 +167,10 @@ def register_push(host: str, port: int, request: PushRequest, timeout_s: float) 
     reply = _ask(host, port, request, _push_reply_decoder, timeout_s)
     if reply.error:
         raise PushRefused(f"push to {host}:{port} refused: {reply.error}")
+
+
+def release_held(host: str, port: int, request: ReleaseRequest, timeout_s: float) -> None:
+    """Tell the producer rank at host:port to free a held prompt now; raises on a refusal or no answer."""
+    reply = _ask(host, port, request, _push_reply_decoder, timeout_s)
+    if reply.error:
+        raise RuntimeError(f"release at {host}:{port} refused: {reply.error}")
