@@ -348,7 +348,8 @@ def cached_share(r: dict) -> float | None:
 
 def markdown(results: dict) -> str:
     lines = ["| setup | ranks | tok/s (in+out) | out tok/s | TTFT p50 / p90 ms | TPOT p50 / p90 ms | cached share "
-             "(server) | MTP accepted / drafted | decoder prompt tokens received / local hit | KV bytes moved | failed |",
+             "(server) | MTP accepted / drafted | decoder prompt tokens received / local hit | KV bytes moved | "
+             "failed |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         c = r["client"]
@@ -429,19 +430,22 @@ def main(argv: list[str] | None = None) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="pd-agentic-"))
     model = Path(args.model).resolve() if args.model else make_random_checkpoint(tmp / "v3")
     print(f"model {model}; server and router logs in {tmp}", flush=True)
+    settings = {k: v for k, v in vars(args).items() if k not in ("router",)}
+    settings["model_config"] = json.loads((model / "config.json").read_text())
+    settings["trained_mtp"] = args.model is not None
     results = {}
     for name, setup in run_names(args):
         results[name] = run_setup(name, setup, model, args, out, tmp)
         c = results[name]["client"]
         print(f"{name}: {c['completed']} done, {c['total_token_throughput']:.1f} tok/s, TTFT p50 "
               f"{c['ttft_ms']['p50']:.0f} ms, TPOT p50 {c['tpot_ms']['p50']:.1f} ms", flush=True)
-    settings = {k: v for k, v in vars(args).items() if k not in ("router",)}
-    settings["model_config"] = json.loads((model / "config.json").read_text())
-    settings["trained_mtp"] = args.model is not None
+        write_outputs(results, settings, out)  # after every run: a long sweep's finished runs are kept
+    print((out / "summary.md").read_text())
+
+
+def write_outputs(results: dict, settings: dict, out: Path) -> None:
     (out / "summary.json").write_text(json.dumps({"settings": settings, "results": results}, indent=1) + "\n")
-    md = markdown(results)
-    (out / "summary.md").write_text(md)
-    print(md)
+    (out / "summary.md").write_text(markdown(results))
     plot(results, out / "pd_agentic.png")
 
 
