@@ -3,6 +3,7 @@ Pure arithmetic, no torch model built (the openinfer KV figures come from kv_byt
 from __future__ import annotations
 
 import importlib.util
+import sys
 from math import comb
 from pathlib import Path
 
@@ -15,7 +16,11 @@ ROOT = Path(__file__).resolve().parents[1]
 def proj():
     spec = importlib.util.spec_from_file_location("dep32_projection", ROOT / "scripts" / "dep32_projection.py")
     mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up there
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        del sys.modules[spec.name]
     return mod
 
 
