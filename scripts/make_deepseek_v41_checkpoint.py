@@ -61,6 +61,23 @@ SIZES: dict[str, dict[str, Any]] = {
         rope_scaling={"type": "yarn", "factor": 16.0, "original_max_position_embeddings": 1024, "beta_fast": 32,
                       "beta_slow": 1},
     ),
+    # For decode curves out to 131,072 context (docs/results/decode_curve_131k): V4.1-Flash's attention shape
+    # (2 SWA layers, C2 then C1 from the YOCO boundary, window 128, indexer top-512 within 2048 candidate
+    # entries) at the tiny width and with tiny's Engram / DSpark block (4 tokens: up to 3 drafts).
+    "curve": dict(
+        vocab_size=256, hidden_size=128, num_hidden_layers=8, num_attention_heads=4, head_dim=64,
+        qk_rope_head_dim=16, q_lora_rank=64, o_groups=2, o_lora_rank=32, moe_intermediate_size=64,
+        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, sliding_window=128,
+        compress_ratios=[0, 0, 2, 2, 2, 1, 1, 1, 0], kv_source_layer_ids=[2, 5, 7],
+        index_source_layer_ids=[2, 4, 5, 7], candidate_source_layer_id=5, candidate_topk_blocks=256,
+        candidate_block_size=8, index_n_heads=4, index_head_dim=32, index_topk=512, engram_layer_ids=[1, 3],
+        engram_max_ngram_size=3, engram_n_heads=2, engram_head_dim=32, engram_vocab_size=97,
+        engram_pad_token_id=2, engram_compressed_vocab_size=228, num_nextn_predict_layers=1, dspark_block_size=4,
+        dspark_target_layer_ids=[5, 6, 7], dspark_markov_rank=16, dspark_n_routed_experts=4,
+        dspark_num_experts_per_tok=2, dspark_noise_token_id=3, max_position_embeddings=262144,
+        rope_scaling={"type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536, "beta_fast": 32,
+                      "beta_slow": 1},
+    ),
 }
 # The vision tower (vision_config + vision.* / aligner.* / image_* tensors): DeepInfer's ViT shape is fixed in
 # vision_encoder/vit.py (patch 14, width 1024, 32 blocks, 16 heads, MLP 2.7x rounded up to 128; aligner
@@ -206,7 +223,7 @@ def make_checkpoint(out: str | Path, size: str = "tiny", seed: int = 0, std: flo
     from safetensors.torch import save_file
 
     text = {**COMMON, **SIZES[size], **overrides}
-    std = std if std is not None else (0.08 if size == "tiny" else 0.02)
+    std = std if std is not None else (0.08 if size in ("tiny", "curve") else 0.02)
     gen = torch.Generator().manual_seed(seed)
 
     def randn(shape, s, mean=0.0):

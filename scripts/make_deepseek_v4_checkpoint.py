@@ -57,6 +57,19 @@ SIZES: dict[str, dict[str, Any]] = {
         rope_scaling={"type": "yarn", "factor": 16.0, "original_max_position_embeddings": 1024,
                       "beta_fast": 32, "beta_slow": 1},
     ),
+    # For decode curves out to 131,072 context (docs/results/decode_curve_131k): V4-Flash's attention shape
+    # (2 SWA layers then CSA 4 / HCA 128 alternating, window 128, indexer top-512, YaRN 16 over 65,536,
+    # 3 hash layers) at the tiny width, so a 131k prefix prefills in minutes on a CPU.
+    "curve": dict(
+        vocab_size=256, hidden_size=128, num_hidden_layers=6, num_attention_heads=4, head_dim=64,
+        qk_rope_head_dim=16, q_lora_rank=64, o_groups=2, o_lora_rank=32, moe_intermediate_size=64,
+        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+        layer_types=[SWA, SWA, CSA, HCA, CSA, HCA], compress_rates={CSA: 4, HCA: 128},
+        mlp_layer_types=["hash_moe"] * 3 + ["moe"] * 3, sliding_window=128, index_n_heads=4,
+        index_head_dim=32, index_topk=512, max_position_embeddings=262144,
+        rope_scaling={"type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536,
+                      "beta_fast": 32, "beta_slow": 1},
+    ),
 }
 
 
@@ -100,7 +113,7 @@ def make_checkpoint(out: str | Path, size: str = "tiny", seed: int = 0, std: flo
     with no_init_weights():  # randomize() overwrites every parameter; HF's own init would double the cost
         model = DeepseekV4ForCausalLM._from_config(cfg, dtype=dtype or torch.float32).eval()
     if std is None:
-        std = 0.08 if size == "tiny" else 0.02
+        std = 0.08 if size in ("tiny", "curve") else 0.02
     randomize(model, cfg.vocab_size, cfg.num_experts_per_tok, cfg.n_routed_experts, std, seed)
     out = Path(out)
     model.save_pretrained(str(out))

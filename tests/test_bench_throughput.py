@@ -108,6 +108,45 @@ def test_prompts_are_seeded_and_distinct():
         make_prompts(0, 8, 0, 1, 3)  # 3 possible one-token prompts cannot make 8 distinct ones
 
 
+def test_prompts_with_a_shared_prefix():
+    a = make_prompts(0, 8, 0, 40, 256, 16, shared_prefix_len=24)
+    assert all(len(p) == 40 and p[:24] == a[0][:24] for p in a)
+    assert len({tuple(p[24:40]) for p in a}) == 8  # the tails' first blocks differ
+    b = make_prompts(0, 4, 1, 40, 256, 16, shared_prefix_len=24)
+    assert b[0][:24] == a[0][:24] and b[0][24:] != a[0][24:]  # one prefix per sweep, new tails per iteration
+
+
+def test_decode_window_shared_prefix_and_speculative_steps(ckpt):
+    """--shared-prefix-len: the batch hits the primed prefix in the prefix cache; with speculative decoding a
+    timed step adds 1..1+k tokens to each request and all are counted, with the window's drafts. The tokens are
+    the plain greedy run's (a draft model equal to the target accepts every draft)."""
+    from openinfer.bench.throughput import OpenInferRunner
+    from openinfer.bench.workload import resolve_workload
+
+    spec = json.dumps({"method": "draft_model", "num_speculative_tokens": 2, "model": str(ckpt)})
+    common = ("--model", str(ckpt), "--dtype", "float32", "--mode", "decode", "--context-len", str(CTX),
+              "--batch-sizes", "3")
+    args = parse(*common, "--decode-steps", str(STEPS), "--shared-prefix-len", "16", "--speculative-config", spec)
+    resolve_workload(args)
+    runner = OpenInferRunner(args, 3)
+    prompts = make_prompts(0, 3, 0, CTX, runner.vocab_size, runner.block_size, 16)
+    sample = runner.run_decode(prompts, STEPS)
+    assert sample.cached_prompt_tokens == 3 * 16  # every request hit the primed block
+    drafts, drafted, accepted = sample.spec_drafts
+    assert drafts == 3 * STEPS and drafted == accepted == 2 * drafts  # one verification per request per step
+    win = runner.last_window
+    assert [len(t) for t in win.tokens] == [3 * STEPS] * 3
+    assert sample.num_output_tokens == 9 * STEPS
+    runner.close()
+
+    plain = parse(*common, "--decode-steps", str(3 * STEPS))
+    resolve_workload(plain)
+    ref = OpenInferRunner(plain, 3)
+    ref.run_decode(prompts, 3 * STEPS)
+    assert ref.last_window.tokens == win.tokens and ref.last_window.start_index == win.start_index
+    ref.close()
+
+
 class FakeRunner:
     name = "openinfer"
 
@@ -251,6 +290,12 @@ def test_speculative_config_recorded_or_rejected():
     (["--input-len", "16", "--context-len", "8"], "--context-len 8 and --input-len 16 disagree"),
     (["--mode", "decode", "--output-len", "8"], "--output-len applies to --mode e2e"),
     (["--decode-steps", "8"], "--decode-steps applies to --mode decode"),
+    (["--shared-prefix-len", "8"], "--shared-prefix-len applies to --mode decode"),
+    (["--mode", "decode", "--context-len", "16", "--shared-prefix-len", "16"],
+     r"--shared-prefix-len must be in \[0, --context-len 16\), got 16"),
+    (["--mode", "decode", "--context-len", "100", "--decode-steps", "10", "--max-model-len", "128",
+      "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'],
+     r"--decode-steps 10 x 3 \(1 \+ num_speculative_tokens\) \+ 2 = 132 exceeds --max-model-len 128"),
 ])
 def test_workload_flags_rejected(argv, message):
     from openinfer.bench.workload import resolve_workload

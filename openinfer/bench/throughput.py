@@ -27,7 +27,8 @@ from typing import Any
 import msgspec
 
 from openinfer.bench import results as R
-from openinfer.bench.workload import (DECODE_TAIL_TOKENS, add_workload_args, check_fits, resolve_workload, tokens_needed)
+from openinfer.bench.workload import (DECODE_TAIL_TOKENS, add_workload_args, check_fits, resolve_workload, tokens_needed,
+                                     tokens_per_step)
 from openinfer import vllm_compat
 from openinfer.engine_args import EngineArgs
 
@@ -53,10 +54,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def make_prompts(seed: int, batch: int, iteration: int, input_len: int, vocab_size: int,
-                 block_size: int = 16) -> list[list[int]]:
+                 block_size: int = 16, shared_prefix_len: int = 0) -> list[list[int]]:
     """Seeded random prompts; the first KV block of every prompt differs, so no request can hit another's
-    cached prefix. The same (seed, batch, iteration) gives the same prompts to every engine."""
+    cached prefix. The same (seed, batch, iteration) gives the same prompts to every engine. With
+    ``shared_prefix_len`` P, every prompt starts with the same P seeded tokens (the same for every batch and
+    iteration of a seed, so one prefill of it serves a whole sweep) and the rule holds for the first block of
+    the distinct tails after them."""
+    prefix_rng = random.Random(seed * 7919 + 17)
+    prefix = [prefix_rng.randrange(vocab_size) for _ in range(shared_prefix_len)]
     rng = random.Random(seed * 1_000_003 + batch * 1009 + iteration)
+    input_len -= shared_prefix_len
     head = min(block_size, input_len)
     if vocab_size ** head < 2 * batch:
         raise ValueError(f"vocab {vocab_size} is too small for {batch} distinct {head}-token prompt heads")
@@ -66,7 +73,7 @@ def make_prompts(seed: int, batch: int, iteration: int, input_len: int, vocab_si
         ids = [rng.randrange(vocab_size) for _ in range(input_len)]
         if tuple(ids[:head]) not in seen:
             seen.add(tuple(ids[:head]))
-            prompts.append(ids)
+            prompts.append(prefix + ids)
     return prompts
 
 
@@ -82,6 +89,9 @@ class OpenInferRunner:
         self.engine = self.llm.engine
         check_fits(args, self.engine.config.model.max_model_len, "max_model_len")
         self.temperature = args.temperature
+        self.shared_prefix_len = getattr(args, "shared_prefix_len", 0)
+        if self.shared_prefix_len and not self.engine.config.cache.enable_prefix_caching:
+            raise ValueError("--shared-prefix-len needs the prefix cache: drop --no-enable-prefix-caching")
         self.last_window = None  # decode mode: the latest DecodeWindow (tokens, for parity checks)
 
     @property
@@ -140,7 +150,8 @@ class OpenInferRunner:
     def run_decode(self, prompts: list[list[int]], decode_steps: int) -> R.IterationSample:
         from openinfer.bench.decode_window import run_decode_window
 
-        self.last_window = run_decode_window(self.engine, prompts, decode_steps, self.temperature)
+        self.last_window = run_decode_window(self.engine, prompts, decode_steps, self.temperature,
+                                             shared_prefix_len=self.shared_prefix_len)
         return self.last_window.sample
 
     def close(self) -> None:
@@ -181,13 +192,17 @@ def _decode_headroom(args: argparse.Namespace, max_batch: int) -> int:
     if args.mode != "decode":
         return 0
     budget = args.max_num_batched_tokens or 2048
-    return -(-max_batch * args.context_len // budget)
+    # Only the distinct tails are prefilled alongside decodes when a prefix is shared; a speculative step
+    # can add 1 + k tokens.
+    prefill = max_batch * (args.context_len - getattr(args, "shared_prefix_len", 0))
+    return -(-prefill // budget) * tokens_per_step(args)
 
 
 def sweep(runner, batches: list[int], args: argparse.Namespace, vocab_size: int, block_size: int,
           num_devices: int = 1) -> list[dict[str, Any]]:
     def prompts(b: int, it: int) -> list[list[int]]:
-        return make_prompts(args.seed, b, it, args.input_len, vocab_size, block_size)
+        return make_prompts(args.seed, b, it, args.input_len, vocab_size, block_size,
+                            getattr(args, "shared_prefix_len", 0))
 
     decode = args.mode == "decode"
 
@@ -233,9 +248,14 @@ def workload_block(args: argparse.Namespace, batches: list[int], with_hf: bool) 
         "min_tokens": None if decode else args.output_len,
         "num_devices": args.num_devices, "speculative_config": args.speculative_config_value,
         "hf_max_batch": args.hf_max_batch if with_hf else None,
-        "prompts": "seeded random token ids, distinct first KV block per request and distinct per iteration; "
-                   "prefix cache reset before each iteration, so no prefix-cache hits "
-                   "(see cached_prompt_tokens)",
+        "shared_prefix_len": args.shared_prefix_len,
+        "prompts": ("seeded random token ids, distinct first KV block per request and distinct per iteration; "
+                    "prefix cache reset before each iteration, so no prefix-cache hits "
+                    "(see cached_prompt_tokens)") if not args.shared_prefix_len else (
+                   f"seeded random token ids: the first {args.shared_prefix_len} are one prefix shared by "
+                   f"every request of the sweep, prefilled by a priming request (untimed) and kept in the prefix "
+                   f"cache (not reset between iterations); each request hits it and prefills only its distinct "
+                   f"tail (distinct first block, distinct per iteration); cached_prompt_tokens counts the hits"),
         "timing": DECODE_TIMING if decode else E2E_TIMING,
         "warmup": "one untimed iteration at each engine's largest batch, then warmup_iters per point (the "
                   "first of which is skipped when the previous iteration ran at the same batch)",

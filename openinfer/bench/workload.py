@@ -48,6 +48,11 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                    help=f"e2e mode: generated tokens per request, EOS ignored (default {DEFAULT_OUTPUT_LEN})")
     g.add_argument("--decode-steps", type=int, default=None,
                    help=f"decode mode: timed decode steps per iteration (default {DEFAULT_DECODE_STEPS})")
+    g.add_argument("--shared-prefix-len", type=int, default=0,
+                   help="decode mode: the first N of each request's --context-len prompt tokens are one seeded "
+                        "prefix shared by the whole batch, prefilled once (untimed) and then hit in the prefix "
+                        "cache, so each request computes only its distinct tail; the KV each request reads per "
+                        "step is unchanged, the prefill is paid once (default 0: nothing shared)")
     g.add_argument("--batch-sizes", default="1,8,32,64,128,256", help="comma-separated requests per point")
     g.add_argument("--num-iters", type=int, default=3, help="timed iterations per point (median reported)")
     g.add_argument("--warmup-iters", type=int, default=1, help="untimed iterations per point")
@@ -109,6 +114,13 @@ def resolve_workload(args: argparse.Namespace) -> list[int]:
     if args.num_devices is None:
         args.num_devices = (getattr(args, "tensor_parallel_size", 1) or 1) * (getattr(args, "data_parallel_size", 1)
                                                                                or 1)
+    if args.shared_prefix_len:
+        if args.mode != "decode":
+            raise ValueError("--shared-prefix-len applies to --mode decode (e2e mode measures prefill, which a "
+                             "shared prefix would skip)")
+        if not 0 < args.shared_prefix_len < args.context_len:
+            raise ValueError(f"--shared-prefix-len must be in [0, --context-len {args.context_len}), got "
+                             f"{args.shared_prefix_len}: each request needs a distinct tail")
     checks = [("context-len", args.context_len, 1), ("num-iters", args.num_iters, 1),
               ("warmup-iters", args.warmup_iters, 0), ("num-devices", args.num_devices, 1),
               ("hf-max-batch", args.hf_max_batch, 1)]
@@ -130,8 +142,16 @@ def resolve_workload(args: argparse.Namespace) -> list[int]:
 def tokens_needed(args: argparse.Namespace) -> int:
     """Sequence length one request reaches: prompt + output (e2e), or context + window + tail (decode)."""
     if args.mode == "decode":
-        return args.context_len + args.decode_steps + DECODE_TAIL_TOKENS
+        return args.context_len + args.decode_steps * tokens_per_step(args) + DECODE_TAIL_TOKENS
     return args.input_len + args.output_len
+
+
+def tokens_per_step(args: argparse.Namespace) -> int:
+    """The most tokens one decode step can add to a request: 1, or 1 + the drafts a verification can accept."""
+    spec = getattr(args, "speculative_config_value", None)
+    if not spec:
+        return 1
+    return 1 + spec["num_speculative_tokens"]
 
 
 def check_fits(args: argparse.Namespace, limit: int, source: str) -> None:
@@ -139,8 +159,10 @@ def check_fits(args: argparse.Namespace, limit: int, source: str) -> None:
     if need <= limit:
         return
     if args.mode == "decode":
+        per = tokens_per_step(args)
+        steps = f"--decode-steps {args.decode_steps}" + (f" x {per} (1 + num_speculative_tokens)" if per > 1 else "")
         raise ValueError(
-            f"--context-len {args.context_len} + --decode-steps {args.decode_steps} + {DECODE_TAIL_TOKENS} = "
+            f"--context-len {args.context_len} + {steps} + {DECODE_TAIL_TOKENS} = "
             f"{need} exceeds {source} {limit} (the {DECODE_TAIL_TOKENS} are the token sampled at prefill and "
             f"one more, so no request stops inside the timed window)")
     raise ValueError(f"--input-len {args.input_len} + --output-len {args.output_len} = {need} exceeds "
