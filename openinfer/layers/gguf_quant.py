@@ -43,6 +43,20 @@ GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 # 576 x 1536 Q8_0 2.56 / 2.07, Q4_K 2.97 / 2.49, Q6_K 1.82 / 1.65, Q4_1 2.67 / 3.56; 1536 x 576 Q4_1 1.45 / 1.04,
 # Q8_0 1.89 / 1.18; 4096 x 4096 Q4_K 41.7 / 37.3, Q6_K 40.2 / 33.8, Q4_1 22.3 / 39.9; at M = 16 even within noise.
 GGUF_DEQUANT_ROWS = 24
+# With int8 activations, from this many rows on the tile kernel (``cpu_kernels/gguf_q8_tiles.cpp``: each chunk of 16
+# weight rows decoded once into an int8 tile, integer dots over every activation row) instead of either path above,
+# for the types it has (``gguf_q8_tiled_supports``; the others keep the paths above). Measured below.
+GGUF_TILE_ROWS = 24
+
+
+_TILED: dict[int, bool] = {}  # type code -> whether the loaded kernel build has its tile kernel
+
+
+def _tiled(ops, code: int) -> bool:
+    """Whether the kernel build has the tile kernel for the type (asked once per type)."""
+    if code not in _TILED:
+        _TILED[code] = bool(ops.gguf_q8_tiled_supports(code))
+    return _TILED[code]
 
 
 @functools.cache
@@ -121,13 +135,16 @@ class GGUFWeight:
             return y.to(x.dtype).reshape(*x.shape[:-1], n)
         xf = x2.float().contiguous()
         b = None if bias is None else bias.float().contiguous()
-        if xf.shape[0] >= GGUF_DEQUANT_ROWS:
+        int8 = not fp32_activations and dispatch.active().gguf_int8
+        if int8 and xf.shape[0] >= GGUF_TILE_ROWS and _tiled(ops, self.code):
+            y = torch.empty(xf.shape[0], n, dtype=torch.float32)
+            ops.gguf_linear_q8_tiled(y, xf, self.data, self.code, b)
+        elif xf.shape[0] >= GGUF_DEQUANT_ROWS:
             y = decoded_matmul(xf, n, lambda out, n0, n1: ops.gguf_dequantize(out, self.data[n0:n1], self.code))
             if b is not None:
                 y += b
         else:
             y = torch.empty(xf.shape[0], n, dtype=torch.float32)
-            int8 = not fp32_activations and dispatch.active().gguf_int8
             (ops.gguf_linear_q8 if int8 else ops.gguf_linear)(y, xf, self.data, self.code, b)
         return y.to(x.dtype).reshape(*x.shape[:-1], n)
 
