@@ -47,8 +47,14 @@ GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 GGUF_DEQUANT_ROWS = 24
 # With int8 activations, from this many rows on the tile kernel (``cpu_kernels/gguf_q8_tiles.cpp``: each chunk of 16
 # weight rows decoded once into an int8 tile, integer dots over every activation row) instead of either path above,
-# for the types it has (``gguf_q8_tiled_supports``; the others keep the paths above). Measured below.
-GGUF_TILE_ROWS = 24
+# for the types it has (``gguf_q8_tiled_supports``; the others keep the paths above). Kept equal to GGUF_DEQUANT_ROWS
+# (the fused decode block runs the small-M kernel below it, and must give this path's bits). /tmp bench of the three
+# GGUF sources built alone (docs/gguf_kernels.md, "Int8 prefill"), 1 thread, min of 3 alternating, host at load ~17
+# on 2 CPUs at idle priority (single cells off by up to 5x): ms tiles / decode + GEMM / small-M int8 at M = 24:
+# 576 x 1536 Q8_0 9.05 / 15.9 / 9.62, Q4_K 4.78 / 18.0 / 9.49, Q6_K 10.7 / 15.9 / 11.9; 1536 x 576 Q4_1 7.91 / 15.5
+# / 13.2, Q8_0 9.36 / 8.61 / 10.8; 4096 x 4096 Q4_1 143 / 368 / 168, Q8_0 101 / 180 / 125. Tiles were ahead of
+# decode + GEMM in 26 of 32 cells at M = 24..1024; re-measure on a quiet host before moving the threshold.
+GGUF_TILE_ROWS = GGUF_DEQUANT_ROWS
 
 
 _TILED: dict[int, bool] = {}  # type code -> whether the loaded kernel build has its tile kernel
