@@ -89,6 +89,6 @@ def test_tiles_refuse_what_they_lack(kernel_ops, monkeypatch):
     code = type_info("Q5_K")[0]
     assert not kernel_ops.gguf_q8_tiled_supports(code)
     with pytest.raises(RuntimeError, match="no tile kernel"):
-        kernel_ops.gguf_linear_q8_tiled(torch.empty(24, 1), torch.zeros(24, 256), torch.zeros(1, 176, dtype=torch.uint8),
-                                        code, None)
+        kernel_ops.gguf_linear_q8_tiled(torch.empty(24, 1), torch.zeros(24, 256),
+                                        torch.zeros(1, 176, dtype=torch.uint8), code, None)
     assert not gguf_quant._tiled(kernel_ops, code)

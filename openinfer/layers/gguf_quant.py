@@ -13,7 +13,8 @@ fp32 accumulation, so the result is dequantise-then-matmul up to fp32 summation 
 activation rows on (prefill) with int8 activations, ``cpu_kernels/gguf_q8_tiles.cpp``: the same int8 arithmetic
 (``matmul_q8_reference``), each 16 weight rows decoded once into an int8 tile for integer dots over every row. From
 ``GGUF_DEQUANT_ROWS`` rows on otherwise (fp32 activations, the logits head, a type or build without a tile kernel)
-row chunks are decoded to fp32 by the kernel and multiplied by torch's GEMM (``quant_linear.decoded_matmul``). Where the kernels are off (torch backend, no compiler, a GPU tensor) the torch
+row chunks are decoded to fp32 by the kernel and multiplied by torch's GEMM (``quant_linear.decoded_matmul``).
+Where the kernels are off (torch backend, no compiler, a GPU tensor) the torch
 reference below decodes the blocks with torch ops (any device) and multiplies in fp32. Both decoders give
 ``gguf.quants.dequantize``'s values to the bit: every format's w = q * s + o has an exact product q * s (an fp16
 scale's 11 significant bits times a 6-bit sub-block scale and a 5-bit integer at most: 22 bits), so one rounding
@@ -316,7 +317,8 @@ def quantize_activations_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 def matmul_q8_reference(x: torch.Tensor, data: torch.Tensor, qtype: str, k: int) -> torch.Tensor:
     """The int8 path's arithmetic in torch (both kernels: gguf_q8_gemm.cpp below GGUF_TILE_ROWS rows,
-    gguf_q8_tiles.cpp from there; they differ only in the order of their fp32 sums), float64 ``[M, N]``: x quantised as ``quantize_activations_q8``, per group
+    gguf_q8_tiles.cpp from there; they differ only in the order of their fp32 sums), float64 ``[M, N]``: x
+    quantised as ``quantize_activations_q8``, per group
     the exact integer dot of the weight's integers with x's, times the group scale and x's block scale, plus each
     group's min times the block's sum of x: y = Σ_g s_g d_x Σ q_w q_x + Σ_g o_g Σ x. The kernel computes the same
     integers and rounds only its fp32 sums of these terms."""
