@@ -10,9 +10,14 @@ after repacking); ``--crossover`` times the register-tile kernel against decoded
 GGUF_DEQUANT_ROWS choice). ``--compare-fp32`` times the int8-activation kernel (gguf_q8_gemm.cpp, the default where
 the build has VNNI / AVX2) against the fp32-activation one (gguf_gemm.cpp) on the same weights, alternating calls
 in the same process (``fp32 / int8`` is the speed-up), so a shared host's load moves both alike.
+``--compare-tiles`` times the int8 prefill kernel (gguf_q8_tiles.cpp, GGUF_TILE_ROWS) against decoded rows + torch's
+GEMM (``quant_linear.decoded_matmul``, the path before it) and, up to 64 rows, the small-M int8 kernel, alternating
+calls, the minimum of ``--reps`` each (ratios are what a shared host's figures are good for).
 
     python scripts/gguf_gemm_speed.py --threads 1 --m 1 8 32
     python scripts/gguf_gemm_speed.py --threads 1 --m 1 4 8 16 --compare-fp32
+    python scripts/gguf_gemm_speed.py --threads 2 --m 24 64 256 1024 --compare-tiles --types Q4_1 Q8_0 Q4_K Q6_K \
+        --shapes 576x1536 1536x576 4096x4096
 """
 from __future__ import annotations
 
@@ -74,6 +79,33 @@ def timed(fn_per_copy, copies: int, reps: int) -> float:
     return statistics.median(times)
 
 
+def compare_tiles(qtype: str, n: int, k: int, one: torch.Tensor, ws: list, copies: int, args) -> None:
+    from openinfer.layers.quant_linear import decoded_matmul
+
+    ops = dispatch.active().ops
+    code = type_info(qtype)[0]
+    if not ops.gguf_q8_tiled_supports(code):
+        print(f"{qtype:5} {n}x{k}: no tile kernel in this build")
+        return
+    cols = []
+    for m in args.m:
+        x, y = torch.randn(m, k), torch.empty(m, n)
+        use = max(1, min(copies, (64 << 20) // max(1, m * n * k // 8)))  # big calls: fewer copies, same reps
+        paths = {"tiles": lambda i: ops.gguf_linear_q8_tiled(y, x, ws[i].data, code, None),
+                 "decode+GEMM": lambda i: decoded_matmul(
+                     x, n, lambda out, n0, n1: ops.gguf_dequantize(out, ws[i].data[n0:n1], code))}
+        if m <= 64:
+            paths["int8 small-M"] = lambda i: ops.gguf_linear_q8(y, x, ws[i].data, code, None)
+        best = {name: float("inf") for name in paths}
+        for _ in range(args.reps):  # alternating: the same load on each
+            for name, fn in paths.items():
+                best[name] = min(best[name], timed(fn, use, 1))
+        t = best["tiles"]
+        cols.append(f"M={m}: " + ", ".join(f"{name} {v * 1e3:.3f}" for name, v in best.items())
+                    + f" ms; decode+GEMM / tiles {best['decode+GEMM'] / t:.2f}x")
+    print(f"{qtype:5} {n}x{k} ({one.numel() / 1e6:6.2f} MB): " + "; ".join(cols), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--types", nargs="+", default=list(GGUF_TYPES))
@@ -85,6 +117,7 @@ def main() -> None:
     ap.add_argument("--compare-int4", action="store_true")
     ap.add_argument("--crossover", action="store_true")
     ap.add_argument("--compare-fp32", action="store_true")
+    ap.add_argument("--compare-tiles", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rng = np.random.default_rng(0)
@@ -116,6 +149,9 @@ def main() -> None:
                     cols.append(f"M={m}: int8 {a * 1e3:.3f} ms ({one.numel() / a / 1e9:.1f} GB/s), fp32 "
                                 f"{b * 1e3:.3f} ms, fp32/int8 {b / a:.2f}x")
                 print(f"{qtype:5} {n}x{k} ({one.numel() / 1e6:6.2f} MB): " + "; ".join(cols), flush=True)
+                continue
+            if args.compare_tiles:
+                compare_tiles(qtype, n, k, one, ws, copies, args)
                 continue
             for m in args.m:
                 x = torch.randn(m, k)

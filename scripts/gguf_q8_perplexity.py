@@ -47,7 +47,9 @@ def main() -> None:
     chunks = [ids[i:i + args.ctx] for i in range(0, len(ids) - args.ctx + 1, args.ctx)]
     if args.chunks:
         chunks = chunks[:args.chunks]
-    gguf_quant.GGUF_DEQUANT_ROWS = 1 << 30  # every step's rows through the register-tile kernels
+    # every step's rows through the int8 kernels: from GGUF_TILE_ROWS rows the prefill tile kernel (the engine's own
+    # prefill path since it exists), below that and for the types it lacks the register-tile kernels
+    gguf_quant.GGUF_DEQUANT_ROWS = 1 << 30
     llm = LLM(model=gguf, dtype="float32", max_model_len=1024, max_num_seqs=8)
     t0 = time.perf_counter()
     nll, n = scored_nll(llm, chunks)

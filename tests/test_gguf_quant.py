@@ -269,6 +269,14 @@ for qt in t.GGUF_TYPES:
             ops.gguf_linear_q8(y, torch.from_numpy(xi), torch.from_numpy(du), code, None)
             wu = gq.dequantize(du, gguf.GGMLQuantizationType[qt]).astype(np.float64)
             assert np.array_equal(y.numpy(), xi.astype(np.float64) @ wu.T), ("q8 exact", qt, n, k, m)
+        if ops.gguf_q8_tiled_supports(code):  # the prefill tile kernel (gguf_q8_tiles.cpp) on the same weights
+            for m in (24, 27):
+                x = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
+                y = torch.empty(m, n)
+                ops.gguf_linear_q8_tiled(y, torch.from_numpy(x), torch.from_numpy(d), code, None)
+                ref = matmul_q8_reference(torch.from_numpy(x), torch.from_numpy(d), qt, k).numpy()
+                assert (np.abs(y.numpy() - ref) <= t8._q8_bound(x, d, qt, k)).all(), ("tiles", qt, n, k, m)
+print("tiled", sorted(qt for qt in t.GGUF_TYPES if ops.gguf_q8_tiled_supports(type_info(qt)[0])))
 print("variant ok")
 """
 
@@ -290,7 +298,7 @@ def test_gguf_kernel_isa_variants(march, tmp_path):
         pytest.skip("no AVX-512 or AVX-VNNI here: the native build is the x86-64-v3 build, which the tests above ran")
     tests = os.path.dirname(os.path.abspath(__file__))
     kdir = os.path.join(os.path.dirname(tests), "openinfer", "layers", "cpu_kernels")
-    srcs = [os.path.join(kdir, f) for f in ("gguf_gemm.cpp", "gguf_q8_gemm.cpp")]
+    srcs = [os.path.join(kdir, f) for f in ("gguf_gemm.cpp", "gguf_q8_gemm.cpp", "gguf_q8_tiles.cpp")]
     code = _VARIANT_CHECK.format(tests=tests, march=march, srcs=srcs, build=str(tmp_path))
     env = dict(os.environ, OMP_NUM_THREADS="1")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900,
@@ -298,3 +306,7 @@ def test_gguf_kernel_isa_variants(march, tmp_path):
     assert r.returncode == 0 and "variant ok" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
     # the int8 path's dot product in that build: AVX2 maddubs (x86-64-v3), the portable loop (x86-64)
     assert f"integer dot {1 if march == 'x86-64-v3' else 0}" in r.stdout, r.stdout[-3000:]
+    # the prefill tile kernel: AVX2 has it for the 4-bit and Q6_K types (Q8_0's products would saturate maddubs),
+    # the portable build for none (the layer decodes to fp32 for a GEMM there)
+    tiled = "['Q4_0', 'Q4_1', 'Q4_K', 'Q6_K']" if march == "x86-64-v3" else "[]"
+    assert f"tiled {tiled}" in r.stdout, r.stdout[-3000:]

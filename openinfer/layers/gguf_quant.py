@@ -9,9 +9,12 @@ files and SmolLM2's Q4_1 hold: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K. I
 (``KernelSelection.gguf_int8``: the default where the build has VNNI or AVX2): x quantised to int8 per row and
 32 columns, integer dot products with the blocks' integers, as llama.cpp computes (``matmul_q8_reference`` below is
 its arithmetic in torch). Otherwise ``cpu_kernels/gguf_gemm.cpp``: the blocks decoded in registers, fp32 activations,
-fp32 accumulation, so the result is dequantise-then-matmul up to fp32 summation order. From ``GGUF_DEQUANT_ROWS``
-activation rows on (prefill) row chunks are decoded to fp32 by the kernel and multiplied by torch's GEMM
-(``quant_linear.decoded_matmul``). Where the kernels are off (torch backend, no compiler, a GPU tensor) the torch
+fp32 accumulation, so the result is dequantise-then-matmul up to fp32 summation order. From ``GGUF_TILE_ROWS``
+activation rows on (prefill) with int8 activations, ``cpu_kernels/gguf_q8_tiles.cpp``: the same int8 arithmetic
+(``matmul_q8_reference``), each 16 weight rows decoded once into an int8 tile for integer dots over every row. From
+``GGUF_DEQUANT_ROWS`` rows on otherwise (fp32 activations, the logits head, a type or build without a tile kernel)
+row chunks are decoded to fp32 by the kernel and multiplied by torch's GEMM (``quant_linear.decoded_matmul``).
+Where the kernels are off (torch backend, no compiler, a GPU tensor) the torch
 reference below decodes the blocks with torch ops (any device) and multiplies in fp32. Both decoders give
 ``gguf.quants.dequantize``'s values to the bit: every format's w = q * s + o has an exact product q * s (an fp16
 scale's 11 significant bits times a 6-bit sub-block scale and a 5-bit integer at most: 22 bits), so one rounding
@@ -43,6 +46,26 @@ GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 # 576 x 1536 Q8_0 2.56 / 2.07, Q4_K 2.97 / 2.49, Q6_K 1.82 / 1.65, Q4_1 2.67 / 3.56; 1536 x 576 Q4_1 1.45 / 1.04,
 # Q8_0 1.89 / 1.18; 4096 x 4096 Q4_K 41.7 / 37.3, Q6_K 40.2 / 33.8, Q4_1 22.3 / 39.9; at M = 16 even within noise.
 GGUF_DEQUANT_ROWS = 24
+# With int8 activations, from this many rows on the tile kernel (``cpu_kernels/gguf_q8_tiles.cpp``: each chunk of 16
+# weight rows decoded once into an int8 tile, integer dots over every activation row) instead of either path above,
+# for the types it has (``gguf_q8_tiled_supports``; the others keep the paths above). Kept equal to GGUF_DEQUANT_ROWS
+# (the fused decode block runs the small-M kernel below it, and must give this path's bits). /tmp bench of the three
+# GGUF sources built alone (docs/gguf_kernels.md, "Int8 prefill"), 1 thread, min of 3 alternating, host at load ~17
+# on 2 CPUs at idle priority (single cells off by up to 5x): ms tiles / decode + GEMM / small-M int8 at M = 24:
+# 576 x 1536 Q8_0 9.05 / 15.9 / 9.62, Q4_K 4.78 / 18.0 / 9.49, Q6_K 10.7 / 15.9 / 11.9; 1536 x 576 Q4_1 7.91 / 15.5
+# / 13.2, Q8_0 9.36 / 8.61 / 10.8; 4096 x 4096 Q4_1 143 / 368 / 168, Q8_0 101 / 180 / 125. Tiles were ahead of
+# decode + GEMM in 26 of 32 cells at M = 24..1024; re-measure on a quiet host before moving the threshold.
+GGUF_TILE_ROWS = GGUF_DEQUANT_ROWS
+
+
+_TILED: dict[int, bool] = {}  # type code -> whether the loaded kernel build has its tile kernel
+
+
+def _tiled(ops, code: int) -> bool:
+    """Whether the kernel build has the tile kernel for the type (asked once per type)."""
+    if code not in _TILED:
+        _TILED[code] = bool(ops.gguf_q8_tiled_supports(code))
+    return _TILED[code]
 
 
 @functools.cache
@@ -121,13 +144,16 @@ class GGUFWeight:
             return y.to(x.dtype).reshape(*x.shape[:-1], n)
         xf = x2.float().contiguous()
         b = None if bias is None else bias.float().contiguous()
-        if xf.shape[0] >= GGUF_DEQUANT_ROWS:
+        int8 = not fp32_activations and dispatch.active().gguf_int8
+        if int8 and xf.shape[0] >= GGUF_TILE_ROWS and _tiled(ops, self.code):
+            y = torch.empty(xf.shape[0], n, dtype=torch.float32)
+            ops.gguf_linear_q8_tiled(y, xf, self.data, self.code, b)
+        elif xf.shape[0] >= GGUF_DEQUANT_ROWS:
             y = decoded_matmul(xf, n, lambda out, n0, n1: ops.gguf_dequantize(out, self.data[n0:n1], self.code))
             if b is not None:
                 y += b
         else:
             y = torch.empty(xf.shape[0], n, dtype=torch.float32)
-            int8 = not fp32_activations and dispatch.active().gguf_int8
             (ops.gguf_linear_q8 if int8 else ops.gguf_linear)(y, xf, self.data, self.code, b)
         return y.to(x.dtype).reshape(*x.shape[:-1], n)
 
@@ -290,7 +316,9 @@ def quantize_activations_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 
 def matmul_q8_reference(x: torch.Tensor, data: torch.Tensor, qtype: str, k: int) -> torch.Tensor:
-    """The int8 path's arithmetic in torch, float64 ``[M, N]``: x quantised as ``quantize_activations_q8``, per group
+    """The int8 path's arithmetic in torch (both kernels: gguf_q8_gemm.cpp below GGUF_TILE_ROWS rows,
+    gguf_q8_tiles.cpp from there; they differ only in the order of their fp32 sums), float64 ``[M, N]``: x
+    quantised as ``quantize_activations_q8``, per group
     the exact integer dot of the weight's integers with x's, times the group scale and x's block scale, plus each
     group's min times the block's sum of x: y = Σ_g s_g d_x Σ q_w q_x + Σ_g o_g Σ x. The kernel computes the same
     integers and rounds only its fp32 sums of these terms."""

@@ -33,6 +33,7 @@
 #include <torch/library.h>
 
 #include "gguf_blocks.h"
+#include "gguf_q8_act.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -58,44 +59,6 @@ constexpr int kIntDot = 1;
 #else
 constexpr int kIntDot = 0;
 #endif
-
-// x quantised: rows [M, K] int8, and per row and 32-column block the scale, the fp32 sum, and 8 lane sums (the
-// negated sum of q over columns 4l..4l+3 of the block).
-struct QX {
-  std::vector<int8_t> q;
-  std::vector<float> d, sum;
-  std::vector<int32_t> nls;
-};
-
-// A view of kMB (or fewer) consecutive quantised rows.
-struct XRows {
-  const int8_t* q;
-  const float* d;
-  const float* s;
-  const int32_t* nl;
-  int64_t K, G;
-};
-
-void quantize_rows(const float* x, int64_t K, QX& qx, int64_t m0, int64_t m1) {
-  const int64_t G = K / 32;
-  for (int64_t m = m0; m < m1; ++m)
-    for (int64_t g = 0; g < G; ++g) {
-      const float* xb = x + m * K + g * 32;
-      float amax = 0.f, s = 0.f;
-      for (int i = 0; i < 32; ++i) {
-        amax = std::max(amax, std::fabs(xb[i]));
-        s += xb[i];
-      }
-      const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
-      int8_t* q = qx.q.data() + m * K + g * 32;
-      for (int i = 0; i < 32; ++i)
-        q[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(xb[i] * id))));
-      int32_t* nl = qx.nls.data() + (m * G + g) * 8;
-      for (int l = 0; l < 8; ++l) nl[l] = -(q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3]);
-      qx.d[m * G + g] = d;
-      qx.sum[m * G + g] = s;
-    }
-}
 
 template <int64_t T>
 constexpr int small_bytes() {

@@ -1,0 +1,313 @@
+// GGUF weights times int8 activations for many activation rows (prefill): y[M, N] = x[M, K] W^T with the arithmetic
+// of gguf_q8_gemm.cpp (the small-M int8 kernel; layers/gguf_quant.py's ``matmul_q8_reference`` describes both), laid
+// out so that the integer dot products do the work and each weight is decoded once per call, not once per 4 rows.
+//
+// Per chunk of kNC = 16 output columns (weight rows), over threads: the chunk's blocks are decoded once into an int8
+// tile, column-interleaved: for 32-column block b and k-quad j (columns 32 b + 4 j .. + 3), 16 columns x 4 bytes
+// (one 256-bit vector holds 8 columns' 4 bytes), the offset taken off (Q4_0 q - 8, Q6_K q - 32: signed), next to
+// each scale group's fp32 scale (d, d sc_j; Q6_K two per block, one per 16 columns), each block's min (Q4_1 m,
+// Q4_K -dmin mn_j) and each group's -128 Σ q_w. Then every activation row, kMR at a time, runs over the tile:
+// activations u = q + 128 (unsigned) broadcast 4 bytes at a time, weights signed, _mm256_dpbusd_epi32 (AVX512-VNNI
+// with VL, or AVX-VNNI) or AVX2's _mm256_maddubs_epi16 + _mm256_madd_epi16 into 8 columns' int32 lanes, started at
+// -128 Σ q_w so the group's sum is Σ q_x q_w exactly:
+//   I_g = Σ_{k in g} (q_xk + 128) q_wk - 128 Σ_{k in g} q_wk = Σ_{k in g} q_xk q_wk
+//   y_mn = Σ_g s_g d_mb(g) I_g + Σ_b mn_b Σ_{k in b} x_mk           (fp32, groups in order)
+// the small-M kernel's integers and terms; only the fp32 order of the sum differs (the tests hold both to the same
+// bound around the reference). maddubs sums pairs into int16: 2 * 255 * 32 = 16320 at most for Q4_0 / Q4_1 / Q4_K /
+// Q6_K's integers, but Q8_0's 2 * 255 * 128 would saturate, so an AVX2-only build leaves Q8_0 (and a build without
+// AVX2 every type) to the decode + fp32 GEMM path (``gguf_q8_tiled_supports``). Q5_0 / Q5_1 / Q5_K have no tile
+// decoder yet and stay there too.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include "gguf_blocks.h"
+#include "gguf_q8_act.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+constexpr bool kVnni = true;
+constexpr int kMR = 4;  // activation rows per pass: 4 x 2 int32 + 4 x 2 fp32 accumulators in 32 registers
+#elif defined(__AVXVNNI__)
+constexpr bool kVnni = true;
+constexpr int kMR = 3;  // 16 registers
+#else
+constexpr bool kVnni = false;
+constexpr int kMR = 3;
+#endif
+
+constexpr int kNC = 16;  // output columns per tile: two 8-lane vectors
+
+bool tiled_supports(int64_t t) {
+#ifdef __AVX2__
+  if (t == Q8_0) return kVnni;
+  return t == Q4_0 || t == Q4_1 || t == Q4_K || t == Q6_K;
+#else
+  (void)t;
+  return false;
+#endif
+}
+
+#ifdef __AVX2__
+// One chunk's decoded weights: G = K / 32 blocks, S scale groups per block (2 for Q6_K).
+struct Tile {
+  std::vector<int32_t> q;     // [G][8 quads][kNC] four int8 each
+  std::vector<float> s;       // [G][S][kNC]
+  std::vector<float> mn;      // [G][kNC]
+  std::vector<int32_t> comp;  // [G][S][kNC]: -128 Σ q_w over the group
+  void size(int64_t G, int S) {
+    if (static_cast<int64_t>(q.size()) < G * 8 * kNC) q.resize(G * 8 * kNC);
+    if (static_cast<int64_t>(s.size()) < G * S * kNC) {
+      s.resize(G * S * kNC);
+      comp.resize(G * S * kNC);
+    }
+    if (static_cast<int64_t>(mn.size()) < G * kNC) mn.resize(G * kNC);
+  }
+  void zero(int64_t G, int S) {
+    std::fill_n(q.begin(), G * 8 * kNC, 0);
+    std::fill_n(s.begin(), G * S * kNC, 0.f);
+    std::fill_n(comp.begin(), G * S * kNC, 0);
+    std::fill_n(mn.begin(), G * kNC, 0.f);
+  }
+};
+
+inline __m256i load32(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+
+inline __m256i nibbles16(const uint8_t* qs) {  // low nibbles are elements 0..15, high ones 16..31
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)), f = _mm_set1_epi8(0xF);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), f), _mm_and_si128(v, f));
+}
+
+// Column c's 32-column block b (signed integers q, in column order) into the tile, with its scales and min.
+template <int S>
+inline void put(Tile& t, int c, int64_t b, __m256i q, const float* s, float mn) {
+  alignas(32) int32_t quads[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(quads), q);
+  int32_t* dst = t.q.data() + b * 8 * kNC + c;
+  for (int j = 0; j < 8; ++j) dst[j * kNC] = quads[j];
+  // Σ q per 8 bytes: the sum of absolute differences of q + 128 from 0, less 8 * 128
+  alignas(32) int64_t sad[4];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(sad),
+                     _mm256_sad_epu8(_mm256_xor_si256(q, _mm256_set1_epi8(static_cast<char>(0x80))),
+                                     _mm256_setzero_si256()));
+  if constexpr (S == 1) {
+    t.comp[b * kNC + c] = -128 * static_cast<int32_t>(sad[0] + sad[1] + sad[2] + sad[3] - 4 * 8 * 128);
+  } else {
+    t.comp[(b * 2) * kNC + c] = -128 * static_cast<int32_t>(sad[0] + sad[1] - 2 * 8 * 128);
+    t.comp[(b * 2 + 1) * kNC + c] = -128 * static_cast<int32_t>(sad[2] + sad[3] - 2 * 8 * 128);
+  }
+  for (int i = 0; i < S; ++i) t.s[(b * S + i) * kNC + c] = s[i];
+  t.mn[b * kNC + c] = mn;
+}
+
+// Weight row w (nb blocks of type T) into column c of the tile.
+template <int64_t T>
+void decode_row(Tile& t, int c, const uint8_t* w, int64_t nb) {
+  const __m256i f = _mm256_set1_epi8(0xF);
+  for (int64_t b = 0; b < nb; ++b) {
+    if constexpr (T == Q8_0) {
+      const uint8_t* blk = w + b * 34;
+      const float s = fp16(blk);
+      put<1>(t, c, b, load32(blk + 2), &s, 0.f);
+    } else if constexpr (T == Q4_0) {
+      const uint8_t* blk = w + b * 18;
+      const float s = fp16(blk);
+      put<1>(t, c, b, _mm256_sub_epi8(nibbles16(blk + 2), _mm256_set1_epi8(8)), &s, 0.f);
+    } else if constexpr (T == Q4_1) {
+      const uint8_t* blk = w + b * 20;
+      const float s = fp16(blk);
+      put<1>(t, c, b, nibbles16(blk + 4), &s, fp16(blk + 2));
+    } else if constexpr (T == Q4_K) {
+      const uint8_t* blk = w + b * 144;
+      const float d = fp16(blk), dmin = fp16(blk + 2);
+      int sc[8], mn[8];
+      scale_min_k4(blk + 4, sc, mn);
+      for (int j = 0; j < 4; ++j) {  // sub-blocks 2j (low nibbles) and 2j + 1 (high) of the same 32 bytes
+        const __m256i v = load32(blk + 16 + 32 * j);
+        const float s0 = d * static_cast<float>(sc[2 * j]), s1 = d * static_cast<float>(sc[2 * j + 1]);
+        put<1>(t, c, 8 * b + 2 * j, _mm256_and_si256(v, f), &s0, -(dmin * static_cast<float>(mn[2 * j])));
+        put<1>(t, c, 8 * b + 2 * j + 1, _mm256_and_si256(_mm256_srli_epi16(v, 4), f), &s1,
+               -(dmin * static_cast<float>(mn[2 * j + 1])));
+      }
+    } else {  // Q6_K: element 128 h + 32 j + i: low 4 bits in ql[64 h + 32 (j & 1) + i] (high nibble for j >= 2),
+              // high 2 in bits 2j of qh[32 h + i], scale sc[8 h + 2 j + i / 16]; q - 32
+      const uint8_t* blk = w + b * 210;
+      const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+      const float d = fp16(blk + 208);
+      const __m256i three = _mm256_set1_epi8(3), off = _mm256_set1_epi8(32);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i qh = load32(blk + 128 + 32 * h), ql0 = load32(blk + 64 * h), ql1 = load32(blk + 64 * h + 32);
+        for (int j = 0; j < 4; ++j) {
+          const __m256i ql = (j & 1) ? ql1 : ql0;
+          const __m256i lo = j < 2 ? _mm256_and_si256(ql, f) : _mm256_and_si256(_mm256_srli_epi16(ql, 4), f);
+          const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j), three), 4);
+          const float s[2] = {d * static_cast<float>(sc[8 * h + 2 * j]), d * static_cast<float>(sc[8 * h + 2 * j + 1])};
+          put<2>(t, c, 8 * b + 4 * h + j, _mm256_sub_epi8(_mm256_or_si256(lo, hi), off), s, 0.f);
+        }
+      }
+    }
+  }
+}
+
+// acc (8 columns' int32) += Σ over 4 bytes of u (unsigned, the activations) x w (signed, the weights)
+inline __m256i dot4(__m256i acc, __m256i u, __m256i w) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, w);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, u, w);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, w), _mm256_set1_epi16(1)));
+#endif
+}
+
+// MR activation rows (u: q + 128, [MR][K]; their scales dx and sums xs, [MR][G]) times the tile: out [MR][kNC].
+template <int MR, int S, bool kMin>
+void tile_rows(const Tile& t, const uint8_t* u, const float* dx, const float* xs, int64_t K, int64_t G, float* out) {
+  constexpr int kQuads = 8 / S;  // k-quads per scale group
+  __m256 acc[MR][2];
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < G; ++b) {
+    const int32_t* wq = t.q.data() + b * 8 * kNC;
+    for (int g = 0; g < S; ++g) {
+      const int32_t* cp = t.comp.data() + (b * S + g) * kNC;
+      const __m256i c0 = load32(cp), c1 = load32(cp + 8);
+      __m256i ia[MR][2];
+      for (int r = 0; r < MR; ++r) {
+        ia[r][0] = c0;
+        ia[r][1] = c1;
+      }
+      for (int j = g * kQuads; j < (g + 1) * kQuads; ++j) {
+        const __m256i w0 = load32(wq + j * kNC), w1 = load32(wq + j * kNC + 8);
+        for (int r = 0; r < MR; ++r) {
+          int32_t quad;
+          std::memcpy(&quad, u + r * K + 32 * b + 4 * j, 4);
+          const __m256i xv = _mm256_set1_epi32(quad);
+          ia[r][0] = dot4(ia[r][0], xv, w0);
+          ia[r][1] = dot4(ia[r][1], xv, w1);
+        }
+      }
+      const float* sp = t.s.data() + (b * S + g) * kNC;
+      const __m256 s0 = _mm256_loadu_ps(sp), s1 = _mm256_loadu_ps(sp + 8);
+      for (int r = 0; r < MR; ++r) {
+        const __m256 d = _mm256_broadcast_ss(dx + r * G + b);
+        acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r][0]), _mm256_mul_ps(s0, d), acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r][1]), _mm256_mul_ps(s1, d), acc[r][1]);
+      }
+    }
+    if constexpr (kMin) {
+      const __m256 m0 = _mm256_loadu_ps(t.mn.data() + b * kNC), m1 = _mm256_loadu_ps(t.mn.data() + b * kNC + 8);
+      for (int r = 0; r < MR; ++r) {
+        const __m256 sx = _mm256_broadcast_ss(xs + r * G + b);
+        acc[r][0] = _mm256_fmadd_ps(m0, sx, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(m1, sx, acc[r][1]);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    _mm256_storeu_ps(out + r * kNC, acc[r][0]);
+    _mm256_storeu_ps(out + r * kNC + 8, acc[r][1]);
+  }
+}
+
+template <int64_t T>
+void run_chunks(int64_t n0, int64_t n1, const uint8_t* wp, int64_t row_bytes, int64_t nb, const uint8_t* u,
+                const QX& qx, int64_t M, int64_t N, int64_t K, const float* bias, float* y) {
+  constexpr int S = T == Q6_K ? 2 : 1;
+  constexpr bool kMin = T == Q4_1 || T == Q4_K;
+  const int64_t G = K / 32;
+  thread_local Tile tile;
+  tile.size(G, S);
+  alignas(32) float out[kMR * kNC];
+  for (int64_t c0 = n0 * kNC; c0 < std::min(N, n1 * kNC); c0 += kNC) {
+    const int nc = static_cast<int>(std::min<int64_t>(kNC, N - c0));
+    if (nc < kNC) tile.zero(G, S);  // the missing columns contribute zeros
+    for (int c = 0; c < nc; ++c) decode_row<T>(tile, c, wp + (c0 + c) * row_bytes, nb);
+    for (int64_t m = 0; m < M; m += kMR) {
+      const int mr = static_cast<int>(std::min<int64_t>(kMR, M - m));
+      const uint8_t* um = u + m * K;
+      const float* dx = qx.d.data() + m * G;
+      const float* xs = qx.sum.data() + m * G;
+      switch (mr) {
+        case 4: tile_rows<(kMR >= 4 ? 4 : 1), S, kMin>(tile, um, dx, xs, K, G, out); break;
+        case 3: tile_rows<3, S, kMin>(tile, um, dx, xs, K, G, out); break;
+        case 2: tile_rows<2, S, kMin>(tile, um, dx, xs, K, G, out); break;
+        default: tile_rows<1, S, kMin>(tile, um, dx, xs, K, G, out); break;
+      }
+      for (int r = 0; r < mr; ++r) {
+        float* yr = y + (m + r) * N + c0;
+        for (int c = 0; c < nc; ++c) yr[c] = bias ? out[r * kNC + c] + bias[c0 + c] : out[r * kNC + c];
+      }
+    }
+  }
+}
+#endif
+
+void gguf_linear_q8_tiled(at::Tensor y, const at::Tensor& x, const at::Tensor& data, int64_t qtype,
+                          const c10::optional<at::Tensor>& bias) {
+  const Format f = format_of(qtype);
+  TORCH_CHECK(tiled_supports(qtype), "gguf_linear_q8_tiled: type ", qtype,
+              " has no tile kernel in this build (gguf_q8_tiled_supports)");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "x must be contiguous fp32 [M, K]");
+  const auto [N, K] = check_data(data, qtype, x.size(1), f);
+  const int64_t M = x.size(0), G = K / 32;
+  TORCH_CHECK(y.dim() == 2 && y.is_contiguous() && y.scalar_type() == at::kFloat && y.size(0) == M && y.size(1) == N,
+              "y must be contiguous fp32 [M, N]");
+  if (bias.has_value())
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
+                "bias must be contiguous fp32 [N]");
+#ifdef __AVX2__
+  const float* xp = x.data_ptr<float>();
+  thread_local QX qx;
+  thread_local std::vector<uint8_t> u;
+  if (static_cast<int64_t>(qx.q.size()) < M * K) {
+    qx.q.resize(M * K);
+    u.resize(M * K);
+  }
+  if (static_cast<int64_t>(qx.d.size()) < M * G) {
+    qx.d.resize(M * G);
+    qx.sum.resize(M * G);
+    qx.nls.resize(M * G * 8);
+  }
+  QX& qr = qx;
+  uint8_t* up = u.data();
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t m0, int64_t m1) {
+    quantize_rows(xp, K, qr, m0, m1);
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+    for (int64_t i = m0 * K; i < m1 * K; i += 32)  // q + 128: the unsigned operand
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(up + i), _mm256_xor_si256(load32(qr.q.data() + i), flip));
+  });
+  const uint8_t* wp = data.data_ptr<uint8_t>();
+  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  const int64_t nb = K / f.block, row_bytes = nb * f.bytes, chunks = (N + kNC - 1) / kNC;
+  at::parallel_for(0, chunks, 1, [&](int64_t n0, int64_t n1) {
+    switch (qtype) {
+      case Q8_0: return run_chunks<Q8_0>(n0, n1, wp, row_bytes, nb, up, qr, M, N, K, bp, yp);
+      case Q4_0: return run_chunks<Q4_0>(n0, n1, wp, row_bytes, nb, up, qr, M, N, K, bp, yp);
+      case Q4_1: return run_chunks<Q4_1>(n0, n1, wp, row_bytes, nb, up, qr, M, N, K, bp, yp);
+      case Q4_K: return run_chunks<Q4_K>(n0, n1, wp, row_bytes, nb, up, qr, M, N, K, bp, yp);
+      default: return run_chunks<Q6_K>(n0, n1, wp, row_bytes, nb, up, qr, M, N, K, bp, yp);
+    }
+  });
+#endif
+}
+
+bool gguf_q8_tiled_supports(int64_t qtype) { return tiled_supports(qtype); }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(openinfer_cpu, m) {
+  m.def("gguf_linear_q8_tiled(Tensor(a!) y, Tensor x, Tensor data, int qtype, Tensor? bias) -> ()");
+  m.impl("gguf_linear_q8_tiled", c10::DispatchKey::CPU, &gguf_linear_q8_tiled);
+  m.def("gguf_q8_tiled_supports(int qtype) -> bool", &gguf_q8_tiled_supports);
+}

@@ -1,0 +1,94 @@
+"""The GGUF int8 prefill kernel (cpu_kernels/gguf_q8_tiles.cpp, from ``GGUF_TILE_ROWS`` activation rows with int8
+activations): weight chunks of 16 rows decoded once into an int8 tile, integer dots over every activation row.
+The same arithmetic as the small-M int8 kernel, so the same checks as test_gguf_q8.py, at M = 24..300:
+- bit for bit with unit scales and integer activations (every partial sum an exact integer in fp32);
+- against ``matmul_q8_reference`` within the fp32 rounding bound of test_gguf_q8.py, N not a multiple of the
+  16-column chunk, every remainder of the row pass, K one block and several, a bias, an all-zero activation block;
+- a corrupted scale byte leaves the bound in exactly that output column (the check can fail).
+The AVX2 (maddubs) build runs the reference check in ``test_gguf_quant.test_gguf_kernel_isa_variants``.
+"""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import quants as gq
+from test_gguf_q8 import _integer_x, _q8_bound, _unit_scale_blocks
+from test_gguf_quant import _blocks
+
+from openinfer.layers import gguf_quant
+from openinfer.layers.gguf_quant import GGUF_TILE_ROWS, GGUFWeight, matmul_q8_reference, type_info
+
+TILE_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
+M_VALUES = (24, 25, 30, 35)  # every remainder of a 3- or 4-row pass
+SHAPES = {False: [(37, 64), (16, 32)], True: [(37, 512), (5, 256)]}  # (N, K): a partial chunk, one chunk / block
+
+
+@pytest.fixture
+def tiled(kernel_ops, monkeypatch):
+    monkeypatch.setenv("OPENINFER_GGUF_ACTIVATIONS", "int8")
+    for t in TILE_TYPES:
+        if not kernel_ops.gguf_q8_tiled_supports(type_info(t)[0]):
+            pytest.skip(f"this build has no tile kernel for {t} (AVX2 without VNNI: Q8_0; no AVX2: none)")
+    return kernel_ops
+
+
+def _run(ops, qtype, data, x, bias=None):
+    n = data.shape[0]
+    y = torch.empty(x.shape[0], n)
+    ops.gguf_linear_q8_tiled(y, torch.from_numpy(x), torch.from_numpy(data), type_info(qtype)[0],
+                             None if bias is None else torch.from_numpy(bias))
+    return y.double().numpy()
+
+
+@pytest.mark.parametrize("qtype", TILE_TYPES)
+def test_tiles_match_reference(tiled, qtype):
+    for i, (n, k) in enumerate(SHAPES[qtype.endswith("_K")]):
+        data = _blocks(qtype, n, k, seed=i)
+        rng = np.random.default_rng(i)
+        for m in M_VALUES + ((300,) if i == 0 else ()):
+            x = (rng.standard_normal((m, k)) * rng.uniform(0.1, 3, (m, 1))).astype(np.float32)
+            x[:, :32] = 0
+            bias = rng.standard_normal(n).astype(np.float32)
+            ref = matmul_q8_reference(torch.from_numpy(x), torch.from_numpy(data), qtype, k).numpy() + bias
+            got = _run(tiled, qtype, data, x, bias)
+            bound = _q8_bound(x, data, qtype, k) + 2 ** -24 * np.abs(ref)  # + the bias's rounding
+            assert (np.abs(got - ref) <= bound).all(), (qtype, n, k, m, np.abs(got - ref).max())
+        # the layer takes this kernel from GGUF_TILE_ROWS rows on
+        x = rng.standard_normal((GGUF_TILE_ROWS, k)).astype(np.float32)
+        w = GGUFWeight(qtype, torch.from_numpy(data), (n, k), torch.float32)
+        assert torch.equal(w.matmul(torch.from_numpy(x)), torch.from_numpy(_run(tiled, qtype, data, x)).float())
+
+
+@pytest.mark.parametrize("qtype", TILE_TYPES)
+def test_tiles_integer_accumulation_bit_exact(tiled, qtype):
+    n, k = SHAPES[qtype.endswith("_K")][0]
+    data = _unit_scale_blocks(qtype, n, k, seed=1)
+    w = gq.dequantize(data, gguf.GGMLQuantizationType[qtype]).astype(np.float64)
+    for m in (24, 27):
+        x = _integer_x(m, k, seed=m)
+        assert np.array_equal(_run(tiled, qtype, data, x), x.astype(np.float64) @ w.T), (qtype, m)
+
+
+def test_tiles_detect_a_corrupted_scale(tiled):
+    """One Q4_K super-block's fp16 d changed in the weight the kernel runs: that column leaves the bound, the
+    others stay in it."""
+    data = _blocks("Q4_K", 20, 512, seed=3)
+    bad = data.copy()
+    bad[17, 144 + 1] ^= 0x04  # row 17, second super-block, d's high byte
+    x = np.random.default_rng(3).standard_normal((26, 512)).astype(np.float32)
+    ref = matmul_q8_reference(torch.from_numpy(x), torch.from_numpy(data), "Q4_K", 512).numpy()
+    ok = np.abs(_run(tiled, "Q4_K", bad, x) - ref) <= _q8_bound(x, data, "Q4_K", 512)
+    assert np.delete(ok, 17, axis=1).all() and not ok[:, 17].any()
+
+
+def test_tiles_refuse_what_they_lack(kernel_ops, monkeypatch):
+    """The Q5 types have no tile decoder: the layer keeps decode + fp32 GEMM for them, and the op says no."""
+    monkeypatch.setenv("OPENINFER_GGUF_ACTIVATIONS", "int8")
+    code = type_info("Q5_K")[0]
+    assert not kernel_ops.gguf_q8_tiled_supports(code)
+    with pytest.raises(RuntimeError, match="no tile kernel"):
+        kernel_ops.gguf_linear_q8_tiled(torch.empty(24, 1), torch.zeros(24, 256),
+                                        torch.zeros(1, 176, dtype=torch.uint8), code, None)
+    assert not gguf_quant._tiled(kernel_ops, code)
