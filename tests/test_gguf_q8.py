@@ -7,9 +7,10 @@ Three checks per type, odd N, one block and several, every activation-row remain
   below 2^24, so the fp32 result must equal gguf's dequantised W times x in float64 exactly;
 - against ``matmul_q8_reference`` (the same integer math in torch, float64) within the kernel's fp32 rounding of its
   K / 4 + few terms: gamma_n * the sum of their magnitudes;
-- against gguf's dequantisation times fp32 x within the activation rounding: |x_k - d q_k| <= d / 2 per element,
-  so |y - W x| <= sum_k |w_k - o_k| d_b (1/2 + 1e-4) + the fp32 bound above (``_q8_bound``), nothing of the code
-  under test in the bound.
+- against gguf's dequantisation times the rounded activations d q within that fp32 bound (the min terms use the
+  rounded x's sums, as llama.cpp's do), and times fp32 x within the activation rounding: |x_k - d q_k| <= d / 2 per
+  element, so |y - W x| <= sum_k |w_k| d_b (1/2 + 1e-4) + the fp32 bound above (``_q8_bound``), nothing of the
+  code under test in the bound.
 The AVX2 (maddubs) and portable builds run the same checks in ``test_gguf_quant.test_gguf_kernel_isa_variants``.
 """
 from __future__ import annotations
@@ -104,7 +105,7 @@ def test_integer_accumulation_bit_exact(int8_path, qtype):
 def test_kernel_matches_its_torch_reference_and_gguf(int8_path, qtype):
     for i, (n, k) in enumerate(_shapes(qtype)):
         data = _blocks(qtype, n, k, seed=i)
-        w, o = _oracle(qtype, data)
+        w, _ = _oracle(qtype, data)
         rng = np.random.default_rng(i + 7)
         for m in M_VALUES:
             x = (rng.standard_normal((m, k)) * rng.uniform(0.1, 3, (m, 1))).astype(np.float32)
@@ -113,9 +114,14 @@ def test_kernel_matches_its_torch_reference_and_gguf(int8_path, qtype):
             ref = matmul_q8_reference(torch.from_numpy(x), torch.from_numpy(data), qtype, k).numpy()
             fp_bound = _q8_bound(x, data, qtype, k)
             assert (np.abs(got - ref) <= fp_bound).all(), (qtype, n, k, m, np.abs(got - ref).max())
+            # the dequantised W (min included) times the rounded activations d q, within the fp32 bound: the min
+            # terms take the rounded x's sums (failed with the exact sum x for Q4_1 / Q5_1 / Q4_K / Q5_K)
+            qx, dxq = quantize_activations_q8(torch.from_numpy(x))
+            xhat = (qx.double().reshape(m, -1, 32) * dxq.double()[..., None]).reshape(m, k).numpy()
+            assert (np.abs(got - xhat @ w.T) <= fp_bound).all(), (qtype, n, k, m, np.abs(got - xhat @ w.T).max())
             # against gguf: the activation rounding, |x - d q| <= d / 2 per element, plus the fp32 bound
             dx = np.abs(x).reshape(m, -1, 32).max(-1) / 127
-            act = (np.repeat(dx, 32, axis=1) * (0.5 + 1e-4)) @ np.abs(w - o).T
+            act = (np.repeat(dx, 32, axis=1) * (0.5 + 1e-4)) @ np.abs(w).T
             exact = x.astype(np.float64) @ w.T
             assert (np.abs(got - exact) <= act + fp_bound).all(), (qtype, n, k, m)
 

@@ -116,6 +116,14 @@ class KernelSelection:
         return self.kernels and (mode == "int8" or (mode == "auto" and self.gguf_int_dot >= 1))
 
     @property
+    def gguf_int8_prefill(self) -> bool:
+        """Prefill rows too (from GGUF_TILE_ROWS) in int8, through the tile kernel (``gguf_q8_tiles.cpp``): only
+        when ``int8`` is asked for. ``auto`` keeps prefill on decoded rows + an fp32 GEMM: with int8 prefill as
+        well, SmolLM2's greedy answer to the README's question becomes llama.cpp's own (French, no "Paris"), as
+        near-tied first tokens flip under activation rounding."""
+        return self.gguf_int8 and self.config.gguf_activations == "int8"
+
+    @property
     def fp8_packed(self) -> bool:
         return self.config.fp8_weights == "packed"
 
@@ -147,7 +155,9 @@ class KernelSelection:
             ("linear GGUF Q4_0/1, Q5_0/1, Q8_0, Q4/5/6_K",
              (f"C++ GGUF block kernels{isa}, packed, "
               + (f"int8 activations per 32 columns, {_INT_DOTS.get(self.gguf_int_dot, 'integer')} dots"
-                 if self.gguf_int8 else "fp32 activations") + " (prefill: decoded row chunks + GEMM)") if k else
+                 if self.gguf_int8 else "fp32 activations")
+              + (" (prefill: int8 tiles)" if self.gguf_int8_prefill else " (prefill: decoded row chunks + GEMM)"))
+             if k else
              "torch reference, packed (dequantised per call)"),
             ("linear fp8 (block)", "dequantised at load (dense path)" if not self.fp8_packed else
              f"C++ fp8 kernel{isa}, packed" if k else "torch reference, packed (dequantised per call)"),

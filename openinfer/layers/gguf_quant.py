@@ -144,8 +144,9 @@ class GGUFWeight:
             return y.to(x.dtype).reshape(*x.shape[:-1], n)
         xf = x2.float().contiguous()
         b = None if bias is None else bias.float().contiguous()
-        int8 = not fp32_activations and dispatch.active().gguf_int8
-        if int8 and xf.shape[0] >= GGUF_TILE_ROWS and _tiled(ops, self.code):
+        sel = dispatch.active()
+        int8 = not fp32_activations and sel.gguf_int8
+        if int8 and sel.gguf_int8_prefill and xf.shape[0] >= GGUF_TILE_ROWS and _tiled(ops, self.code):
             y = torch.empty(xf.shape[0], n, dtype=torch.float32)
             ops.gguf_linear_q8_tiled(y, xf, self.data, self.code, b)
         elif xf.shape[0] >= GGUF_DEQUANT_ROWS:
@@ -320,7 +321,9 @@ def matmul_q8_reference(x: torch.Tensor, data: torch.Tensor, qtype: str, k: int)
     gguf_q8_tiles.cpp from there; they differ only in the order of their fp32 sums), float64 ``[M, N]``: x
     quantised as ``quantize_activations_q8``, per group
     the exact integer dot of the weight's integers with x's, times the group scale and x's block scale, plus each
-    group's min times the block's sum of x: y = Σ_g s_g d_x Σ q_w q_x + Σ_g o_g Σ x. The kernel computes the same
+    group's min times the block's sum of the rounded x: y = Σ_g s_g d_x Σ q_w q_x + Σ_g o_g d_x Σ q_x, i.e. the
+    dequantised W times the rounded x (as llama.cpp's q8_1 / q8_K sums do; the exact Σ x would leave the rounding
+    error on the uncentred w - o, which cost SmolLM2 ~3x llama.cpp's perplexity loss). The kernel computes the same
     integers and rounds only its fp32 sums of these terms."""
     qx, dx = quantize_activations_q8(x)
     q, s, o = decode_reference(data, qtype, k)
@@ -331,7 +334,7 @@ def matmul_q8_reference(x: torch.Tensor, data: torch.Tensor, qtype: str, k: int)
     per = 32 // gs  # scale groups per 32-column activation block
     dxg = dx.double().repeat_interleave(per, dim=1)  # [M, K / gs]
     y = (dots.double() * s.reshape(n, -1).double()[None] * dxg[:, None]).sum(-1)
-    if o is not None:  # the min terms, with x's own sum per group
-        xsum = x.double().reshape(x.shape[0], -1, gs).sum(-1)
+    if o is not None:  # the min terms, with the rounded activations' sum per group (gs = 32 for every min type)
+        xsum = qx.reshape(x.shape[0], -1, gs).to(torch.int64).sum(-1).double() * dx.double()
         y = y + xsum @ o.reshape(n, -1).double().T
     return y

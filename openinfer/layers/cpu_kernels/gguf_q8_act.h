@@ -1,6 +1,6 @@
 // The int8 activations of the GGUF int8 kernels (gguf_q8_gemm.cpp: up to GGUF_DEQUANT_ROWS rows; gguf_q8_tiles.cpp:
 // prefill), so both quantise x the same way: per row m and 32-column block, d = max |x| / 127,
-// q = round_half_even(x * (1 / d)) in [-127, 127] (0 for an all-zero block), the block's fp32 sum, and per 4
+// q = round_half_even(x * (1 / d)) in [-127, 127] (0 for an all-zero block), the rounded block's sum d Σ q, and per 4
 // columns the negated sum of q. layers/gguf_quant.py's ``quantize_activations_q8`` is the same fp32 arithmetic.
 #pragma once
 
@@ -11,7 +11,7 @@
 
 namespace {
 
-// x quantised: rows [M, K] int8, and per row and 32-column block the scale, the fp32 sum, and 8 lane sums (the
+// x quantised: rows [M, K] int8, and per row and 32-column block the scale, the rounded sum d Σ q, and 8 lane sums (the
 // negated sum of q over columns 4l..4l+3 of the block).
 struct QX {
   std::vector<int8_t> q;
@@ -33,19 +33,24 @@ void quantize_rows(const float* x, int64_t K, QX& qx, int64_t m0, int64_t m1) {
   for (int64_t m = m0; m < m1; ++m)
     for (int64_t g = 0; g < G; ++g) {
       const float* xb = x + m * K + g * 32;
-      float amax = 0.f, s = 0.f;
-      for (int i = 0; i < 32; ++i) {
-        amax = std::max(amax, std::fabs(xb[i]));
-        s += xb[i];
-      }
+      float amax = 0.f;
+      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xb[i]));
       const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
       int8_t* q = qx.q.data() + m * K + g * 32;
       for (int i = 0; i < 32; ++i)
         q[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(xb[i] * id))));
       int32_t* nl = qx.nls.data() + (m * G + g) * 8;
-      for (int l = 0; l < 8; ++l) nl[l] = -(q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3]);
+      int32_t qsum = 0;
+      for (int l = 0; l < 8; ++l) {
+        nl[l] = -(q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3]);
+        qsum -= nl[l];
+      }
       qx.d[m * G + g] = d;
-      qx.sum[m * G + g] = s;
+      // The min term's sum is that of the rounded activations, d Σ q (llama.cpp's q8_1 s / q8_K bsums), not the
+      // exact Σ x: with Σ x the rounding error meets only d q_w, the weight less its min (all >= 0, not centred),
+      // and SmolLM2's Q4_1 perplexity lost ~3x what llama.cpp loses to int8 activations; with d Σ q the product is
+      // the dequantised W times the rounded x, whose error w (x - d q) has the centred weights' smaller size.
+      qx.sum[m * G + g] = d * static_cast<float>(qsum);
     }
 }
 

@@ -5,16 +5,16 @@
 //
 // Activations, per row m and 32-column block b (column k in b = k / 32):
 //   d_mb = max_k |x_mk| / 127, q_mk = round_half_even(x_mk * (1 / d_mb)) in [-127, 127] (0 for an all-zero block),
-//   plus the block's fp32 sum Σ_k x_mk (column order) for the formats with a min, and per 4 columns the sum of the
-//   q (the formats with an offset). layers/gguf_quant.py's ``quantize_activations_q8`` does the same fp32
-//   operations, so kernel and reference hold the same integers.
+//   plus the block's sum of the rounded activations d_mb Σ_k q_mk (one fp32 product) for the formats with a min, and
+//   per 4 columns the sum of the q (the formats with an offset); gguf_q8_act.h. layers/gguf_quant.py's
+//   ``quantize_activations_q8`` does the same fp32 operations, so kernel and reference hold the same integers.
 // Weights: each block's integers q_w as the file stores them (unsigned, offset not removed: Q4_0 0..15, Q5_0 0..31,
 //   Q6_K 0..63; Q8_0 signed), a scale per 32 (Q6_K: per 16) and a min or an offset.
 // Per activation block b of 32 columns, in int32, exactly:
 //   I_b = Σ_g sc_g Σ_{k in g} (q_wk - z) q_mk          (g: Q6_K's two 16-column halves, sc_g their int8 scales;
 //                                                        one g with sc = 1 elsewhere; z the offset 8 / 16 / 32 / 0)
-//   y_mn = Σ_b s_b d_mb I_b + Σ_b mn_b Σ_{k in b} x_mk  (s_b the block's fp32 scale d or d * sc_j; mn_b its min m or
-//                                                        -dmin * mn_j; the fp32 sum in any order)
+//   y_mn = Σ_b s_b d_mb I_b + Σ_b mn_b d_mb Σ_{k in b} q_mk  (s_b the block's fp32 scale d or d * sc_j; mn_b its min
+//                                                        m or -dmin * mn_j): the dequantised W times the rounded x
 // The offset goes in without widening anything: Σ (q_w - z) q = Σ q_w q - z Σ q, and the per-4-column sums of q
 // (negated, times z = a shift) are the dot product's starting accumulator.
 //
