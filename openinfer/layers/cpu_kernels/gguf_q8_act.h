@@ -9,7 +9,27 @@
 #include <cstdint>
 #include <vector>
 
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
 namespace {
+
+#ifdef __AVX2__
+// lane l of acc += Σ_{i < 4} u[4 l + i] (unsigned) * s[4 l + i] (signed): VNNI's dpbusd, or AVX2's maddubs (pairs
+// into int16; each kernel keeps its operands below saturation) and madd by ones.
+inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, s);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+inline __m256i load32(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+#endif
 
 // x quantised: rows [M, K] int8, and per row and 32-column block the scale, the rounded sum d Σ q, and 8 lane sums (the
 // negated sum of q over columns 4l..4l+3 of the block).

@@ -66,18 +66,6 @@ constexpr int small_bytes() {
 }
 
 #ifdef __AVX2__
-// lane l of acc += Σ_{i < 4} w[4 l + i] (unsigned) * x[4 l + i] (signed)
-inline __m256i dot4(__m256i acc, __m256i w, __m256i x) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(acc, w, x);
-#elif defined(__AVXVNNI__)
-  return _mm256_dpbusd_avx_epi32(acc, w, x);
-#else
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
-#endif
-}
-
-inline __m256i load32(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 
 // 16 bytes of nibbles -> 32 bytes: the low nibbles (elements 0..15), then the high ones (16..31)
 inline __m256i nibbles16(const uint8_t* qs) {

@@ -81,7 +81,6 @@ struct Tile {
   }
 };
 
-inline __m256i load32(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 
 inline __m256i nibbles16(const uint8_t* qs) {  // low nibbles are elements 0..15, high ones 16..31
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)), f = _mm_set1_epi8(0xF);
@@ -157,17 +156,6 @@ void decode_row(Tile& t, int c, const uint8_t* w, int64_t nb) {
       }
     }
   }
-}
-
-// acc (8 columns' int32) += Σ over 4 bytes of u (unsigned, the activations) x w (signed, the weights)
-inline __m256i dot4(__m256i acc, __m256i u, __m256i w) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(acc, u, w);
-#elif defined(__AVXVNNI__)
-  return _mm256_dpbusd_avx_epi32(acc, u, w);
-#else
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, w), _mm256_set1_epi16(1)));
-#endif
 }
 
 // MR activation rows (u: q + 128, [MR][K]; their scales dx and sums xs, [MR][G]) times the tile: out [MR][kNC].
