@@ -172,3 +172,29 @@ def test_selection_and_switch(kernel_ops, monkeypatch):
         assert torch.equal(lin(x), y)  # the layer ran the kernel the switch names
     monkeypatch.setenv("OPENINFER_GGUF_ACTIVATIONS", "int8")
     assert 17 < GGUF_DEQUANT_ROWS
+
+
+def test_logits_head_fp32_under_auto_int8_when_asked(kernel_ops, monkeypatch):
+    """The logits head keeps fp32 activations under ``auto`` (near-tied greedy picks) and takes llama.cpp's int8
+    arithmetic, like every other GGUF linear, when ``int8`` is asked for; both at decode (1 row) and prefill rows."""
+    from openinfer.distributed.parallel_state import GroupCoordinator
+    from openinfer.layers.vocab_parallel_embedding import ParallelLMHead
+
+    n, k = 40, 256
+    data = torch.from_numpy(_blocks("Q6_K", n, k, seed=5))
+    head = ParallelLMHead(n, k, tp=GroupCoordinator())
+    head.load_quantized(GGUFWeight("Q6_K", data.clone(), (n, k), torch.float32))
+    code = head._quant.code
+    for m in (1, GGUF_DEQUANT_ROWS + 8):
+        x = torch.randn(m, k)
+        fp32, q8 = torch.empty(m, n), torch.empty(m, n)
+        kernel_ops.gguf_linear(fp32, x, data, code, None)
+        kernel_ops.gguf_linear_q8(q8, x, data, code, None)
+        # fp32 summation orders differ between the paths (~1e-6 of the scale); int8 activations far more
+        tol = 1e-5 * float(fp32.abs().max())
+        assert float((fp32 - q8).abs().max()) > 20 * tol
+        monkeypatch.setenv("OPENINFER_GGUF_ACTIVATIONS", "auto")
+        torch.testing.assert_close(head(x), fp32, rtol=0, atol=tol)  # prefill rows: decoded chunks + GEMM
+        monkeypatch.setenv("OPENINFER_GGUF_ACTIVATIONS", "int8")
+        assert dispatch.active().gguf_int8_everywhere
+        torch.testing.assert_close(head(x), q8, rtol=0, atol=tol)  # prefill rows: the tile kernel

@@ -116,11 +116,12 @@ class KernelSelection:
         return self.kernels and (mode == "int8" or (mode == "auto" and self.gguf_int_dot >= 1))
 
     @property
-    def gguf_int8_prefill(self) -> bool:
-        """Prefill rows too (from GGUF_TILE_ROWS) in int8, through the tile kernel (``gguf_q8_tiles.cpp``): only
-        when ``int8`` is asked for. ``auto`` keeps prefill on decoded rows + an fp32 GEMM: with int8 prefill as
-        well, SmolLM2's greedy answer to the README's question becomes llama.cpp's own (French, no "Paris"), as
-        near-tied first tokens flip under activation rounding."""
+    def gguf_int8_everywhere(self) -> bool:
+        """llama.cpp's arithmetic on every GGUF linear: prefill rows too (from GGUF_TILE_ROWS, through the tile
+        kernel ``gguf_q8_tiles.cpp``) and the logits head: only when ``int8`` is asked for. ``auto`` keeps prefill
+        on decoded rows + an fp32 GEMM and the head on fp32 activations: with int8 there as well, SmolLM2's greedy
+        answer to the README's question becomes llama.cpp's own (French, no "Paris"), as near-tied first tokens
+        flip under activation rounding."""
         return self.gguf_int8 and self.config.gguf_activations == "int8"
 
     @property
@@ -156,7 +157,8 @@ class KernelSelection:
              (f"C++ GGUF block kernels{isa}, packed, "
               + (f"int8 activations per 32 columns, {_INT_DOTS.get(self.gguf_int_dot, 'integer')} dots"
                  if self.gguf_int8 else "fp32 activations")
-              + (" (prefill: int8 tiles)" if self.gguf_int8_prefill else " (prefill: decoded row chunks + GEMM)"))
+              + (" (prefill: int8 tiles; logits head: int8)" if self.gguf_int8_everywhere
+                 else " (prefill: decoded row chunks + GEMM; logits head: fp32 activations)"))
              if k else
              "torch reference, packed (dequantised per call)"),
             ("linear fp8 (block)", "dequantised at load (dense path)" if not self.fp8_packed else

@@ -146,7 +146,7 @@ class GGUFWeight:
         b = None if bias is None else bias.float().contiguous()
         sel = dispatch.active()
         int8 = not fp32_activations and sel.gguf_int8
-        if int8 and sel.gguf_int8_prefill and xf.shape[0] >= GGUF_TILE_ROWS and _tiled(ops, self.code):
+        if int8 and sel.gguf_int8_everywhere and xf.shape[0] >= GGUF_TILE_ROWS and _tiled(ops, self.code):
             y = torch.empty(xf.shape[0], n, dtype=torch.float32)
             ops.gguf_linear_q8_tiled(y, xf, self.data, self.code, b)
         elif xf.shape[0] >= GGUF_DEQUANT_ROWS:

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from openinfer.distributed.parallel_state import GroupCoordinator, get_tp_group
+from openinfer.layers import dispatch
 from openinfer.layers.linear import CheckpointLinear
 from openinfer.layers.weight_utils import WeightLoadError, narrow
 
@@ -87,8 +88,9 @@ class ParallelLMHead(CheckpointLinear):
             # The logits keep fp32 activations where GGUF linears quantise theirs to int8 (as int8 schemes leave
             # lm_head out: bitsandbytes' LLM.int8, GPTQ / AWQ): the greedy pick is read off these values, and
             # rounding both the last layers' and the head's inputs flipped SmolLM2's near-tied first token of
-            # "What is the capital of France?" (0.09 apart) to llama.cpp's "L'Étoile, ..." (docs/gguf_kernels.md)
-            logits = self._quant.matmul(hidden, None, fp32_activations=True)
+            # "What is the capital of France?" (0.09 apart) to llama.cpp's "L'Étoile, ..." (docs/gguf_kernels.md).
+            # OPENINFER_GGUF_ACTIVATIONS=int8 asks for llama.cpp's arithmetic everywhere, the head included.
+            logits = self._quant.matmul(hidden, None, fp32_activations=not dispatch.active().gguf_int8_everywhere)
         else:
             logits = self.matmul(hidden, None)
         if self.tp.world_size == 1:

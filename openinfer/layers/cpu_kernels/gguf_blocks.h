@@ -64,6 +64,19 @@ inline void scale_min_k4(const uint8_t* s, int sc[8], int mn[8]) {
   }
 }
 
+// The same 16 six-bit values as bytes, in registers (llama.cpp's utmp masks): the 8 scales in sc8, the 8 mins in mn8,
+// byte j = sub-block j. The SIMD kernels widen them with one cvtepu8 each; scale_min_k4's int arrays, stored and
+// then loaded as a vector, stalled store-to-load forwarding on every super-block.
+inline void scale_min_k4_bytes(const uint8_t* s, uint64_t& sc8, uint64_t& mn8) {
+  uint32_t u[3];
+  std::memcpy(u, s, 12);
+  constexpr uint32_t k6 = 0x3f3f3f3f, k4 = 0x0f0f0f0f, k2 = 0x03030303;
+  const uint32_t sc_lo = u[0] & k6, sc_hi = (u[2] & k4) | (((u[0] >> 6) & k2) << 4);
+  const uint32_t mn_lo = u[1] & k6, mn_hi = ((u[2] >> 4) & k4) | (((u[1] >> 6) & k2) << 4);
+  sc8 = sc_lo | (static_cast<uint64_t>(sc_hi) << 32);
+  mn8 = mn_lo | (static_cast<uint64_t>(mn_hi) << 32);
+}
+
 // ---- portable decode: one block -> integers, and a scale and an offset per group -------------------------------
 // w[k] = q[k] * s[k / group] + o[k / group], computed as one fused multiply-add: q * s is exact in every format
 // (at most 11 + 8 + 6 bits, Q6_K's d sc q aside, which rounds once as gguf's (d sc) q does), so this is

@@ -125,7 +125,19 @@ void row_small(const uint8_t* w, int64_t nb, const XRows& x, float* out) {
   for (int m = 0; m < MB; ++m) out[m] = hsum8(acc[m]) + off[m];
 }
 
+// Lane j of the result = the sum of p[j]'s 8 lanes (j < 8): one int32 per sub-block, so the K-quant kernels convert
+// and scale once per super-block rather than once per sub-block (8 dependent FMAs per super-block held M = 1 at
+// ~10 GB/s; the weights stream at ~20 with this).
+inline __m256i reduce8(const __m256i p[8]) {
+  // hadd pairs within 128-bit halves: e = [p0..p3 summed over lanes 0-3 | the same over lanes 4-7]
+  const __m256i e = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+  const __m256i f = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(e, f, 0x20), _mm256_permute2x128_si256(e, f, 0x31));
+}
+
 // Q4_K / Q5_K: super-blocks of 256, 8 sub-blocks of 32 (each one activation block) with a 6-bit scale and min.
+// Per super-block and activation row: the 8 sub-blocks' integer dots, summed per sub-block (reduce8), then one
+// FMA by the vector of d sc_j d_x(j).
 template <int MB, int64_t T>
 void row_k45(const uint8_t* w, int64_t nb, const XRows& x, float* out) {
   constexpr int kBytes = T == Q4_K ? 144 : 176;
@@ -135,66 +147,76 @@ void row_k45(const uint8_t* w, int64_t nb, const XRows& x, float* out) {
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = w + b * kBytes;
     for (int i = 0; i < kBytes; i += 64) __builtin_prefetch(blk + kPrefetch + i);
-    const float d = fp16(blk), dmin = fp16(blk + 2);
-    alignas(32) int sc[8], mn[8];
-    scale_min_k4(blk + 4, sc, mn);
+    uint64_t sc8, mn8;
+    scale_min_k4_bytes(blk + 4, sc8, mn8);
+    const __m256 scv = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(sc8))),
+                                     _mm256_set1_ps(fp16(blk)));
+    const __m256 mnv = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(mn8))),
+                                     _mm256_set1_ps(fp16(blk + 2)));
     const uint8_t* qs = blk + 16 + (T == Q5_K ? 32 : 0);
-    const __m256 mnv = _mm256_mul_ps(_mm256_cvtepi32_ps(load32(mn)), _mm256_set1_ps(dmin));
-    for (int m = 0; m < MB; ++m) offv[m] = _mm256_fmadd_ps(mnv, _mm256_loadu_ps(x.s + m * x.G + 8 * b), offv[m]);
     __m256i qh = _mm256_setzero_si256();
     if constexpr (T == Q5_K) qh = load32(blk + 16);
+    __m256i q[8];
     for (int c = 0; c < 4; ++c) {  // sub-blocks 2c (low nibbles) and 2c + 1 (high) of the same 32 bytes
       const __m256i v = load32(qs + 32 * c);
-      __m256i lo = _mm256_and_si256(v, f), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), f);
+      q[2 * c] = _mm256_and_si256(v, f);
+      q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), f);
       if constexpr (T == Q5_K) {  // bit j of qh[i]: the 5th bit of sub-block j's element i
-        lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), one), 4));
-        hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c + 1), one), 4));
+        q[2 * c] = _mm256_or_si256(q[2 * c], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), one), 4));
+        q[2 * c + 1] = _mm256_or_si256(
+            q[2 * c + 1], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c + 1), one), 4));
       }
-      const __m256 slo = _mm256_set1_ps(d * static_cast<float>(sc[2 * c]));
-      const __m256 shi = _mm256_set1_ps(d * static_cast<float>(sc[2 * c + 1]));
-      const int64_t g = 8 * b + 2 * c;
-      for (int m = 0; m < MB; ++m) {
-        const int8_t* xq = x.q + m * x.K + 32 * g;
-        const __m256i p0 = dot4(_mm256_setzero_si256(), lo, load32(xq));
-        const __m256i p1 = dot4(_mm256_setzero_si256(), hi, load32(xq + 32));
-        const float* dx = x.d + m * x.G + g;
-        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_mul_ps(slo, _mm256_broadcast_ss(dx)), acc[m]);
-        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_mul_ps(shi, _mm256_broadcast_ss(dx + 1)), acc[m]);
-      }
+    }
+    for (int m = 0; m < MB; ++m) {
+      const int8_t* xq = x.q + m * x.K + 256 * b;
+      __m256i p[8];
+      for (int j = 0; j < 8; ++j) p[j] = dot4(_mm256_setzero_si256(), q[j], load32(xq + 32 * j));
+      const int64_t g = m * x.G + 8 * b;
+      offv[m] = _mm256_fmadd_ps(mnv, _mm256_loadu_ps(x.s + g), offv[m]);
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce8(p)), _mm256_mul_ps(scv, _mm256_loadu_ps(x.d + g)), acc[m]);
     }
   }
   for (int m = 0; m < MB; ++m) out[m] = hsum8(acc[m]) - hsum8(offv[m]);
 }
 
 // Q6_K: super-blocks of 256; element 128 h + 32 j + i has the low 4 bits in ql[64 h + 32 (j & 1) + i] (high nibble
-// for j >= 2), the high 2 in bits 2j of qh[32 h + i], scale sc[8 h + 2 j + i / 16]; q - 32.
+// for j >= 2), the high 2 in bits 2j of qh[32 h + i], scale sc[8 h + 2 j + i / 16]; q - 32. Per half h and
+// activation row: the 4 sub-blocks' dots summed per 16-column group (lanes 0-3 of a dot are the first 16 columns,
+// 4-7 the second), then one FMA by the groups' d sc d_x.
 template <int MB>
 void row_q6k(const uint8_t* w, int64_t nb, const XRows& x, float* out) {
   const __m256i f = _mm256_set1_epi8(0xF), three = _mm256_set1_epi8(3);
+  const __m256i evens_odds = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
   __m256 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = w + b * 210;
     for (int i = 0; i < 210; i += 64) __builtin_prefetch(blk + kPrefetch + i);
-    const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
-    const float d = fp16(blk + 208);
+    const __m256 d = _mm256_set1_ps(fp16(blk + 208));
     for (int h = 0; h < 2; ++h) {
+      // scales of groups 8h + 2j (first 16 columns of sub-block j) in lanes 0-3, 8h + 2j + 1 in lanes 4-7
+      const __m128i sc8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 192 + 8 * h));
+      const __m256 scv = _mm256_mul_ps(
+          _mm256_cvtepi32_ps(_mm256_permutevar8x32_epi32(_mm256_cvtepi8_epi32(sc8), evens_odds)), d);
       const __m256i qh = load32(blk + 128 + 32 * h), ql0 = load32(blk + 64 * h), ql1 = load32(blk + 64 * h + 32);
+      __m256i q[4];
       for (int j = 0; j < 4; ++j) {
         const __m256i ql = (j & 1) ? ql1 : ql0;
         const __m256i lo = j < 2 ? _mm256_and_si256(ql, f) : _mm256_and_si256(_mm256_srli_epi16(ql, 4), f);
         const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j), three), 4);
-        const __m256i q = _mm256_or_si256(lo, hi);
-        const int s0 = 8 * h + 2 * j;
-        const __m256 scf = _mm256_set_m128(_mm_set1_ps(d * static_cast<float>(sc[s0 + 1])),
-                                           _mm_set1_ps(d * static_cast<float>(sc[s0])));
-        const int64_t g = 8 * b + 4 * h + j;
-        for (int m = 0; m < MB; ++m) {
-          const __m256i init = _mm256_slli_epi32(load32(x.nl + (m * x.G + g) * 8), 5);  // - 32 Σ q per lane
-          const __m256i p = dot4(init, q, load32(x.q + m * x.K + 32 * g));
-          acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(scf, _mm256_broadcast_ss(x.d + m * x.G + g)),
-                                   acc[m]);
+        q[j] = _mm256_or_si256(lo, hi);
+      }
+      const int64_t g0 = 8 * b + 4 * h;
+      for (int m = 0; m < MB; ++m) {
+        __m256i p[4];
+        for (int j = 0; j < 4; ++j) {
+          const int64_t g = m * x.G + g0 + j;
+          const __m256i init = _mm256_slli_epi32(load32(x.nl + g * 8), 5);  // - 32 Σ q per lane
+          p[j] = dot4(init, q[j], load32(x.q + m * x.K + 32 * (g0 + j)));
         }
+        const __m256i e = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+        const __m256 dx = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(x.d + m * x.G + g0));
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(e), _mm256_mul_ps(scv, dx), acc[m]);
       }
     }
   }
