@@ -164,6 +164,13 @@ def test_start_up_errors_name_the_field(v41, tmp_path):
             speculative_config=dspark(2))
     with pytest.raises(ValueError, match=r"num_speculative_tokens=5 exceeds the checkpoint's dspark_block_size=4"):
         LLM(str(path), **BASE, num_kv_blocks=16, speculative_config=dspark(5))
+    # DP + EP: the draft blocks' own experts (dspark_n_routed_experts=4) must split over the ranks as the target's
+    from openinfer.engine_args import EngineArgs
+
+    with pytest.raises(ValueError, match=r"DSpark draft blocks' dspark_n_routed_experts=4 \+ num_redundant_experts=0 "
+                                         r"over .*data_parallel_size=8 = 8 ranks"):
+        EngineArgs(model=str(path), device="meta", data_parallel_size=8, enable_expert_parallel=True,
+                   speculative_config=dspark(2)).create_engine_config()
     dense = make_dense_checkpoint(tmp_path / "llama")
     with pytest.raises(ValueError, match=r"speculative_config.method='mtp'.*has no MTP layers"):
         LLM(str(dense), dtype="float32", speculative_config=dspark(2))

@@ -119,3 +119,19 @@ def test_mtp_k2_dp2_ep_on_deepseek_v4(tmp_path):
     drafts, draft_tokens, _, _ = compare(tmp_path / "release", prompts, {"method": "mtp", "num_speculative_tokens": 2},
                                          DP2_EP, tokenizer=str(hf_style), max_model_len=256)
     assert draft_tokens > drafts
+
+
+def test_dspark_k2_dp2_ep_on_deepseek_v41(tmp_path):
+    """V4.1's MTP is DSpark: one block forward drafts all k, through every draft block's MoE, whose experts are split
+    over the replicas too. A replica with nothing to draft (a prompt's non-final 16-token chunk, no request at all)
+    runs that block forward as a dummy, so the replicas meet in the same all-to-alls."""
+    from helpers import load_script
+    from test_deepseek_v41 import _prompts
+
+    path = load_script("make_deepseek_v41_checkpoint").make_checkpoint(tmp_path / "v41", "tiny", seed=0,
+                                                                        quantize=False)
+    prompts = _prompts(1, [3, 17, 40])
+    prompts[2][:16] = prompts[1][:16]  # two shared blocks of 8
+    drafts, draft_tokens, _, _ = compare(path, prompts, {"method": "mtp", "num_speculative_tokens": 2}, DP2_EP,
+                                         block_size=8, max_model_len=128)
+    assert draft_tokens > drafts  # blocks of k = 2 drafts
