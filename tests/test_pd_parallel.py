@@ -310,12 +310,12 @@ def test_dp2_ep_to_dp2_ep_deepseek_v41_with_dspark_chunked_and_prefix_hits(tmp_p
             counts = [b - a for a, b in zip(c0[0], c1[0])]
             assert counts == [b - a for a, b in zip(r0[0], r1[0])] and counts[1] > 0
             assert all(abs((a1 - a0) - (b1 - b0)) < 1e-3 for a0, a1, b0, b1 in zip(c0[1], c1[1], r0[1], r1[1]))
-        # Decode-side preemption: a decoder whose replicas hold 8 blocks (64 tokens) each reads four prompts and
-        # decodes 24 tokens of each (up to 7 blocks a request, with the k = 2 lookahead): it preempts, the preempted
+        # Decode-side preemption: a decoder whose replicas hold 5 blocks (40 tokens) each reads four prompts and
+        # decodes 12 tokens of each (up to 4 blocks a request, with the k = 2 lookahead): it preempts, the preempted
         # requests recompute here (never read again), and the tokens stay one process's, with both pools whole.
-        small = LLM(str(ck), kv_transfer_config=json.dumps(kt), **{**dep, "num_kv_blocks": 8})
+        small = LLM(str(ck), kv_transfer_config=json.dumps(kt), **{**dep, "num_kv_blocks": 5})
         try:
-            _check_pd({"prod": push, "GET": small, "ref": ref}, "GET", random_prompts(6, [24, 20, 16, 12]), n=24)
+            _check_pd({"prod": push, "GET": small, "ref": ref}, "GET", random_prompts(6, [16, 12, 10, 8]), n=12)
             assert small.engine.stats().num_preemptions > 0
         finally:
             small.engine.shutdown()
