@@ -90,9 +90,10 @@ class DSparkProposer(DraftingModel):
         self.lockstep_forwards = 1
 
     def dummy_forward(self, hidden: torch.Tensor, scratch: dict[str, int], batch) -> None:
-        """The block forward of one request with no context (every context key padding) on the noise-led block,
-        so this replica's ranks join the draft blocks' expert-parallel all-to-alls; nothing is drafted or paged
-        (the keys are read from nowhere), and the forward context marks it dummy (no expert load counted)."""
+        """The block forward of one request with no context (its one context key is padding) and token 0 as its
+        golden token, so this replica's ranks join the draft blocks' expert-parallel all-to-alls. Nothing is read
+        from or written to the key store, the drafts are dropped, and the forward context marks it dummy (no
+        expert load counted)."""
         shape = self.target.dspark_shape()
         keys = torch.zeros(1, 1, shape.draft_blocks, shape.key_dim, dtype=self.module.keys.dtype,
                            device=self.device)
