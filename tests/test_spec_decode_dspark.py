@@ -157,6 +157,32 @@ def test_a_drafter_that_agrees_with_the_target_accepts_everything(v41):
     assert kv_manager(llm).all_free()
 
 
+def test_dummy_block_forward_for_lockstep_replicas(v41):
+    """Under DP + EP a replica with nothing to draft runs DSpark's block forward once as a dummy (the collective MoE
+    of every draft block, under a dummy forward context: no expert load counted), leaving the key store as it was;
+    ``forwards`` counts the real block forward of the last step (test_spec_decode_parallel runs it on two ranks)."""
+    from openinfer.forward_context import peek_forward_context
+    from openinfer.layers import dispatch
+
+    path, prompts, _ = v41
+    llm = LLM(str(path), **BASE, num_kv_blocks=16, speculative_config=dspark(2))
+    runner = llm.engine.core.executor.driver_worker.model_runner
+    prop = runner.proposer
+    assert prop.lockstep_forwards == 1
+    greedy(llm, prompts[:1])
+    assert prop.forwards == 1
+    seen = []
+    hooks = [blk.mlp.register_forward_hook(lambda m, a, o: seen.append(peek_forward_context().is_dummy))
+             for blk in engine_model(llm).mtp]
+    keys = prop.module.keys.clone()
+    with torch.inference_mode(), dispatch.use(runner.kernels):
+        prop.dummy_forward(None, {}, None)
+    for h in hooks:
+        h.remove()
+    assert seen == [True] * len(engine_model(llm).mtp)
+    assert torch.equal(prop.module.keys, keys)
+
+
 def test_start_up_errors_name_the_field(v41, tmp_path):
     path, _, _ = v41
     with pytest.raises(ValueError, match=r"no DSpark draft blocks \(mtp\.\* tensors\)"):
