@@ -430,7 +430,7 @@ class SpeculativeConfig:
         # all-gathered logits and takes its first rank's accepted tokens (ModelRunner._take_driver_tokens); a
         # proposer with weights runs on every rank over its TP-sharded layers. Data parallel: each replica drafts
         # and verifies its own requests; replicas in lockstep (expert parallel) pad the proposer's forwards with
-        # dummies (proposers/__init__.py), which the MTP proposer does and a draft model does not yet.
+        # dummies (proposers/__init__.py), which the MTP and DSpark proposers do and a draft model does not yet.
         if parallel.lockstep and self.method == "draft_model":
             raise ValueError(f"speculative_config.method='draft_model' with enable_expert_parallel and "
                              f"data_parallel_size={parallel.data_parallel_size} is not supported yet; use 'mtp' or "

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from openinfer import vllm_compat
 
 if TYPE_CHECKING:
-    from openinfer.config import EngineConfig
+    from openinfer.config import EngineConfig, ParallelConfig
 
 _HUMAN_READABLE_INTS = ("max_model_len", "max_num_batched_tokens")
 
@@ -237,10 +237,9 @@ class EngineArgs:
                         raise ValueError("speculative_config.confidence_token_cost needs the DSpark confidence "
                                          f"head (DeepSeek-V4.1); {model.architecture} has none")
                 # With kv_transfer_config its context keys (the dspark.window group) travel with the target's KV.
-                elif parallel.lockstep:  # its block forward has no dummy step for idle replicas yet
-                    raise ValueError(f"speculative_config.method='mtp' (DSpark on {model.architecture}) with "
-                                     f"enable_expert_parallel and data_parallel_size={parallel.data_parallel_size} "
-                                     "is not supported yet; use data_parallel_size=1")
+                # Under DP + EP its block forward is padded with a dummy one on replicas with nothing to draft.
+                elif parallel.enable_expert_parallel and parallel.world_size > 1:
+                    _check_dspark_experts(model.hf_config, parallel)
         cache = CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
                             kv_cache_memory_gb=self.kv_cache_memory_gb, memory_utilization=self.memory_utilization,
                             gpu_memory_utilization=self.gpu_memory_utilization,
@@ -274,6 +273,21 @@ class EngineArgs:
             generation_config=self.generation_config,
             kv_offload=kv_offload,
         )
+
+
+def _check_dspark_experts(hf_config: dict, parallel: ParallelConfig) -> None:
+    """The DSpark draft blocks' MoE has its own expert count, split over the same expert-parallel ranks as the
+    target's (with as many redundant slots): checked here, not as a worker's load error."""
+    n = hf_config.get("dspark_n_routed_experts")
+    if n is None:
+        return
+    slots = int(n) + parallel.num_redundant_experts
+    if slots % parallel.world_size:
+        raise ValueError(
+            f"enable_expert_parallel spreads the DSpark draft blocks' dspark_n_routed_experts={n} + "
+            f"num_redundant_experts={parallel.num_redundant_experts} over tensor_parallel_size="
+            f"{parallel.tensor_parallel_size} x data_parallel_size={parallel.data_parallel_size} = "
+            f"{parallel.world_size} ranks: the ranks must divide them evenly (speculative_config method 'mtp')")
 
 
 def _check_quantization(method: str, architecture: str, enable_eplb: bool) -> None:

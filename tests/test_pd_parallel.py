@@ -269,3 +269,61 @@ def test_dp2_ep_to_dp2_ep_deepseek_v4_with_mtp_chunked_and_prefix_hits(tmp_path_
     finally:
         for llm in (pull, push, ref):
             llm.engine.shutdown()
+
+
+def test_dp2_ep_to_dp2_ep_deepseek_v41_with_dspark_chunked_and_prefix_hits(tmp_path_factory):
+    """DeepSeek-V4.1 (full and window groups, Engram ids in the window) with DSpark k = 2 on both sides - its context
+    keys, the ``dspark.window`` group, move with the target's - from prefill DP 2 + EP to decode DP 2 + EP: pull one
+    way, push the other, 16-token prefill chunks, a second round resuming from prefix hits on both sides. The
+    decoder's replicas draft through the draft blocks' expert-parallel MoE in lockstep (a dummy block forward where
+    a replica has nothing to draft). Tokens as one process with DSpark, and its drafts too (the confidence head's
+    predictions summed per position; checked by hand: with the dspark.window stores swapped for zeroed ones in the
+    transfer, the tokens and counts stay the same and the sums differ); both sides' pools whole."""
+    pytest.importorskip("nixl")
+    from helpers import load_script
+
+    ck = load_script("make_deepseek_v41_checkpoint").make_checkpoint(tmp_path_factory.mktemp("pd-v41") / "v41",
+                                                                      "tiny", seed=0, quantize=False)
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    kw = {**KW, "block_size": 8, "max_num_batched_tokens": 16}
+    kt = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "load_timeout_s": 3.0}
+    dep = dict(data_parallel_size=2, enable_expert_parallel=True, speculative_config=spec, **kw)
+    pull = LLM(str(ck), kv_transfer_config=json.dumps(kt), **dep)
+    push = LLM(str(ck), kv_transfer_config=json.dumps({**kt, "kv_connector_extra_config": {"send_type": "PUT"}}),
+               **dep)
+    ref = LLM(str(ck), speculative_config=spec, **kw)
+    try:
+        assert [s.name for s in pull.engine.core.kv_specs] == ["full", "window", "dspark.window"]
+        for prod, cons, send_type, seed in ((push, pull, "GET", 4), (pull, push, "PUT", 5)):
+            engines = {"prod": prod, send_type: cons, "ref": ref}
+            first = random_prompts(seed, [40, 21, 33])  # past the 8-token window: released window blocks too
+            before = _drafting(cons), _drafting(ref)
+            _check_pd(engines, send_type, first)
+            hits = cons.engine.stats().prefix_cache_hits
+            more = random_prompts(seed + 10, [9, 12, 5])
+            held = _check_pd(engines, send_type, [p[:32] + q for p, q in zip(first, more)])
+            assert cons.engine.stats().prefix_cache_hits > hits  # the decoder resumed past its own cached blocks
+            assert len({h.kv_transfer_params["remote_engine_id"] for h in held}) == 2
+            # The same drafts as one process: counts, and the confidence head's predicted acceptance summed per
+            # position - a function of the context keys each block forward read (moved ones on the decoder).
+            (c0, r0), (c1, r1) = before, (_drafting(cons), _drafting(ref))
+            counts = [b - a for a, b in zip(c0[0], c1[0])]
+            assert counts == [b - a for a, b in zip(r0[0], r1[0])] and counts[1] > 0
+            assert all(abs((a1 - a0) - (b1 - b0)) < 1e-3 for a0, a1, b0, b1 in zip(c0[1], c1[1], r0[1], r1[1]))
+        # Decode-side preemption: a decoder whose replicas hold 5 blocks (40 tokens) each reads four prompts and
+        # decodes 12 tokens of each (up to 4 blocks a request, with the k = 2 lookahead): it preempts, the preempted
+        # requests recompute here (never read again), and the tokens stay one process's, with both pools whole.
+        small = LLM(str(ck), kv_transfer_config=json.dumps(kt), **{**dep, "num_kv_blocks": 5})
+        try:
+            _check_pd({"prod": push, "GET": small, "ref": ref}, "GET", random_prompts(6, [16, 12, 10, 8]), n=12)
+            assert small.engine.stats().num_preemptions > 0
+        finally:
+            small.engine.shutdown()
+    finally:
+        for llm in (pull, push, ref):
+            llm.engine.shutdown()
+
+
+def _drafting(llm) -> tuple[tuple[int, int, int], list[float]]:
+    s = llm.engine.stats().spec_decode
+    return (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens), s.confidence_per_pos + [0.0] * 4

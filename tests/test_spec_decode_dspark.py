@@ -157,6 +157,32 @@ def test_a_drafter_that_agrees_with_the_target_accepts_everything(v41):
     assert kv_manager(llm).all_free()
 
 
+def test_dummy_block_forward_for_lockstep_replicas(v41):
+    """Under DP + EP a replica with nothing to draft runs DSpark's block forward once as a dummy (the collective MoE
+    of every draft block, under a dummy forward context: no expert load counted), leaving the key store as it was;
+    ``forwards`` counts the real block forward of the last step (test_spec_decode_parallel runs it on two ranks)."""
+    from openinfer.forward_context import peek_forward_context
+    from openinfer.layers import dispatch
+
+    path, prompts, _ = v41
+    llm = LLM(str(path), **BASE, num_kv_blocks=16, speculative_config=dspark(2))
+    runner = llm.engine.core.executor.driver_worker.model_runner
+    prop = runner.proposer
+    assert prop.lockstep_forwards == 1
+    greedy(llm, prompts[:1])
+    assert prop.forwards == 1
+    seen = []
+    hooks = [blk.mlp.register_forward_hook(lambda m, a, o: seen.append(peek_forward_context().is_dummy))
+             for blk in engine_model(llm).mtp]
+    keys = prop.module.keys.clone()
+    with torch.inference_mode(), dispatch.use(runner.kernels):
+        prop.dummy_forward(None, {}, None)
+    for h in hooks:
+        h.remove()
+    assert seen == [True] * len(engine_model(llm).mtp)
+    assert torch.equal(prop.module.keys, keys)
+
+
 def test_start_up_errors_name_the_field(v41, tmp_path):
     path, _, _ = v41
     with pytest.raises(ValueError, match=r"no DSpark draft blocks \(mtp\.\* tensors\)"):
@@ -164,6 +190,13 @@ def test_start_up_errors_name_the_field(v41, tmp_path):
             speculative_config=dspark(2))
     with pytest.raises(ValueError, match=r"num_speculative_tokens=5 exceeds the checkpoint's dspark_block_size=4"):
         LLM(str(path), **BASE, num_kv_blocks=16, speculative_config=dspark(5))
+    # DP + EP: the draft blocks' own experts (dspark_n_routed_experts=4) must split over the ranks as the target's
+    from openinfer.engine_args import EngineArgs
+
+    with pytest.raises(ValueError, match=r"DSpark draft blocks' dspark_n_routed_experts=4 \+ num_redundant_experts=0 "
+                                         r"over .*data_parallel_size=8 = 8 ranks"):
+        EngineArgs(model=str(path), device="meta", data_parallel_size=8, enable_expert_parallel=True,
+                   speculative_config=dspark(2)).create_engine_config()
     dense = make_dense_checkpoint(tmp_path / "llama")
     with pytest.raises(ValueError, match=r"speculative_config.method='mtp'.*has no MTP layers"):
         LLM(str(dense), dtype="float32", speculative_config=dspark(2))

@@ -48,16 +48,20 @@ def compare(path: Path, prompts, spec: dict, layout: dict = TP2, **extra) -> tup
         llm = LLM(str(path), **kw, **lay)
         first, again = run(llm, prompts), run(llm, prompts)
         alone = run(llm, prompts[1:2])
-        results.append((first, again + alone, spec_counts(llm), llm.engine.stats().prefix_cache_hits))
+        stats = llm.engine.stats()
+        results.append((first, again + alone, spec_counts(llm), stats.prefix_cache_hits,
+                        stats.spec_decode.confidence_per_pos))
         assert all(kv.all_free() for kv in llm.engine.core.kvs)
         llm.engine.shutdown()
-    (one, one_again, one_counts, _), (tp, tp_again, tp_counts, tp_hits) = results
+    (one, one_again, one_counts, _, one_conf), (tp, tp_again, tp_counts, tp_hits, tp_conf) = results
     for a, b in zip(one + one_again, tp + tp_again):
         assert a[0] == b[0]
         assert max(abs(x - y) for x, y in zip(a[1], b[1])) < 1e-3
     assert [t for t, _ in one] == [t for t, _ in one_again[:len(one)]]  # prefix hits change no token
     assert tp_hits > 0
     assert tp_counts == one_counts  # the same drafts were made and accepted, position by position
+    # DSpark's confidence head: its predictions summed per position, a function of each draft's inputs
+    assert len(tp_conf) == len(one_conf) and all(abs(a - b) < 1e-3 for a, b in zip(tp_conf, one_conf))
     return tp_counts
 
 
@@ -119,3 +123,19 @@ def test_mtp_k2_dp2_ep_on_deepseek_v4(tmp_path):
     drafts, draft_tokens, _, _ = compare(tmp_path / "release", prompts, {"method": "mtp", "num_speculative_tokens": 2},
                                          DP2_EP, tokenizer=str(hf_style), max_model_len=256)
     assert draft_tokens > drafts
+
+
+def test_dspark_k2_dp2_ep_on_deepseek_v41(tmp_path):
+    """V4.1's MTP is DSpark: one block forward drafts all k, through every draft block's MoE, whose experts are split
+    over the replicas too. A replica with nothing to draft (a prompt's non-final 16-token chunk, no request at all)
+    runs that block forward as a dummy, so the replicas meet in the same all-to-alls."""
+    from helpers import load_script
+    from test_deepseek_v41 import _prompts
+
+    path = load_script("make_deepseek_v41_checkpoint").make_checkpoint(tmp_path / "v41", "tiny", seed=0,
+                                                                        quantize=False)
+    prompts = _prompts(1, [3, 17, 40])
+    prompts[2][:16] = prompts[1][:16]  # two shared blocks of 8
+    drafts, draft_tokens, _, _ = compare(path, prompts, {"method": "mtp", "num_speculative_tokens": 2}, DP2_EP,
+                                         block_size=8, max_model_len=128)
+    assert draft_tokens > drafts  # blocks of k = 2 drafts (their confidence sums as one process: compare)

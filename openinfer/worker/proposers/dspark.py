@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from openinfer.config import EngineConfig
+from openinfer.forward_context import AttentionMetadata, set_forward_context
 from openinfer.kv_cache_interface import KVGroupSpec
 from openinfer.models.interface import DSparkTarget
 from openinfer.worker.input_batch import CachedRequestState
@@ -85,11 +86,26 @@ class DSparkProposer(DraftingModel):
         store = ContextKeyStore(shape.draft_blocks, shape.key_dim, self.window)
         super().__init__(store, k, config.model.max_model_len, config.cache.block_size, device)
         self.last_confidence: dict[str, list[float]] = {}
+        # One block forward per step drafts every request: each draft block's MoE meets the other replicas once.
+        self.lockstep_forwards = 1
 
-    def kv_stores(self) -> list[tuple[str, torch.Tensor]]:
-        return [] if self.module.keys is None else [(self.prefix + WINDOW_GROUP, self.module.keys)]
+    def dummy_forward(self, hidden: torch.Tensor, scratch: dict[str, int], batch) -> None:
+        """The block forward of one request with no context (its one context key is padding) and token 0 as its
+        golden token, so this replica's ranks join the draft blocks' expert-parallel all-to-alls. Nothing is read
+        from or written to the key store, the drafts are dropped, and the forward context marks it dummy (no
+        expert load counted)."""
+        shape = self.target.dspark_shape()
+        keys = torch.zeros(1, 1, shape.draft_blocks, shape.key_dim, dtype=self.module.keys.dtype,
+                           device=self.device)
+        ctx_pos = torch.full((1, 1), -1, dtype=torch.long, device=self.device)
+        md = AttentionMetadata.build([1], [1], {}, {}, self.block_size, self.device)
+        md.is_dummy = True
+        with set_forward_context(md):
+            self.target.propose_over_keys(keys, ctx_pos, torch.zeros(1, dtype=torch.long, device=self.device),
+                                          block_size=self.k)
 
     def propose(self, step: ProposeInputs) -> dict[str, list[int]]:
+        self.forwards = 0
         batch = step.batch
         (g,) = self.group_rows(batch).values()
         tpb = batch.tokens_per_block[self.prefix + WINDOW_GROUP]
@@ -120,6 +136,7 @@ class DSparkProposer(DraftingModel):
         golden = torch.tensor([st.token_ids[-1] for st in states], dtype=torch.long, device=self.device)
         draw = DraftDraw(states)
         tokens, confidence = self.target.propose_over_keys(keys, ctx_pos, golden, block_size=self.k, draw=draw)
+        self.forwards = 1
         self.last_confidence = {st.req_id: c for st, c in zip(states, confidence.tolist())}
         proposals = {st.req_id: t for st, t in zip(states, tokens.tolist())}
         draw.hand_over(proposals)
