@@ -304,12 +304,14 @@ def _deepseek_with_mtp(arch, tmp_path_factory) -> tuple[str, tuple[str, ...]]:
 def test_router_pd_full_deepseek_shape(arch, tmp_path_factory):
     """The production DeepSeek shape at toy scale, as processes behind the unmodified router: a prefill instance and
     a decode instance, each DP 2 + EP with MTP k = 2 (V4.1: DSpark, its MTP; the prefill's prompt pass fills the
-    drafter's KV, which moves with the target's groups). Concurrent requests reach both replicas of each side;
-    pull, then push (a second router, roles swapped: the first prefill instance decodes with send_type PUT); tokens
-    as the instance answers alone; every prompt token but the last came over NIXL; both sides free everything. The
-    documented commands are docs/composition.md's. Per model the two servers start once and serve the reference,
-    the pull and the push rounds; two prompts of 6 tokens keep each case at ~22-26 s on 2 cores. (These three
-    replace a V3-only case of this test and a one-rank V3/V4 router test, which they subsume: +16 s, +16 CPU s.)"""
+    drafter's KV, which moves with the target's groups). Two requests at once (the least-loaded pick spreads them
+    over each side's replicas when they overlap; not asserted here - tests/test_pd_parallel.py checks that both
+    producer replicas served); pull, then push (a second router, roles swapped: the first prefill instance
+    decodes with send_type PUT); tokens as the instance answers alone; every prompt token but the last came over
+    NIXL; the decoder drafted; both sides free everything. The documented commands are docs/composition.md's. Per
+    model the two servers start once and serve the reference, the pull and the push rounds; two prompts of 6
+    tokens keep each case at ~22-26 s on 2 cores. (These three replace a V3-only case of this test and a one-rank
+    V3/V4 router test, which they subsume: +16 s, +16 CPU s.)"""
     if not os.path.exists(ROUTER):
         pytest.skip("vllm-router is not installed (pip install 'openinfer[pd]')")
     from concurrent.futures import ThreadPoolExecutor
