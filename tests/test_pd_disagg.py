@@ -310,8 +310,8 @@ def test_router_pd_full_deepseek_shape(arch, tmp_path_factory):
     decodes with send_type PUT); tokens as the instance answers alone; every prompt token but the last came over
     NIXL; the decoder drafted; both sides free everything. The documented commands are docs/composition.md's. Per
     model the two servers start once and serve the reference, the pull and the push rounds; two prompts of 6
-    tokens keep each case at ~22-26 s on 2 cores. (These three replace a V3-only case of this test and a one-rank
-    V3/V4 router test, which they subsume: +16 s, +16 CPU s.)"""
+    tokens keep each case at 11-14 s on the shared 2-core host (22-26 s under load). These three replace a V3-only
+    case of this test and a one-rank V3/V4 router test, which they subsume: +10-16 s, +16-19 CPU s in all."""
     if not os.path.exists(ROUTER):
         pytest.skip("vllm-router is not installed (pip install 'openinfer[pd]')")
     from concurrent.futures import ThreadPoolExecutor
