@@ -277,103 +277,85 @@ def test_prefill_killed_after_prefill_decoder_still_answers_once(pd):
     assert _wait_free(decode)[P + "num_requests_running"] == 0
 
 
-def _deepseek_checkpoint(arch, tmp_path_factory):
+def _deepseek_with_mtp(arch, tmp_path_factory) -> tuple[str, tuple[str, ...]]:
+    """A tiny checkpoint of ``arch`` with its MTP block and the serve arguments it needs: V3 with one MTP layer
+    (one latent group, 16-token blocks); V4 in DeepSeek's release layout with an mtp.0 block (full, 16-token
+    sliding window, coarse compressed entries and the MTP block's groups: 8-token blocks), its tokenizer from the
+    HF folder; V4.1 with its DSpark block (full, 8-token window with Engram ids, and the ``dspark.window`` context
+    keys)."""
     from helpers import load_script
 
-    path = tmp_path_factory.mktemp(f"pd-{arch}") / arch
+    tmp = tmp_path_factory.mktemp(f"pd-{arch}")
     if arch == "deepseek_v3":
-        return load_script("make_deepseek_checkpoint").make_v3(path, "tiny", seed=0)
-    return load_script("make_deepseek_v4_checkpoint").make_checkpoint(path, "tiny", seed=0)
+        model = load_script("make_deepseek_checkpoint").make_v3(tmp / "v3", "tiny", seed=0,
+                                                                overrides={"num_nextn_predict_layers": 1})
+        return str(model), ("--block-size", "16")
+    if arch == "deepseek_v4":
+        from test_deepseek_v4 import write_release_with_mtp
+
+        hf = load_script("make_deepseek_v4_checkpoint").make_checkpoint(tmp / "hf", "tiny", seed=0)
+        write_release_with_mtp(hf, tmp / "release")
+        return str(tmp / "release"), ("--block-size", "8", "--tokenizer", str(hf))
+    model = load_script("make_deepseek_v41_checkpoint").make_checkpoint(tmp / "v41", "tiny", seed=0, quantize=False)
+    return str(model), ("--block-size", "8")
 
 
-# V4 (three groups) runs in every CI pass; V3 (~20 s more: its own two servers) is in the slow set.
-@pytest.mark.parametrize("arch", [pytest.param("deepseek_v3", marks=pytest.mark.slow), "deepseek_v4"])
-def test_router_pd_deepseek_is_token_identical(arch, tmp_path_factory):
-    """DeepSeek-V3 (one latent group) and V4 (full, sliding window with released blocks, coarse compressed
-    entries: 8-token blocks give it three groups) through the unmodified router in PD mode, as processes, pull and
-    then push (a second router with the roles swapped: the first prefill instance decodes with send_type PUT): the
-    decoder's tokens are one instance's, and every prompt token but the last came over NIXL (its cached tokens)."""
-    if not os.path.exists(ROUTER):
-        pytest.skip("vllm-router is not installed (pip install 'openinfer[pd]')")
-    model = _deepseek_checkpoint(arch, tmp_path_factory)
-    args = (*COMMON, "--block-size", "16" if arch == "deepseek_v3" else "8")
-    push_kv = {**KV, "kv_connector_extra_config": {"send_type": "PUT"}}
-    a = ServerProcess(model, *args, "--kv-transfer-config", json.dumps(push_kv), wait=False)
-    b = ServerProcess(model, *args, "--kv-transfer-config", json.dumps(KV), wait=False)
-    router = None
-    try:
-        a.wait_ready()
-        b.wait_ready()
-        # Past V4's 16-token window, so its window group sends released (-1) blocks too.
-        prompt = "disaggregated DeepSeek: the decoder reads every KV group it needs"
-        want = _complete(a.url, prompt, 6, return_token_ids=True)
-        _wait_free(a)
-        for prefill, decode, mode in ((a, b, "pull"), (b, a, "push")):
-            # The decoder must not hold the prompt already (it computed it as the reference, or produced it last
-            # round): every prompt token but the last has to come over NIXL.
-            assert httpx.post(decode.url + "/reset_prefix_cache", timeout=30).status_code == 200
-            router, url = _start_router(prefill, decode)
-            d0 = decode.metrics()
-            got = _complete(url, prompt, 6, return_token_ids=True)
-            assert got["choices"][0]["token_ids"] == want["choices"][0]["token_ids"], mode
-            n = want["usage"]["prompt_tokens"]
-            assert got["usage"]["prompt_tokens"] == n
-            _wait_free(prefill), _wait_free(decode)
-            d1 = decode.metrics()
-            assert d1[P + "engine_generation_tokens_total"] - d0[P + "engine_generation_tokens_total"] == 6, mode
-            assert d1[P + "kv_transfer_loads_total"] - d0[P + "kv_transfer_loads_total"] == 1, mode
-            assert d1[P + "kv_transfer_fallbacks_total"] == d0[P + "kv_transfer_fallbacks_total"], mode
-            src = P + 'prompt_tokens_by_source_total{source="%s"}'
-            assert d1[src % "local_compute"] - d0[src % "local_compute"] == 1, mode
-            assert d1[src % "external_kv_transfer"] - d0[src % "external_kv_transfer"] == n - 1, mode
-            _stop_router(router)
-            router = None
-    finally:
-        _stop_router(router)
-        a.stop()
-        b.stop()
-
-
-def test_router_pd_full_deepseek_shape(tmp_path_factory):
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v4", "deepseek_v41"])
+def test_router_pd_full_deepseek_shape(arch, tmp_path_factory):
     """The production DeepSeek shape at toy scale, as processes behind the unmodified router: a prefill instance and
-    a decode instance, each DP 2 + EP with MTP k = 2 (the prefill's prompt pass fills the MTP layer's KV, which
-    moves with the target's). Concurrent requests reach both replicas of each side; pull, then push (roles
-    swapped); tokens as the instance answers alone; every prompt token but the last came over NIXL; both sides free
-    everything. The documented command is docs/composition.md's."""
+    a decode instance, each DP 2 + EP with MTP k = 2 (V4.1: DSpark, its MTP; the prefill's prompt pass fills the
+    drafter's KV, which moves with the target's groups). Two requests at once (the least-loaded pick spreads them
+    over each side's replicas when they overlap; not asserted here - tests/test_pd_parallel.py checks that both
+    producer replicas served); pull, then push (a second router, roles swapped: the first prefill instance
+    decodes with send_type PUT); tokens as the instance answers alone; every prompt token but the last came over
+    NIXL; the decoder drafted; both sides free everything. The documented commands are docs/composition.md's. Per
+    model the two servers start once and serve the reference, the pull and the push rounds; two prompts of 6
+    tokens keep each case at 11-14 s on the shared 2-core host (22-26 s under load). These three replace a V3-only
+    case of this test and a one-rank V3/V4 router test, which they subsume: +10-16 s, +16-19 CPU s in all."""
     if not os.path.exists(ROUTER):
         pytest.skip("vllm-router is not installed (pip install 'openinfer[pd]')")
     from concurrent.futures import ThreadPoolExecutor
 
-    from helpers import load_script
-
-    model = load_script("make_deepseek_checkpoint").make_v3(tmp_path_factory.mktemp("pd-full") / "v3", "tiny", seed=0,
-                                                            overrides={"num_nextn_predict_layers": 1})
-    args = (*COMMON, "--block-size", "16", "--data-parallel-size", "2", "--enable-expert-parallel",
+    model, model_args = _deepseek_with_mtp(arch, tmp_path_factory)
+    args = (*COMMON, *model_args, "--data-parallel-size", "2", "--enable-expert-parallel",
             "--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 2}))
     push_kv = {**KV, "kv_connector_extra_config": {"send_type": "PUT"}}
     a = ServerProcess(model, *args, "--kv-transfer-config", json.dumps(push_kv), wait=False)
     b = ServerProcess(model, *args, "--kv-transfer-config", json.dumps(KV), wait=False)
     router = None
-    prompts = ["the full shape: prefill and decode, each two expert-parallel replicas", "MTP drafts on the decoder",
-               "three requests at once spread over the replicas of both sides"]
+    # Both past V4's 16-token window (and V4.1's 8): the window groups send released (-1) blocks too.
+    prompts = ["the full shape: prefill and decode, each two expert-parallel replicas",
+               "MTP drafts on the decoder, two requests at once"]
+    n_out = 6
     try:
         a.wait_ready()
         b.wait_ready()
-        want = [_complete(a.url, p, 6, return_token_ids=True)["choices"][0]["token_ids"] for p in prompts]
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            want = list(pool.map(lambda p: _complete(a.url, p, n_out, return_token_ids=True), prompts))
+        n_prompt = [w["usage"]["prompt_tokens"] for w in want]
         _wait_free(a)
         for prefill, decode, mode in ((a, b, "pull"), (b, a, "push")):
+            # The decoder must not hold the prompts already (it computed them as the reference, or produced them
+            # last round): every prompt token but the last has to come over NIXL.
             assert httpx.post(decode.url + "/reset_prefix_cache", timeout=30).status_code == 200
             router, url = _start_router(prefill, decode)
             d0 = decode.metrics()
             with ThreadPoolExecutor(len(prompts)) as pool:
-                got = list(pool.map(lambda p: _complete(url, p, 6, return_token_ids=True), prompts))
-            assert [g["choices"][0]["token_ids"] for g in got] == want, mode
+                got = list(pool.map(lambda p: _complete(url, p, n_out, return_token_ids=True), prompts))
+            assert [g["choices"][0]["token_ids"] for g in got] == [w["choices"][0]["token_ids"] for w in want], mode
+            assert [g["usage"]["prompt_tokens"] for g in got] == n_prompt, mode
             _wait_free(prefill), _wait_free(decode)
             d1 = decode.metrics()
+            gen = P + "engine_generation_tokens_total"
+            assert d1[gen] - d0[gen] == n_out * len(prompts), mode
+            drafts = P + "spec_decode_num_draft_tokens_total"
+            assert d1[drafts] > d0[drafts], mode  # the decoder drafted (its drafter's prompt KV came too)
             assert d1[P + "kv_transfer_loads_total"] - d0[P + "kv_transfer_loads_total"] == len(prompts), mode
             assert d1[P + "kv_transfer_fallbacks_total"] == d0[P + "kv_transfer_fallbacks_total"], mode
             src = P + 'prompt_tokens_by_source_total{source="%s"}'
             assert d1[src % "local_compute"] - d0[src % "local_compute"] == len(prompts), mode
+            assert d1[src % "external_kv_transfer"] - d0[src % "external_kv_transfer"] == sum(n_prompt) - len(
+                prompts), mode
             _stop_router(router)
             router = None
     finally:
