@@ -2,8 +2,8 @@
 
 Parsing ``torch/library.h`` and ``ATen/core/Tensor.h`` is most of each source's compile: 6.1 of moe_ops.cpp's 10.0 CPU
 s at -O3, 23 sources. Compiled once (17.8 CPU s, one serial step), the header makes each source ~4 CPU s cheaper
-(moe_ops.cpp 10.0 -> 5.8 CPU s). That pays when the sources outnumber the cores several times over (CI's and a
-laptop's 2-8 cores), not on a many-core host, where the serial step would be most of the build.
+(moe_ops.cpp 10.0 -> 5.8 CPU s). That pays when the sources outnumber the cores several times over (with 23 sources:
+up to 5 cores, CI's 2 among them), not on a many-core host, where the serial step would be most of the build.
 
 Only GCC: its PCH is skipped, with no error, whenever the flags differ from the build's (the sources then read the
 headers as text), so a mismatch costs time, never correctness. The build always passes ``-include`` of the header
@@ -34,7 +34,7 @@ def include_flag(build_dir: str) -> list[str]:
     path = Path(build_dir) / HEADER
     if any(c.isspace() for c in str(path)):  # torch writes the flags into build.ninja unquoted
         return []
-    text = "#pragma once\n" + "".join(f"#include <{h}>\n" for h in _INCLUDES)
+    text = "".join(f"#include <{h}>\n" for h in _INCLUDES)
     if not path.exists() or path.read_text() != text:
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(text)
