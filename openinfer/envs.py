@@ -93,6 +93,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "LOG_LEVEL": _str("OPENINFER_LOG_LEVEL", "INFO"),
     # the server's API key when --api-key is not given
     "API_KEY": _str("OPENINFER_API_KEY"),
+    # the folder of converted GGUF tokenizers (tokenizer_cache.py; default ~/.cache/openinfer/gguf_tokenizers), or off
+    "TOKENIZER_CACHE": _str("OPENINFER_TOKENIZER_CACHE"),
 }
 
 

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from openinfer import tokenizer_cache
 from openinfer.gguf_file import GGUFError, field, find_gguf, open_gguf
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -21,9 +22,13 @@ def load_tokenizer(path: str, chat_template: str | None = None):
     gguf = find_gguf(path)
     try:
         if gguf is not None:
-            reader = open_gguf(gguf)  # a corrupt file: our one-line error, not the converter's
-            tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
-            as_llama_cpp_splits(tok, reader)
+            def convert():  # not run when tokenizer_cache has this file's conversion (the file unchanged since)
+                reader = open_gguf(gguf)  # a corrupt file: our one-line error, not the converter's
+                tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
+                as_llama_cpp_splits(tok, reader)
+                return tok
+
+            tok = tokenizer_cache.load_or_convert(gguf, convert)
         else:
             tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except GGUFError:

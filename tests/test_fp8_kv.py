@@ -263,22 +263,7 @@ def test_fp8_attention_layer_sdpa_matches_reference(kernel_ops):
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.slow  # rebuilds the kernels for x86-64-v3 in a subprocess (AVX-512 hosts only)
-@pytest.mark.skipif(bool(__import__("os").environ.get("OPENINFER_KERNEL_CFLAGS")), reason="already a variant")
-def test_fp8_kernels_avx2_build(kernel_ops, avx2_variant):
-    """The kernel tests above against the x86-64-v3 (AVX2, no AVX-512) build the other AVX2 tests use."""
-    import os
-    import platform
-    import subprocess
-    import sys
-
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("x86 only")
-    env = dict(os.environ, OPENINFER_KERNEL_CFLAGS="-march=x86-64-v3", OMP_NUM_THREADS="2")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "kernel and not avx2"]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert " passed" in r.stdout and "skipped" not in r.stdout.splitlines()[-1], r.stdout[-1000:]
+# The kernel tests above run again on the x86-64-v3 (AVX2) build: tests/test_avx2_variant.py.
 
 
 # ---- the engine -------------------------------------------------------------------------------------------------

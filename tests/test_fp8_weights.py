@@ -3,10 +3,6 @@ against the dequantised reference, every e4m3 code decoded exactly, batch and th
 the checks at load."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -116,12 +112,4 @@ def test_fp8_weight_checks_at_load():
     assert w.nbytes == 16 * 32 + 16 * 1 * 4  # the codes plus one fp32 multiplier per row and block
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(bool(os.environ.get("OPENINFER_KERNEL_CFLAGS")), reason="already a variant")
-def test_fp8_weight_kernel_avx2_build(avx2_variant):
-    """This file's kernel tests against the x86-64-v3 build (AVX2 + F16C, no AVX-512), on an AVX-512 host."""
-    env = dict(os.environ, OPENINFER_KERNEL_CFLAGS="-march=x86-64-v3", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "kernel and not avx2"]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, check=False)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert " passed" in r.stdout and "skipped" not in r.stdout.splitlines()[-1], r.stdout[-1000:]
+# The kernel tests above run again on the x86-64-v3 (AVX2) build: tests/test_avx2_variant.py.

@@ -165,16 +165,4 @@ def test_llama_greedy_same_with_gemv_on_and_off(tmp_path, monkeypatch, kernel_op
             assert abs(a.outputs[0].logprobs[j][t] - b.outputs[0].logprobs[j][t]) < lp_tol, (j, ta)
 
 
-@pytest.mark.slow  # rebuilds the kernels for x86-64-v3 in a subprocess (AVX-512 hosts only)
-@pytest.mark.skipif(bool(__import__("os").environ.get("OPENINFER_KERNEL_CFLAGS")), reason="already a variant")
-def test_gemv_avx2_build(kernel_ops, avx2_variant):
-    """On an AVX-512 host the native build runs the 512-bit code: rerun the kernel tests on the x86-64-v3 build."""
-    import os
-    import subprocess
-    import sys
-
-    env = dict(os.environ, OPENINFER_KERNEL_CFLAGS="-march=x86-64-v3", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "gemv_matches or nan_inf"]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert " passed" in r.stdout and "skipped" not in r.stdout.splitlines()[-1], r.stdout[-1000:]
+# The kernel tests above run again on the x86-64-v3 (AVX2) build: tests/test_avx2_variant.py.

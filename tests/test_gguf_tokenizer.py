@@ -41,16 +41,30 @@ def gguf_file(name: str, tmp_path_factory) -> str:
 
 @pytest.mark.slow  # 2 x 1,000 strings through two tokenizers, and a 600-merge vocabulary learned
 @pytest.mark.parametrize("name", ["smollm2", "spm"])
-def test_ids_equal_llama_cpp_and_transformers(name, tmp_path_factory):
+def test_ids_equal_llama_cpp_and_transformers(name, tmp_path_factory, monkeypatch):
     from transformers import AutoTokenizer
+
+    from openinfer import tokenizer_cache
 
     path = gguf_file(name, tmp_path_factory)
     data = fixture(name)
     assert vocab_sha256(path) == data["vocab_sha256"], "the vocabulary changed: re-record the fixture"
+    cache = tmp_path_factory.mktemp("tokenizer-cache")
+    monkeypatch.setenv("OPENINFER_TOKENIZER_CACHE", str(cache))  # a fresh cache: this load converts
+    monkeypatch.setattr(tokenizer_cache, "WORTH_S", 0.0)  # keep even the toy vocabulary's quick conversion
     tok = load_tokenizer(path)
     ours = [tok(s, add_special_tokens=False).input_ids for s in data["strings"]]
     diff = [(s, o, w) for s, o, w in zip(data["strings"], ours, data["ids"]) if o != w]
     assert not diff, f"{len(diff)} of {len(ours)} differ from llama.cpp, e.g. {diff[0]}"
+    # the next process reads the conversion kept on disk (no converting: the hook that runs after it would raise),
+    # and it is the same tokenizer: the same ids on every string, the same special tokens and chat template
+    assert len(list(cache.iterdir())) == 1
+    with monkeypatch.context() as m:
+        m.setattr("openinfer.tokenizer.as_llama_cpp_splits", lambda *a: pytest.fail("converted again"))
+        cached = load_tokenizer(path)
+    assert [cached(s, add_special_tokens=False).input_ids for s in data["strings"]] == ours
+    assert cached.all_special_tokens == tok.all_special_tokens and cached.chat_template == tok.chat_template
+    assert (cached.bos_token, cached.eos_token) == (tok.bos_token, tok.eos_token)
     specials = set(tok.all_special_tokens)
     # decoding gives the text back (byte-level BPE always; SentencePiece where no special token sits in the text,
     # since llama.cpp's rule puts a space after each special token)

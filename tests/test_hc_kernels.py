@@ -182,22 +182,4 @@ def test_v4_model_same_with_and_without_kernels(kernel_ops, ckpt, dtype, monkeyp
             assert abs(a.outputs[0].logprobs[j][t] - b.outputs[0].logprobs[j][t]) < lp_tol
 
 
-@pytest.mark.slow  # rebuilds the kernels for x86-64-v3 in a subprocess (AVX-512 hosts only)
-@pytest.mark.skipif(bool(__import__("os").environ.get("OPENINFER_KERNEL_CFLAGS")), reason="already a variant")
-def test_kernels_avx2_build(kernel_ops, avx2_variant):
-    """The extension is built with -march=native; CI may run on an AVX2-only CPU, where the 16-float vectors
-    become pairs of registers. Run the kernel tests against an x86-64-v3 build (the same build
-    test_kernels.py's AVX2 test makes, so one compile serves both)."""
-    import os
-    import platform
-    import subprocess
-    import sys
-
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("x86 only")
-    env = dict(os.environ, OPENINFER_KERNEL_CFLAGS="-march=x86-64-v3", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-           "matches_torch or more_threads"]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert " passed" in r.stdout and "skipped" not in r.stdout.splitlines()[-1], r.stdout[-1000:]
+# The kernel tests above run again on the x86-64-v3 (AVX2) build: tests/test_avx2_variant.py.

@@ -249,24 +249,4 @@ def test_a_broken_kernel_build_is_an_error_not_a_slow_path(monkeypatch):
     assert used and (fast - ref).abs().max() < 2e-5
 
 
-@pytest.mark.slow  # rebuilds the kernels for x86-64-v3 in a subprocess (AVX-512 hosts only)
-@pytest.mark.skipif(bool(__import__("os").environ.get("OPENINFER_KERNEL_CFLAGS")), reason="already a variant")
-def test_paged_decode_kernel_avx2_build(kernel_ops, avx2_variant, tmp_path):
-    """The kernel is built with -march=native; CI may run on an AVX2-only CPU. Build it for x86-64-v3 (AVX2,
-    FMA, no AVX-512) in a subprocess and run the kernel tests (this file's and test_layer_kernels.py's) against
-    that build."""
-    import os
-    import platform
-    import subprocess
-    import sys
-
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("x86 only")
-    env = dict(os.environ, OPENINFER_KERNEL_CFLAGS="-march=x86-64-v3", OMP_NUM_THREADS="1")
-    layer_ops = os.path.join(os.path.dirname(__file__), "test_layer_kernels.py")
-    lowbit = os.path.join(os.path.dirname(__file__), "test_quant_linear.py")  # the int8/int4 GEMM kernels
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, layer_ops, lowbit,
-           "-k", "(paged_decode_kernel or uses_kernel or layer_kernel or lowbit_kernel) and not avx2"]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert " passed" in r.stdout and "skipped" not in r.stdout.splitlines()[-1], r.stdout[-1000:]
+# The kernel tests above run again on the x86-64-v3 (AVX2) build: tests/test_avx2_variant.py.

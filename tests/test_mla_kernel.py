@@ -180,27 +180,7 @@ def test_mla_layer_decode_kernel_and_torch_path_match_reference(kernel_ops, monk
     torch.testing.assert_close(torch_path, ref, rtol=tol, atol=tol)
 
 
-@pytest.mark.slow  # rebuilds the kernels for x86-64-v3 in a subprocess (AVX-512 hosts only)
-@pytest.mark.skipif(bool(__import__("os").environ.get("OPENINFER_KERNEL_CFLAGS")), reason="already a variant")
-def test_mla_kernel_avx2_build(kernel_ops, avx2_variant):
-    """The extension is built with -march=native; CI may run elsewhere. Run the DeepSeek kernel tests (this
-    file's, test_moe_kernel.py's, test_v4_sparse_kernel.py's; not the model-level ones) against an x86-64-v3
-    (AVX2, no AVX-512, no AMX) build, the one test_kernels.py's AVX2 test makes: one subprocess for all three."""
-    import os
-    import platform
-    import subprocess
-    import sys
-
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("x86 only")
-    env = dict(os.environ, OPENINFER_KERNEL_CFLAGS="-march=x86-64-v3", OMP_NUM_THREADS="2")
-    here = os.path.dirname(__file__)
-    files = [__file__] + [os.path.join(here, f) for f in ("test_moe_kernel.py", "test_v4_sparse_kernel.py")]
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files, "-k",
-           "not avx2 and not model_same"]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert " passed" in r.stdout, r.stdout[-1000:]
+# The kernel tests above run again on the x86-64-v3 (AVX2) build: tests/test_avx2_variant.py.
 
 
 # ---- the causal prefill kernel (cpu_kernels/mla_prefill.cpp) ------------------------------------------------

@@ -165,18 +165,4 @@ def test_v4_greedy_same_with_kernels_on_and_off(tmp_path, monkeypatch, kernel_op
     assert any(limit is not None for _, limit, _ in calls)  # V4's swiglu clamp went through the kernel
 
 
-@pytest.mark.slow  # rebuilds the kernels for x86-64-v3 in a subprocess (AVX-512 hosts only)
-@pytest.mark.skipif(bool(__import__("os").environ.get("OPENINFER_KERNEL_CFLAGS")), reason="already a variant")
-def test_moe_gemv_avx2_build(kernel_ops, avx2_variant):
-    """On an AVX-512 host the native build runs the 512-bit code: rerun the op tests on the x86-64-v3 build (the
-    same build test_gemv's variant test makes: one extra build for both)."""
-    import os
-    import subprocess
-    import sys
-
-    env = dict(os.environ, OPENINFER_KERNEL_CFLAGS="-march=x86-64-v3", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-           "matches_torch or nan_never_read"]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert " passed" in r.stdout and "skipped" not in r.stdout.splitlines()[-1], r.stdout[-1000:]
+# The kernel tests above run again on the x86-64-v3 (AVX2) build: tests/test_avx2_variant.py.

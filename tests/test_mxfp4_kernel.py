@@ -3,10 +3,6 @@ kernel (cpu_kernels/mxfp4_gemm.cpp) against the torch reference (dequantise, the
 and N, M = 1, 3, 17, 64, NaN scales, and the same kernel built for plain x86-64 (no AVX2) and for AVX2."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -104,16 +100,4 @@ def test_mxfp4_kernel_nan_scales_and_bias(monkeypatch):
     assert torch.equal(fast[0].isnan(), ref[0].isnan()) and torch.equal(fast[0].isinf(), ref[0].isinf())
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(bool(os.environ.get("OPENINFER_KERNEL_CFLAGS")), reason="already a variant")
-def test_mxfp4_kernel_avx2_build(avx2_variant):
-    """This file's kernel tests against a build for AVX2 without AVX-512 (x86-64-v3), in a subprocess with its own
-    kernel build (on an AVX-512 host; elsewhere the native build is that build). The plain C++ loop (a build without
-    AVX2, ``-march=x86-64``) passed the same tests once when it was written (421 s on a loaded host): not rerun in
-    CI, whose hosts all have AVX2, because it costs a whole extension build."""
-    march = "x86-64-v3"
-    env = dict(os.environ, OPENINFER_KERNEL_CFLAGS=f"-march={march}", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "nan or reference"]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, check=False)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert " passed" in r.stdout and "skipped" not in r.stdout.splitlines()[-1], r.stdout[-1000:]
+# The kernel tests above run again on the x86-64-v3 (AVX2) build: tests/test_avx2_variant.py.

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from openinfer.layers import kernel_pch
+
 logger = logging.getLogger(__name__)
 
 # Every .cpp in cpu_kernels/ goes into the one extension (one build, one cache entry, one op namespace).
@@ -128,9 +130,17 @@ def _build(extra_cflags: str, cache_dir: str | None) -> BuildResult:
     cached = any(Path(resolved_dir).glob(f"{name}*.so"))
     clear_stale_lock(resolved_dir)
     t0 = time.perf_counter()
-    cpp_extension.load(name=name, sources=[str(s) for s in _SOURCES], extra_cflags=flags,
-                       extra_ldflags=_LDFLAGS, build_directory=build_dir, is_python_module=False,
-                       verbose=False)
+    os.makedirs(resolved_dir, exist_ok=True)
+    include = kernel_pch.include_flag(resolved_dir)  # the same on every load, so ninja never recompiles for it
+    pch = None
+    if include and not cached and kernel_pch.worth_it(len(_SOURCES)):
+        pch = kernel_pch.precompile(resolved_dir, name, flags)
+    try:
+        cpp_extension.load(name=name, sources=[str(s) for s in _SOURCES], extra_cflags=flags + include,
+                           extra_ldflags=_LDFLAGS, build_directory=build_dir, is_python_module=False, verbose=False)
+    finally:
+        if pch is not None:
+            pch.unlink(missing_ok=True)
     took = time.perf_counter() - t0
     how = "cached" if cached and took < 5.0 else "built"
     # a fresh build (minutes on 2 cores) delays start-up: say so; a cached load is quiet
