@@ -218,13 +218,7 @@ class EngineArgs:
         experts = model.hf_config.get("n_routed_experts")
         if parallel.enable_expert_parallel and parallel.world_size > 1 and experts:
             # The EP size is every rank (TP x DP): checked here, not as a worker's load error.
-            slots = int(experts) + parallel.num_redundant_experts
-            if slots % parallel.world_size:
-                raise ValueError(
-                    f"enable_expert_parallel spreads n_routed_experts={experts} + num_redundant_experts="
-                    f"{parallel.num_redundant_experts} over tensor_parallel_size={parallel.tensor_parallel_size} x "
-                    f"data_parallel_size={parallel.data_parallel_size} = {parallel.world_size} ranks: the ranks must "
-                    "divide the experts evenly")
+            _check_experts_divide(f"n_routed_experts={experts}", int(experts), parallel, "")
         speculative = SpeculativeConfig.parse(self.speculative_config)
         if speculative is not None:
             speculative.check_target(model, parallel)
@@ -281,13 +275,17 @@ def _check_dspark_experts(hf_config: dict, parallel: ParallelConfig) -> None:
     n = hf_config.get("dspark_n_routed_experts")
     if n is None:
         return
-    slots = int(n) + parallel.num_redundant_experts
-    if slots % parallel.world_size:
+    _check_experts_divide(f"the DSpark draft blocks' dspark_n_routed_experts={n}", int(n), parallel,
+                          " (speculative_config method 'mtp')")
+
+
+def _check_experts_divide(what: str, n: int, parallel: ParallelConfig, why: str) -> None:
+    """Expert parallelism spreads n experts (+ the redundant slots) over every rank: the ranks must divide them."""
+    if (n + parallel.num_redundant_experts) % parallel.world_size:
         raise ValueError(
-            f"enable_expert_parallel spreads the DSpark draft blocks' dspark_n_routed_experts={n} + "
-            f"num_redundant_experts={parallel.num_redundant_experts} over tensor_parallel_size="
-            f"{parallel.tensor_parallel_size} x data_parallel_size={parallel.data_parallel_size} = "
-            f"{parallel.world_size} ranks: the ranks must divide them evenly (speculative_config method 'mtp')")
+            f"enable_expert_parallel spreads {what} + num_redundant_experts={parallel.num_redundant_experts} over "
+            f"tensor_parallel_size={parallel.tensor_parallel_size} x data_parallel_size="
+            f"{parallel.data_parallel_size} = {parallel.world_size} ranks: the ranks must divide them evenly{why}")
 
 
 def _check_quantization(method: str, architecture: str, enable_eplb: bool) -> None:
