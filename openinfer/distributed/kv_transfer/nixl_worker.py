@@ -87,7 +87,7 @@ class NixlConnectorWorker(KVConnectorWorker):
         # Tensor-parallel rank i reads from (or is written by) rank i of the other side (ranks.py).
         self.tp_rank, self.tp_size, self.rank = tp_rank, tp_size, rank
         self.agent_name = agent_name(engine_id, tp_rank, tp_size)
-        self.agent = nixl_agent(self.agent_name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+        self.agent = nixl_agent(self.agent_name, nixl_agent_config(backends=["UCX"]))
         self.layout: list[list[StoreLayout]] = []
         self.server: SideChannelServer | None = None
         self._remotes: dict[tuple[str, int], _Remote] = {}  # (producer engine id, rank) -> its agent and layout
