@@ -257,14 +257,7 @@ def test_dp2_ep_to_dp2_ep_deepseek_v4_with_mtp_chunked_and_prefix_hits(tmp_path_
     ref = LLM(str(tmp / "release"), speculative_config=spec, **kw)
     try:
         for prod, cons, send_type, seed in ((push, pull, "GET", 4), (pull, push, "PUT", 5)):
-            engines = {"prod": prod, send_type: cons, "ref": ref}
-            first = random_prompts(seed, [40, 21, 33])  # past the 16-token window: released window blocks too
-            _check_pd(engines, send_type, first)
-            hits = cons.engine.stats().prefix_cache_hits
-            more = random_prompts(seed + 10, [9, 12, 5])
-            held = _check_pd(engines, send_type, [p[:32] + q for p, q in zip(first, more)])
-            assert cons.engine.stats().prefix_cache_hits > hits  # the decoder resumed past its own cached blocks
-            assert len({h.kv_transfer_params["remote_engine_id"] for h in held}) == 2
+            _rounds_with_prefix_hits({"prod": prod, send_type: cons, "ref": ref}, cons, send_type, seed)
             assert cons.engine.stats().spec_decode.num_draft_tokens > 0
     finally:
         for llm in (pull, push, ref):
@@ -295,15 +288,8 @@ def test_dp2_ep_to_dp2_ep_deepseek_v41_with_dspark_chunked_and_prefix_hits(tmp_p
     try:
         assert [s.name for s in pull.engine.core.kv_specs] == ["full", "window", "dspark.window"]
         for prod, cons, send_type, seed in ((push, pull, "GET", 4), (pull, push, "PUT", 5)):
-            engines = {"prod": prod, send_type: cons, "ref": ref}
-            first = random_prompts(seed, [40, 21, 33])  # past the 8-token window: released window blocks too
             before = _drafting(cons), _drafting(ref)
-            _check_pd(engines, send_type, first)
-            hits = cons.engine.stats().prefix_cache_hits
-            more = random_prompts(seed + 10, [9, 12, 5])
-            held = _check_pd(engines, send_type, [p[:32] + q for p, q in zip(first, more)])
-            assert cons.engine.stats().prefix_cache_hits > hits  # the decoder resumed past its own cached blocks
-            assert len({h.kv_transfer_params["remote_engine_id"] for h in held}) == 2
+            _rounds_with_prefix_hits({"prod": prod, send_type: cons, "ref": ref}, cons, send_type, seed)
             # The same drafts as one process: counts, and the confidence head's predicted acceptance summed per
             # position - a function of the context keys each block forward read (moved ones on the decoder).
             (c0, r0), (c1, r1) = before, (_drafting(cons), _drafting(ref))
@@ -322,6 +308,18 @@ def test_dp2_ep_to_dp2_ep_deepseek_v41_with_dspark_chunked_and_prefix_hits(tmp_p
     finally:
         for llm in (pull, push, ref):
             llm.engine.shutdown()
+
+
+def _rounds_with_prefix_hits(engines: dict, cons, send_type: str, seed: int) -> None:
+    """Three prompts past the window (released window blocks move too), then three resuming inside them: the decoder
+    resumes past its own cached blocks, and both producer replicas served."""
+    first = random_prompts(seed, [40, 21, 33])
+    _check_pd(engines, send_type, first)
+    hits = cons.engine.stats().prefix_cache_hits
+    more = random_prompts(seed + 10, [9, 12, 5])
+    held = _check_pd(engines, send_type, [p[:32] + q for p, q in zip(first, more)])
+    assert cons.engine.stats().prefix_cache_hits > hits  # the decoder resumed past its own cached blocks
+    assert len({h.kv_transfer_params["remote_engine_id"] for h in held}) == 2
 
 
 def _drafting(llm) -> tuple[tuple[int, int, int], list[float]]:
