@@ -35,6 +35,7 @@ import torch
 
 from openinfer.config import KVTransferConfig
 from openinfer.distributed.kv_transfer.base import KVConnectorWorker
+from openinfer.distributed.kv_transfer.nixl_agent import make_agent
 from openinfer.distributed.kv_transfer.ranks import agent_name
 from openinfer.distributed.kv_transfer.nixl_push import PUSH_DONE, PUSH_FAIL, PushWriter, layout_mismatch
 from openinfer.distributed.kv_transfer.side_channel import (HandshakeReply, PushRefused, PushRequest,
@@ -79,15 +80,13 @@ class _PushLoad:
 class NixlConnectorWorker(KVConnectorWorker):
     def __init__(self, config: KVTransferConfig, engine_id: str, settings: str = "", tp_rank: int = 0,
                  tp_size: int = 1, rank: int = 0) -> None:
-        from nixl._api import nixl_agent, nixl_agent_config
-
         self.config = config
         self.engine_id = engine_id  # this rank's replica's (ranks.replica_engine_id)
         self.settings = settings  # this instance's layout-shaping settings, for both sides' error messages
         # Tensor-parallel rank i reads from (or is written by) rank i of the other side (ranks.py).
         self.tp_rank, self.tp_size, self.rank = tp_rank, tp_size, rank
         self.agent_name = agent_name(engine_id, tp_rank, tp_size)
-        self.agent = nixl_agent(self.agent_name, nixl_agent_config(backends=["UCX"]))
+        self.agent = make_agent(self.agent_name, ["UCX"])
         self.layout: list[list[StoreLayout]] = []
         self.server: SideChannelServer | None = None
         self._remotes: dict[tuple[str, int], _Remote] = {}  # (producer engine id, rank) -> its agent and layout
