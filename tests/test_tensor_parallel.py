@@ -166,3 +166,20 @@ def _core_request(rid: str, prompt: list[int]):
     from openinfer.engine.core_io import EngineCoreRequest
 
     return EngineCoreRequest(rid, prompt, SamplingParams(max_tokens=4, ignore_eos=True), _t.monotonic())
+
+
+def test_the_rendezvous_store_is_bound_before_the_ranks_start_and_ranks_join_it_as_clients():
+    """No port is handed on to be bound later (another process took one in between: EADDRINUSE in a PD test): the
+    executor serves the store, and a client joins it by the address the ranks are given."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from openinfer.executor.multiproc import _rendezvous_store
+
+    store, address = _rendezvous_store()
+    assert address == f"store://127.0.0.1:{store.port}"
+    host, port = address.removeprefix("store://").rsplit(":", 1)
+    client = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
+    client.set("rank0", "ready")
+    assert store.get("rank0") == b"ready"

@@ -137,8 +137,15 @@ def init_distributed_environment(world_size: int, rank: int, init_method: str, d
     addr = os.environ.get("MASTER_ADDR", "") if init_method == "env://" else init_method
     if "127.0.0.1" in addr or "localhost" in addr:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(device_backend(device), init_method=init_method, world_size=world_size, rank=rank,
-                            timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    if init_method.startswith("store://"):  # a store the launcher already serves: every rank is its client
+        host, port = init_method.removeprefix("store://").rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+        dist.init_process_group(device_backend(device), store=store, world_size=world_size, rank=rank,
+                                timeout=timeout)
+    else:
+        dist.init_process_group(device_backend(device), init_method=init_method, world_size=world_size, rank=rank,
+                                timeout=timeout)
     global _WORLD
     cpu = dist.new_group(list(range(world_size)), backend="gloo") if device.type == "cuda" else dist.group.WORLD
     _WORLD = GroupCoordinator(list(range(world_size)), rank, dist.group.WORLD, cpu)

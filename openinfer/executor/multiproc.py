@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -35,10 +34,16 @@ START_TIMEOUT_S = envs.WORKER_START_TIMEOUT_S
 _POLL_MS = 50
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rendezvous_store() -> tuple[Any, str]:
+    """The ranks' rendezvous store, served from this process on a port the kernel picks while it is bound.
+
+    A port found free here and handed to rank 0 to listen on later can be taken in between (seen: EADDRINUSE in
+    a PD test, with other deployments' ranks opening connections on the same host); a store bound here before the
+    ranks start has no such window. The ranks join it as clients (``store://``, parallel_state.py)."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    return store, f"store://127.0.0.1:{store.port}"
 
 
 def _stop(procs: list[subprocess.Popen], exit_wait_s: float = 0.0) -> None:
@@ -93,8 +98,9 @@ class MultiprocExecutor(Executor):
         env = dict(os.environ)
         # The host's cores are shared by the ranks (one torch thread pool each) unless the user said otherwise.
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
+        self._store, dist_init = _rendezvous_store()  # kept for the deployment's life: groups are made through it
         cmd = [sys.executable, "-m", "openinfer.worker.worker_main", "--config-json", config_json,
-               "--rpc-address", rpc_address, "--dist-init", f"tcp://127.0.0.1:{_free_port()}"]
+               "--rpc-address", rpc_address, "--dist-init", dist_init]
         self.procs = [subprocess.Popen(cmd + ["--rank", str(r)], env=env) for r in range(world)]
         self._finalizer = weakref.finalize(self, _stop, self.procs)
 
