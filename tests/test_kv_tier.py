@@ -713,14 +713,17 @@ def corrupt_rank_and_reload(tier, ref, path, rank):
 
 
 def read_by_the_other_replica(tier, ref):
-    """B computed and stored by replica 0 (both idle: it goes first); then the filler and B at once: the filler on
-    replica 0, B on replica 1, whose pool never held it, reading B's prefix from the shared store."""
+    """B computed and stored by replica 0 (both idle: it goes first), then dropped from replica 0's pool (as an
+    eviction would; while it stays there, B's next run goes back to replica 0 for it, test_dp_placement.py); then
+    the filler and B at once: the filler on replica 0, B on replica 1, whose pool never held it, reading B's prefix
+    from the shared store."""
     from helpers import random_prompts
 
     core = tier.engine.core
     (b, filler) = random_prompts(21, [80, 40])
     greedy(tier, [b])
     drain(tier)
+    core.kvs[0].reset_prefix_cache()
     loads = core.kv_connectors[1].stats.loads
     outs = greedy(tier, [filler, b])
     assert outs[1].num_cached_tokens == 64 and core.kv_connectors[1].stats.loads == loads + 1

@@ -147,7 +147,8 @@ def _gone(pid: int) -> bool:
 
 
 def test_data_parallel_replicas_share_the_load_and_match_one_process(tmp_path):
-    """DP=2 x TP=2 (four ranks): requests go to the less loaded replica, each replica's tokens equal one process's."""
+    """DP=2 x TP=2 (four ranks): requests go to the less loaded replica, each replica's tokens equal one process's;
+    a request whose prefix one replica holds goes there."""
     path = make_dense_checkpoint(tmp_path / "dp", "llama")
     ref = hf_greedy(path, PROMPTS, NEW_TOKENS)
     llm = LLM(str(path), dtype="float32", tensor_parallel_size=2, data_parallel_size=2, kv_cache_memory_gb=0.02)
@@ -156,6 +157,19 @@ def test_data_parallel_replicas_share_the_load_and_match_one_process(tmp_path):
     assert placed == [0, 1, 0, 1]  # each new request went to the replica with fewer requests
     core.abort_requests([f"x{i}" for i in range(len(PROMPTS))])
     check(run(llm), ref)
+    assert all(kv.all_free() for kv in core.kvs)
+    # A request continuing PROMPTS[1] (2 of its blocks cached on the replica that ran it, the other replica at most
+    # the first block it shares with PROMPTS[2]) goes where its prefix is, though that replica is now busier by one.
+    follow = PROMPTS[1] + [300] * 10
+    probe = _core_request("probe", follow)
+    from openinfer.engine.request import Request
+
+    hits = [kv.cached_prefix_tokens(Request("probe", follow, probe.sampling_params, 64)) for kv in core.kvs]
+    home = hits.index(32)
+    assert hits[1 - home] < 32
+    assert core.add_request(_core_request("sibling", PROMPTS[1][:32] + [400, 401])) == home  # busier by one
+    assert core.add_request(probe) == home
+    core.abort_requests(["sibling", "probe"])
     assert all(kv.all_free() for kv in core.kvs)
     llm.engine.shutdown()
 

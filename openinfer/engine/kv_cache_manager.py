@@ -147,22 +147,35 @@ class KVCacheManager:
     # -- prefix hits -------------------------------------------------------------------------------------
     def get_computed_blocks(self, req: Request) -> tuple[KVCacheBlocks, int]:
         """Longest usable cached prefix of a waiting request, as blocks (not yet referenced) and a token count."""
-        if not self.enable_caching or req.sampling_params.prompt_logprobs is not None:
-            # prompt_logprobs need the logits of every prompt position, so nothing may be skipped.
+        hit, h = self._longest_hit(req)
+        if hit is None:  # caching off, or prompt_logprobs asked: nothing is looked up, nothing is counted
             return self.empty_blocks(), 0
-        # Never the last token: its logits are needed, so at most (num_tokens - 1) tokens come from cache.
-        keys = self._block_keys(req, (req.num_tokens - 1) // self.block_size)
-        h = min([len(keys)] + [g.max_hit_blocks(keys) for g in self.groups])
-        while h > 0:
-            hit = [g.hit_blocks(keys, h * self.block_size) for g in self.groups]
-            if all(b is not None for b in hit):
-                break
-            h -= 1
         self.stats.queries += req.num_tokens
         self.stats.hits += h * self.block_size
         if h == 0:
             return self.empty_blocks(), 0
         return KVCacheBlocks(tuple(hit), h * self.block_size), h * self.block_size
+
+    def cached_prefix_tokens(self, req: Request) -> int:
+        """How many of the request's tokens this cache could supply now: ``get_computed_blocks``' count, without
+        counting a query (the data-parallel placement asks every replica, engine/core.py)."""
+        return self._longest_hit(req)[1] * self.block_size
+
+    def _longest_hit(self, req: Request) -> tuple[list | None, int]:
+        """(per group the hit blocks, or None when nothing may be looked up; the hit in blocks)."""
+        if not self.enable_caching or req.sampling_params.prompt_logprobs is not None:
+            # prompt_logprobs need the logits of every prompt position, so nothing may be skipped.
+            return None, 0
+        # Never the last token: its logits are needed, so at most (num_tokens - 1) tokens come from cache.
+        keys = self._block_keys(req, (req.num_tokens - 1) // self.block_size)
+        h = min([len(keys)] + [g.max_hit_blocks(keys) for g in self.groups])
+        hit: list = []
+        while h > 0:
+            hit = [g.hit_blocks(keys, h * self.block_size) for g in self.groups]
+            if all(b is not None for b in hit):
+                break
+            h -= 1
+        return hit, h
 
     # -- allocation --------------------------------------------------------------------------------------
     def allocate_slots(self, req: Request, num_new_tokens: int, hit: KVCacheBlocks | None = None,
