@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -92,7 +93,10 @@ class ServerProcess(_Endpoint):
     ) -> None:
         self.port = free_port()
         self.api_key = api_key
-        self.log_path = Path(f"/tmp/openinfer-test-server-{self.port}.log")
+        # A file of its own: a port is reused by later runs, and by runs of other checkouts at the same time.
+        fd, name = tempfile.mkstemp(prefix=f"openinfer-test-server-{self.port}-", suffix=".log")
+        os.close(fd)
+        self.log_path = Path(name)
         cmd = [sys.executable, "-m", "openinfer", "serve", "--model", str(model)]
         cmd += ["--host", "127.0.0.1", "--port", str(self.port), *args]
         if api_key:
