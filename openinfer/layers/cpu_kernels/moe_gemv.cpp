@@ -149,6 +149,7 @@ namespace dp {
 using BF = c10::BFloat16;
 constexpr int kR = 4;   // weight rows per block
 constexpr int kMB = 4;  // activation rows sharing each weight load
+constexpr int kAhead = 2;  // blocks of weight rows prefetched ahead (dot)
 
 inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
 
@@ -171,9 +172,12 @@ inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
 
 // acc[m][r] = x[m] . w[r] over K, for R <= kR weight rows (row stride ws) and M <= kMB activation rows (row stride
 // xs), all bf16; each output is the same sum whatever R and M (an accumulator per output, one reduction order).
+// pf (or null): rows to prefetch into L1 at the pace this call reads w (one line per weight row per step, at the
+// same offsets): the block kAhead blocks on. With the hardware prefetchers alone the batch-32 step of the issue-38
+// model took ~20 % longer on a Zen 4 (52 vs 43 ms median; 0, 1, 2 and 4 blocks ahead tried, 2 and 4 the same).
 template <int R, int M>
 inline void dot(const BF* __restrict__ x, int64_t xs, const BF* __restrict__ w, int64_t ws, int64_t K,
-                float acc[kMB][kR]) {
+                float acc[kMB][kR], const BF* pf) {
   __m512 a[M][kR];
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < kR; ++r) a[m][r] = _mm512_setzero_ps();
@@ -182,6 +186,7 @@ inline void dot(const BF* __restrict__ x, int64_t xs, const BF* __restrict__ w, 
     __m512bh xv[M];
     for (int m = 0; m < M; ++m) xv[m] = as_bh(_mm512_loadu_si512(x + m * xs + k));
     for (int r = 0; r < R; ++r) {
+      if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + r * ws + k), _MM_HINT_T0);  // never faults
       const __m512bh wv = as_bh(_mm512_loadu_si512(w + r * ws + k));
       for (int m = 0; m < M; ++m) a[m][r] = _mm512_dpbf16_ps(a[m][r], wv, xv[m]);
     }
@@ -198,22 +203,23 @@ inline void dot(const BF* __restrict__ x, int64_t xs, const BF* __restrict__ w, 
 }
 
 template <int R>
-inline void dot_m(int M, const BF* x, int64_t xs, const BF* w, int64_t ws, int64_t K, float acc[kMB][kR]) {
+inline void dot_m(int M, const BF* x, int64_t xs, const BF* w, int64_t ws, int64_t K, float acc[kMB][kR],
+                  const BF* pf) {
   switch (M) {
-    case 4: dot<R, 4>(x, xs, w, ws, K, acc); break;
-    case 3: dot<R, 3>(x, xs, w, ws, K, acc); break;
-    case 2: dot<R, 2>(x, xs, w, ws, K, acc); break;
-    default: dot<R, 1>(x, xs, w, ws, K, acc); break;
+    case 4: dot<R, 4>(x, xs, w, ws, K, acc, pf); break;
+    case 3: dot<R, 3>(x, xs, w, ws, K, acc, pf); break;
+    case 2: dot<R, 2>(x, xs, w, ws, K, acc, pf); break;
+    default: dot<R, 1>(x, xs, w, ws, K, acc, pf); break;
   }
 }
 
 inline void dot_any(int R, int M, const BF* x, int64_t xs, const BF* w, int64_t ws, int64_t K,
-                    float acc[kMB][kR]) {
+                    float acc[kMB][kR], const BF* pf) {
   switch (R) {
-    case 4: dot_m<4>(M, x, xs, w, ws, K, acc); break;
-    case 3: dot_m<3>(M, x, xs, w, ws, K, acc); break;
-    case 2: dot_m<2>(M, x, xs, w, ws, K, acc); break;
-    default: dot_m<1>(M, x, xs, w, ws, K, acc); break;
+    case 4: dot_m<4>(M, x, xs, w, ws, K, acc, pf); break;
+    case 3: dot_m<3>(M, x, xs, w, ws, K, acc, pf); break;
+    case 2: dot_m<2>(M, x, xs, w, ws, K, acc, pf); break;
+    default: dot_m<1>(M, x, xs, w, ws, K, acc, pf); break;
   }
 }
 
@@ -241,8 +247,9 @@ void moe(BF* out, const BF* x, const std::vector<int64_t>& counts, const BF* w13
       for (int64_t m = start[e]; m < start[e + 1]; m += kMB) {
         const int MB = static_cast<int>(std::min<int64_t>(kMB, start[e + 1] - m));
         float g[kMB][kR], u[kMB][kR];
-        dot_any(nr, MB, x + m * H, H, wg, H, H, g);
-        dot_any(nr, MB, x + m * H, H, wu, H, H, u);
+        const bool first = m == start[e];  // the first chunk reads the block from memory: prefetch ahead
+        dot_any(nr, MB, x + m * H, H, wg, H, H, g, first ? wg + kAhead * kR * H : nullptr);
+        dot_any(nr, MB, x + m * H, H, wu, H, H, u, first ? wu + kAhead * kR * H : nullptr);
         for (int a = 0; a < MB; ++a)
           for (int r = 0; r < nr; ++r) {
             float gv = rnd(g[a][r]), uv = rnd(u[a][r]);
@@ -267,7 +274,7 @@ void moe(BF* out, const BF* x, const std::vector<int64_t>& counts, const BF* w13
       for (int64_t m = start[e]; m < start[e + 1]; m += kMB) {
         const int MB = static_cast<int>(std::min<int64_t>(kMB, start[e + 1] - m));
         float acc[kMB][kR];
-        dot_any(nr, MB, h.data() + m * I, I, wd, I, I, acc);
+        dot_any(nr, MB, h.data() + m * I, I, wd, I, I, acc, m == start[e] ? wd + kAhead * kR * I : nullptr);
         for (int a = 0; a < MB; ++a)
           for (int r = 0; r < nr; ++r) out[(m + a) * H + n + r] = BF(acc[a][r]);
       }
