@@ -10,7 +10,9 @@ widened to fp32, FMAs; what ran before issue 38 and what AVX2 builds run) and ``
 
 Defaults are the DeepSeek-V3-shaped 229M model of issue 38: 32 experts top-6, hidden 768, expert intermediate 384,
 5 MoE layers (283 MB of bf16 experts). Copy bandwidth counts bytes read + bytes written (STREAM's Copy), as
-scripts/decode_bandwidth.py does.
+scripts/decode_bandwidth.py does. GFLOP/s counts 2 * 3 * H * I per (token, expert) pair; with weights that stay in
+cache (``--experts 1 --topk 1 --layers 1 --batches 192``: one 1.8 MB expert with 192 rows) it is the kernel's
+arithmetic rate alone.
 """
 from __future__ import annotations
 
@@ -58,7 +60,7 @@ def main() -> None:
           f"({a.layers * a.experts * per_expert / 1e6:.0f} MB of experts)")
     ops = cpu_ops.get_ops()
     paths = {"fma": False, "dot": True} if ops.moe_bf16_dot() else {"fma": False}
-    print("batch rows active/layer | path | ms per step (all layers) | expert GB/s | copy GB/s | % of copy")
+    print("batch rows active/layer | path | ms per step (all layers) | expert GB/s | copy GB/s | % of copy | GFLOP/s")
     for b in a.batches:
         calls = []
         for w13, w2 in stacks:  # each layer its own routing
@@ -85,7 +87,8 @@ def main() -> None:
             ms = statistics.median(ts)
             gb = streamed / (ms / 1e3) / 1e9
             print(f"{b:5d} {b * a.topk:4d} {active / a.layers:6.1f} | {p} | {ms:8.2f} (min {min(ts):.2f}, max "
-                  f"{max(ts):.2f}) | {gb:6.1f} | {cp:6.1f} | {gb / cp * 100:5.1f} %")
+                  f"{max(ts):.2f}) | {gb:6.1f} | {cp:6.1f} | {gb / cp * 100:5.1f} % | "
+                  f"{2 * 3 * a.hidden * a.inter * b * a.topk * a.layers / (ms / 1e3) / 1e9:6.1f}")
 
 if __name__ == "__main__":
     main()
