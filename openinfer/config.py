@@ -84,6 +84,7 @@ class KernelConfig:
     prepack: bool = True  # prepack linear weights at load (panels or oneDNN's blocked layout)
     decode_blocks: bool = True  # fused C++ decode-step blocks
     amx: bool = True  # AMX tiles in the decode attention kernels where the CPU has them
+    bf16_dot: bool = True  # AVX512-BF16 dot products in the bf16 routed-expert kernel where the build has them
     fp8_weights: str = "packed"  # packed | dequantize (FP8 block-quantised linears)
     mxfp4_experts: str = "packed"  # packed | dequantize (MXFP4 routed experts)
     # auto | int8 | fp32: GGUF linears' activations (int8 per 32 columns + integer dots, or fp32; auto: int8 where
@@ -110,7 +111,8 @@ class KernelConfig:
         if backend == "auto" and not envs.CPU_KERNELS:
             backend = "torch"
         return cls(backend=backend, panels=envs.CPU_PANELS, gemv=envs.CPU_GEMV, prepack=envs.CPU_PREPACK,
-                   decode_blocks=envs.DECODE_BLOCKS, amx=envs.CPU_AMX, fp8_weights=envs.FP8_WEIGHTS,
+                   decode_blocks=envs.DECODE_BLOCKS, amx=envs.CPU_AMX, bf16_dot=envs.CPU_BF16_DOT,
+                   fp8_weights=envs.FP8_WEIGHTS,
                    mxfp4_experts=envs.MXFP4_EXPERTS, gguf_activations=envs.GGUF_ACTIVATIONS, cflags=envs.KERNEL_CFLAGS or "",
                    cache_dir=envs.KERNEL_CACHE or None)
 

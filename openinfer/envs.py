@@ -62,6 +62,8 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "KERNEL_LOCK_STALE_S": _float("OPENINFER_KERNEL_LOCK_STALE_S", 600.0),
     # 0 = the decode attention kernels keep their vector code where the CPU has AMX tiles
     "CPU_AMX": _flag("OPENINFER_CPU_AMX"),
+    # 0 = the bf16 routed-expert kernel keeps its widening FMA code where the build has AVX512-BF16 dot products
+    "CPU_BF16_DOT": _flag("OPENINFER_CPU_BF16_DOT"),
     # 0 = no 16-column weight panels (Linear prepacks fp32 for oneDNN; bf16 runs row-major on the gemv kernel)
     "CPU_PANELS": _flag("OPENINFER_CPU_PANELS"),
     # 0 = no small-M gemv kernel on plain weights
@@ -115,8 +117,8 @@ def variable(name: str) -> str:
     return "OPENINFER_" + name
 
 
-_KERNEL_SWITCHES = ("CPU_KERNELS", "KERNEL_CFLAGS", "KERNEL_CACHE", "CPU_AMX", "CPU_PANELS", "CPU_GEMV", "CPU_PREPACK",
-                    "DECODE_BLOCKS", "FP8_WEIGHTS", "MXFP4_EXPERTS", "GGUF_ACTIVATIONS")
+_KERNEL_SWITCHES = ("CPU_KERNELS", "KERNEL_CFLAGS", "KERNEL_CACHE", "CPU_AMX", "CPU_BF16_DOT", "CPU_PANELS", "CPU_GEMV",
+                    "CPU_PREPACK", "DECODE_BLOCKS", "FP8_WEIGHTS", "MXFP4_EXPERTS", "GGUF_ACTIVATIONS")
 
 
 def kernel_switches() -> tuple[str | None, ...]:

@@ -38,6 +38,7 @@ def ckpt(tmp_path_factory):
     ("OPENINFER_CPU_PREPACK", "0", "prepack", False),
     ("OPENINFER_DECODE_BLOCKS", "no", "decode_blocks", False),
     ("OPENINFER_CPU_AMX", "false", "amx", False),
+    ("OPENINFER_CPU_BF16_DOT", "0", "bf16_dot", False),
     ("OPENINFER_FP8_WEIGHTS", "dequantize", "fp8_weights", "dequantize"),
     ("OPENINFER_MXFP4_EXPERTS", "dequantize", "mxfp4_experts", "dequantize"),
     ("OPENINFER_GGUF_ACTIVATIONS", "fp32", "gguf_activations", "fp32"),

@@ -1,17 +1,39 @@
 """The routed-experts kernel for small row counts (cpu_kernels/moe_gemv.cpp) against the torch per-expert loop
 (``moe._looped``: matmul in dtype, moe.swiglu, matmul), its dispatch from ``experts_on_sorted_rows``, and the
-bit-equality of 1 and 2 threads."""
+bit-equality of 1 and 2 threads. bf16 runs both of the kernel's paths where the build has AVX512-BF16 (its
+vdpbf16ps path and, with OPENINFER_CPU_BF16_DOT=0, the widening FMA one); elsewhere the FMA one twice."""
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
-from openinfer.layers import cpu_ops, moe
+from openinfer.layers import cpu_ops, dispatch, moe
+from openinfer.platform import cpu_info
 
 # (counts per expert, H, I): experts with zero rows, one row, R = 1, odd H / I (not multiples of the vector width
 # nor of the bf16 pair run, nor of the 4-row block), and the bench model's shape with a few rows each.
 CASES = [([0, 1, 0, 0], 37, 19), ([1], 16, 8), ([2, 0, 3, 1, 0], 70, 45), ([0, 0, 1, 2, 0, 1, 3, 0], 512, 256),
          ([5, 4], 100, 33), ([1, 1, 1, 1], 33, 130)]
+
+
+def _routed_counts(experts: int, topk: int, tokens: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:topk] for _ in range(tokens)])
+    return torch.bincount(ids.reshape(-1), minlength=experts).tolist()
+
+
+# Decode steps of a DeepSeek-V3-like layer (32 experts top-6) at batch 1 (six one-row experts, 26 empty) and batch
+# 32 (0 to ~12 rows each: several 4-row chunks and their tails), H / I off every block size (32-wide bf16 pair
+# runs, 4-row blocks, 4-row chunks); and one expert with 9 rows (two full chunks and a one-row tail).
+DECODE_CASES = [(_routed_counts(32, 6, 1, 1), 97, 45), (_routed_counts(32, 6, 32, 2), 130, 70),
+                ([0, 9, 0], 64, 36)]
+
+
+# dtype, OPENINFER_CPU_BF16_DOT: bf16's two paths (on: the AVX512-BF16 one where the build has it; off: the FMA one)
+PATHS = pytest.mark.parametrize("dtype, dot", [(torch.float32, "1"), (torch.bfloat16, "1"), (torch.bfloat16, "0")],
+                                ids=["fp32", "bf16-dot", "bf16-fma"])
 
 
 def _data(counts, h, i, dtype, seed):
@@ -29,10 +51,11 @@ def _torch_ref(rows, counts, w13, w2, limit, monkeypatch):
         return moe._looped(rows, w13, w2, counts, limit)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@PATHS
 @pytest.mark.parametrize("limit", [None, 0.7])
-def test_moe_gemv_matches_torch(kernel_ops, monkeypatch, dtype, limit):
-    for seed, (counts, h, i) in enumerate(CASES):
+def test_moe_gemv_matches_torch(kernel_ops, monkeypatch, dtype, dot, limit):
+    monkeypatch.setenv("OPENINFER_CPU_BF16_DOT", dot)
+    for seed, (counts, h, i) in enumerate(CASES + DECODE_CASES):
         rows, w13, w2 = _data(counts, h, i, dtype, seed)
         y = cpu_ops.moe_experts_gemv(rows, counts, w13, w2, limit)
         assert y is not None and y.dtype == dtype and y.shape == rows.shape
@@ -79,8 +102,25 @@ def test_moe_panels_matches_torch(kernel_ops, monkeypatch, dtype, limit):
             torch.set_num_threads(prev)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_moe_gemv_unused_expert_nan_never_read(kernel_ops, dtype):
+def test_moe_gemv_bf16_dot_where_the_build_has_it(kernel_ops, monkeypatch):
+    """The AVX512-BF16 path is chosen exactly where the build has the instruction (the native build on a CPU that
+    lists avx512_bf16; never the x86-64-v3 one) and the switch turns it off; the two paths differ only in the
+    order of the fp32 sums: some output bits differ, none by more than the bf16 bound."""
+    native = "avx512_bf16" in cpu_info()[1] and not os.environ.get("OPENINFER_KERNEL_CFLAGS")
+    assert bool(kernel_ops.moe_bf16_dot()) == native and dispatch.active().moe_bf16_dot == native
+    counts, h, i = DECODE_CASES[1]
+    rows, w13, w2 = _data(counts, h, i, torch.bfloat16, 5)
+    y = cpu_ops.moe_experts_gemv(rows, counts, w13, w2, None)
+    monkeypatch.setenv("OPENINFER_CPU_BF16_DOT", "0")
+    assert not dispatch.active().moe_bf16_dot
+    y_fma = cpu_ops.moe_experts_gemv(rows, counts, w13, w2, None)
+    assert (y.float() - y_fma.float()).abs().max() <= 3e-2 * max(1.0, float(y_fma.abs().max()))
+    assert torch.equal(y, y_fma) != native  # the switch reaches the kernel
+
+
+@PATHS
+def test_moe_gemv_unused_expert_nan_never_read(kernel_ops, monkeypatch, dtype, dot):
+    monkeypatch.setenv("OPENINFER_CPU_BF16_DOT", dot)
     counts = [2, 0, 1, 0]
     rows, w13, w2 = _data(counts, 40, 24, dtype, 7)
     clean = cpu_ops.moe_experts_gemv(rows, counts, w13, w2, None)
@@ -97,7 +137,8 @@ def test_moe_gemv_empty_and_bad_input(kernel_ops):
     with pytest.raises(RuntimeError, match="counts sum to 1, rows has 2"):
         cpu_ops.moe_experts_gemv(rows, [1, 0], w13, w2, None)
     with pytest.raises(RuntimeError, match="w2 must be contiguous"):
-        kernel_ops.moe_experts_gemv(torch.empty(2, 8), rows, torch.tensor([1, 1]), w13, w2[:, :4].contiguous(), 1.0)
+        kernel_ops.moe_experts_gemv(torch.empty(2, 8), rows, torch.tensor([1, 1]), w13, w2[:, :4].contiguous(), 1.0,
+                                    False)
     # a dtype mix or a GPU-only layout the kernel does not take: None, the caller keeps its torch path
     assert cpu_ops.moe_experts_gemv(rows.bfloat16(), [1, 1], w13, w2, None) is None
 
@@ -166,3 +207,27 @@ def test_v4_greedy_same_with_kernels_on_and_off(tmp_path, monkeypatch, kernel_op
 
 
 # The kernel tests above run again on the x86-64-v3 (AVX2) build: tests/test_avx2_variant.py.
+
+
+def test_v3_bf16_greedy_same_with_bf16_dot_on_and_off(tmp_path, monkeypatch, kernel_ops):
+    """bf16 DeepSeek-V3 through the routed-expert kernel's AVX512-BF16 path and its FMA path (the switch): the same
+    roundings in another summation order, so the same greedy tokens and logprobs within a few bf16 steps. Where the
+    build has no AVX512-BF16 both runs take the FMA path (and must agree bit for bit)."""
+    from openinfer import LLM, SamplingParams
+    from test_deepseek_v3 import make_hf_v3, make_prompts
+
+    path = make_hf_v3(tmp_path / "v3")
+    calls = _spy(monkeypatch)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    prompts = [{"prompt_token_ids": p} for p in make_prompts((5, 33, 9))]
+    runs = []
+    for dot in ("1", "0"):
+        monkeypatch.setenv("OPENINFER_CPU_BF16_DOT", dot)
+        llm = LLM(model=str(path), dtype="bfloat16", num_kv_blocks=64)
+        runs.append(llm.generate(prompts, params, use_tqdm=False))
+        del llm
+    assert calls and all(ok for _, _, ok in calls)  # prefill and decode experts ran in the kernel
+    for a, b in zip(*runs):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for j, t in enumerate(a.outputs[0].token_ids):
+            assert abs(a.outputs[0].logprobs[j][t] - b.outputs[0].logprobs[j][t]) < 0.05

@@ -346,12 +346,13 @@ def moe_experts_gemv(rows: torch.Tensor, counts: list[int], w13: torch.Tensor, w
                      limit: float | None) -> torch.Tensor | None:
     """swiglu(rows W13[e]^T) W2[e]^T for rows [R, H] sorted by expert (``counts[e]`` rows for expert e), w13
     [E, 2I, H] and w2 [E, H, I] plain row-major fp32 / bf16, rows in their dtype; -> [R, H], or None when the
-    kernel cannot take the call (the caller runs its torch path)."""
+    kernel cannot take the call (the caller runs its torch path). bf16 runs on AVX512-BF16 dot products where the
+    selection says so (``KernelSelection.moe_bf16_dot``)."""
     ops = ops_for(rows, w13, w2)
     if (ops is None or rows.dim() != 2 or w13.dim() != 3 or w13.dtype not in GEMV_DTYPES
             or not (rows.dtype == w13.dtype == w2.dtype) or not (w13.is_contiguous() and w2.is_contiguous())):
         return None
     out = torch.empty(rows.shape[0], w2.shape[1], dtype=rows.dtype)
     ops.moe_experts_gemv(out, rows.contiguous(), torch.tensor(counts, dtype=torch.long), w13, w2,
-                         float("inf") if limit is None else float(limit))
+                         float("inf") if limit is None else float(limit), dispatch.active().moe_bf16_dot)
     return out

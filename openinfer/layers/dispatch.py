@@ -74,6 +74,8 @@ class KernelSelection:
     # 1 AVX2 maddubs, 0 a portable loop; -1 not built
     gguf_int_dot: int = -1
     fast_bf16: bool = False  # the CPU has bf16 matrix hardware (oneDNN's AMX / AVX512-BF16 GEMMs)
+    # the build's bf16 routed-expert kernel has AVX512-BF16 dot products (moe_gemv.cpp); used when bf16_dot is on
+    bf16_dot_built: bool = False
 
     @property
     def kernels(self) -> bool:
@@ -101,6 +103,14 @@ class KernelSelection:
         if not (self.kernels and self.config.gemv):
             return 0
         return math.inf if dtype == torch.bfloat16 and not self.fast_bf16 else GEMV_MAX_M
+
+    @property
+    def moe_bf16_dot(self) -> bool:
+        """bf16 routed experts on vdpbf16ps (32 bf16 pairs per instruction, the activations kept bf16) rather than
+        weights widened to fp32 and FMAs: where the build has AVX512-BF16 (Zen 4, Cooper Lake, Sapphire Rapids
+        on), unless ``bf16_dot`` is off. Same roundings either way (bf16 products are exact in fp32); the sums'
+        order differs. scripts/moe_experts_bandwidth.py measures the two (docs/results/moe_bf16_avx512)."""
+        return self.kernels and self.bf16_dot_built and self.config.bf16_dot
 
     @property
     def decode_blocks(self) -> bool:
@@ -167,6 +177,8 @@ class KernelSelection:
             ("MLA", (f"decode: C++ MLA decode{isa}" + (", AMX tiles for bf16" if self.amx else "")
                      + "; prefill: C++ (fp32) else SDPA") if k else "decode: torch bmm; prefill: SDPA"),
             ("MoE routed experts", (f"C++ expert GEMM on panels{isa}" if self.panels(dev, dtype) else
+                                    "C++ expert kernel on AVX512-BF16 dot products" if dtype == torch.bfloat16
+                                    and self.moe_bf16_dot else
                                     f"C++ expert gemv{isa} (small row counts), torch grouped_mm") if k else
              "torch grouped_mm"),
             ("MoE MXFP4 experts", "dequantised at load" if not self.mxfp4_packed else
@@ -212,11 +224,13 @@ def select(config: KernelConfig, device: torch.device | str = "cpu") -> KernelSe
     amx = bool(ops.decode_attention_use_amx(config.amx)) and config.amx
     ops.mla_decode_use_amx(config.amx)
     int_dot = int(ops.gguf_int_dot())
+    bf16_dot_built = bool(ops.moe_bf16_dot())
     lanes = int(ops.vector_lanes())
     build_isa = {16: "AVX-512", 8: "AVX2"}.get(lanes, f"{lanes}-lane") if _platform.machine() in (
         "x86_64", "AMD64") else f"{lanes}-lane"
     flags = " ".join(f for f in built.cflags if f.startswith("-m"))
     return KernelSelection(backend="cpu", ops=ops, build_isa=build_isa, amx=amx, gguf_int_dot=int_dot,
+                           bf16_dot_built=bf16_dot_built,
                            build=f"{built.how}, loaded in {built.seconds:.1f} s ({built.name}, {flags})", **base)
 
 
@@ -262,7 +276,8 @@ def report(selection: KernelSelection, dtype: torch.dtype) -> str:
         lines.append(f"  bf16        {'native (oneDNN AMX / AVX512-BF16)' if selection.fast_bf16 else 'emulated by torch: the kernels carry it'}")
     off = [name for name, on in (("panels", selection.config.panels), ("gemv", selection.config.gemv),
                                  ("prepack", selection.config.prepack),
-                                 ("decode blocks", selection.config.decode_blocks), ("AMX", selection.config.amx))
+                                 ("decode blocks", selection.config.decode_blocks), ("AMX", selection.config.amx),
+                                 ("bf16 dot", selection.config.bf16_dot))
            if not on]
     if off:
         lines.append(f"  turned off  {', '.join(off)} (environment switches, openinfer/envs.py)")
