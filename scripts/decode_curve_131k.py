@@ -200,6 +200,9 @@ def main() -> None:
     if args.replot:
         runs = collect_runs(work)
         args.models = sorted({r["model"] for r in runs})
+        args.repeats = len({r["repeat"] for r in runs})  # what the caption and the JSON state
+        steps = {r["result"]["workload"]["decode_steps"] for r in runs}
+        args.decode_steps = steps.pop() if len(steps) == 1 else "/".join(map(str, sorted(steps)))
     else:
         runs = run_grid(args, ckpts, work)
     rows = reduce(runs, args.decode_steps)
