@@ -216,7 +216,7 @@ def main() -> None:
                "workload": r["result"]["workload"]} for r in runs]}
     (out / "decode_curve.json").write_text(json.dumps(doc, indent=1) + "\n")
     caption = (f"openinfer bench throughput --mode decode, MTP k=3, shared prefix = context - {args.tail} "
-               f"(prefilled once, prefix-cache hits), {args.decode_steps} timed steps; median of {args.repeats} "
+               f"(prefilled once, prefix-cache hits), {args.decode_steps} timed steps; median of up to {args.repeats} "
                f"repeats, band = min-max; 2-core shared CPU host, nice 19")
     plot(rows, out / "decode_curve.png", caption)
     print(f"wrote {out / 'decode_curve.json'} and {out / 'decode_curve.png'}")
