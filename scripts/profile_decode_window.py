@@ -8,6 +8,9 @@ and the ops by self CPU time. ``scripts/profile_decode_step.py`` prefills distin
         --speculative-config '{"method": "mtp", "num_speculative_tokens": 3}'
 
 Every flag after the script's own is a ``bench throughput`` flag (engine flags included).
+``import openinfer`` resolves as Python does: from this script's directory the installed package (/work/main),
+so set PYTHONPATH=<checkout> to profile a worktree (the before / after pairs in
+docs/results/decode_curve_131k/2026-12-07_indexer_kernel/ were taken that way).
 """
 from __future__ import annotations
 

@@ -1,4 +1,9 @@
-"""Profile the prefill of one N-token prompt on the tiny V4.1 curve checkpoint (/tmp/c41/v41): python scripts/profile_prefill.py N"""
+"""Profile the prefill of one N-token prompt on the tiny V4.1 curve checkpoint (/tmp/c41/v41): python scripts/profile_prefill.py N
+
+``import openinfer`` resolves as Python does: from this script's directory the installed package (/work/main),
+so set PYTHONPATH=<checkout> to profile a worktree (the before / after pairs in
+docs/results/decode_curve_131k/2026-12-07_indexer_kernel/ were taken that way).
+"""
 import sys, time, torch, random
 from openinfer import LLM, SamplingParams
 n = int(sys.argv[1])
