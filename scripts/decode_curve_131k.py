@@ -71,7 +71,7 @@ def run_grid(args: argparse.Namespace, ckpts: dict[str, Path], work: Path) -> li
             # alternate the model order from one context to the next and from one repeat to the next
             order = list(args.models) if (r + ci) % 2 == 0 else list(reversed(args.models))
             for m in order:
-                path = work / f"{m}_{context}_r{r}.json"
+                path = work / f"{m}_{context}_b{'-'.join(map(str, args.batches))}_r{r + args.repeat_offset}.json"
                 cmd = bench_cmd(ckpts[m], context, args.tail, args.batches, args.decode_steps, path, args.extra)
                 print(f"--- repeat {r + 1}/{args.repeats}: {m} context {context}", flush=True)
                 t0 = time.time()
@@ -80,13 +80,24 @@ def run_grid(args: argparse.Namespace, ckpts: dict[str, Path], work: Path) -> li
                     print(proc.stdout[-3000:], proc.stderr[-3000:], sep="\n")
                     raise SystemExit(f"bench failed ({proc.returncode}): {' '.join(cmd)}")
                 res = json.loads(path.read_text())
-                runs.append({"model": m, "context": context, "repeat": r, "wall_s": time.time() - t0,
+                runs.append({"model": m, "context": context, "repeat": r + args.repeat_offset, "wall_s": time.time() - t0,
                              "command": cmd[1:], "result": res})
                 for p in res["points"]:
                     s = p["openinfer"]
                     print(f"    batch {s['batch_size']}: {1e3 * s['elapsed_time'] / args.decode_steps:.1f} ms/step, "
                           f"{s['total_output_tokens'] / s['batch_size'] / args.decode_steps:.2f} tok/step/request",
                           flush=True)
+    return runs
+
+
+def collect_runs(work: Path) -> list[dict]:
+    """The raw bench JSONs of earlier invocations (named MODEL_CONTEXT_bBATCHES_rREPEAT.json by run_grid)."""
+    runs = []
+    for path in sorted(work.glob("*_r*.json")):
+        model, context, *_, rep = path.stem.split("_")
+        res = json.loads(path.read_text())
+        runs.append({"model": model, "context": int(context), "repeat": int(rep[1:]), "wall_s": None,
+                     "command": res.get("workload", {}).get("command"), "file": path.name, "result": res})
     return runs
 
 
@@ -97,11 +108,14 @@ def reduce(runs: list[dict], steps: int) -> list[dict]:
         for p in run["result"]["points"]:
             s = p["openinfer"]
             key = (run["model"], run["context"], s["batch_size"])
-            row = rows.setdefault(key, {"model": key[0], "context": key[1], "batch": key[2], "ms_per_step": [],
+            row = rows.setdefault(key, {"model": key[0], "context": key[1], "batch": key[2], "decode_steps": [],
+                                        "ms_per_step": [],
                                         "ms_per_token": [], "tokens_per_step_per_request": [],
                                         "accepted_per_verification": [], "cached_prompt_tokens": [],
                                         "kv_context": []})
+            steps = run["result"]["workload"]["decode_steps"]
             ms_step = 1e3 * s["elapsed_time"] / steps
+            row["decode_steps"].append(steps)
             row["ms_per_step"].append(ms_step)
             row["ms_per_token"].append(1e3 * s["elapsed_time"] / s["total_output_tokens"])
             row["tokens_per_step_per_request"].append(s["total_output_tokens"] / (s["batch_size"] * steps))
@@ -162,6 +176,10 @@ def main() -> None:
     ap.add_argument("--decode-steps", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--extra", default="", help="more bench throughput flags, space-separated")
+    ap.add_argument("--repeat-offset", type=int, default=0, help="number this invocation's repeats from here")
+    ap.add_argument("--replot", action="store_true",
+                    help="run nothing: reduce every raw JSON in OUT/runs (from several invocations, each a subset of "
+                         "the grid) into decode_curve.json and decode_curve.png")
     args = ap.parse_args()
     args.models = [m for m in args.models.split(",") if m]
     bad = [m for m in args.models if m not in MODELS]
@@ -179,7 +197,14 @@ def main() -> None:
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     ckpts = make_checkpoints(ckpt_dir)
     t0 = time.time()
-    runs = run_grid(args, ckpts, work)
+    if args.replot:
+        runs = collect_runs(work)
+        args.models = sorted({r["model"] for r in runs})
+        args.repeats = len({r["repeat"] for r in runs})  # what the caption and the JSON state
+        steps = {r["result"]["workload"]["decode_steps"] for r in runs}
+        args.decode_steps = steps.pop() if len(steps) == 1 else "/".join(map(str, sorted(steps)))
+    else:
+        runs = run_grid(args, ckpts, work)
     rows = reduce(runs, args.decode_steps)
     doc = {"script": "scripts/decode_curve_131k.py", "argv": sys.argv[1:], "speculative_config": SPEC,
            "tail": args.tail, "decode_steps": args.decode_steps, "repeats": args.repeats,
@@ -191,7 +216,7 @@ def main() -> None:
                "workload": r["result"]["workload"]} for r in runs]}
     (out / "decode_curve.json").write_text(json.dumps(doc, indent=1) + "\n")
     caption = (f"openinfer bench throughput --mode decode, MTP k=3, shared prefix = context - {args.tail} "
-               f"(prefilled once, prefix-cache hits), {args.decode_steps} timed steps; median of {args.repeats} "
+               f"(prefilled once, prefix-cache hits), {args.decode_steps} timed steps; median of up to {args.repeats} "
                f"repeats, band = min-max; 2-core shared CPU host, nice 19")
     plot(rows, out / "decode_curve.png", caption)
     print(f"wrote {out / 'decode_curve.json'} and {out / 'decode_curve.png'}")

@@ -255,6 +255,32 @@ def indexer_topk(q: torch.Tensor, head_w: torch.Tensor, keys: torch.Tensor, seq_
     return ids
 
 
+def indexer_select(q: torch.Tensor, head_w: torch.Tensor, keys: torch.Tensor, tables: torch.Tensor,
+                   token_seq: torch.Tensor, visible: torch.Tensor, k: int, scale: float, ratio: int,
+                   block_size: int, cap: int, candidate_block: int = 0, num_blocks: int = 0,
+                   allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """V4.1 lightning indexer (``cpu_kernels/indexer_select.cpp``): per query t, scores sum_h head_w[t, h] *
+    relu(q[t, h] . keys[slot]) * scale of its sequence's entries w < visible[t] (slot from the block ``tables``
+    as ``StepIndex.entry_slots``), restricted to the blocks of ``candidate_block`` entries listed in ``allowed``
+    [T, B] (-1 = none) when given. -> (ids int64 [T, k]: the top k, descending, ties -> lowest w, -1 pads;
+    blocks int64 [T, num_blocks]: the candidate blocks, newest visible first-class, or None when num_blocks is 0),
+    or None when the kernel cannot take the call."""
+    ops = ops_for(q, keys)
+    if (ops is None or q.dim() != 3 or q.dtype not in _FLOAT_TYPES or keys.dtype not in _FLOAT_TYPES
+            or keys.dim() != 2 or keys.shape[1] != q.shape[2]):
+        return None
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    t = q.shape[0]
+    ids = torch.empty(t, k, dtype=torch.long)
+    blocks = torch.empty(t, num_blocks, dtype=torch.long)
+    allowed = torch.empty(t, 0, dtype=torch.long) if allowed is None else allowed.contiguous()
+    ops.indexer_select(ids, blocks, q, head_w.float().contiguous(), keys.contiguous(), tables.contiguous(), token_seq.contiguous(),
+                       visible.contiguous(), allowed, int(ratio), int(block_size), int(cap), int(candidate_block),
+                       float(scale))
+    return ids, (blocks if num_blocks else None)
+
+
 # ---- fp32 / bf16 GEMM on 16-column weight panels (cpu_kernels/panel_gemm.cpp, moe_panels.cpp) ------------------
 
 PANEL = 16  # output columns per panel

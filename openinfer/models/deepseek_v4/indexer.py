@@ -5,7 +5,8 @@
   I[t, w] = sum_h (weights_proj(x)[t, h] * n_h^-0.5) * ReLU(q^I_{t,h} . K^I_w) * d_I^-0.5,  w visible iff
   w < (t + 1) // m.
 Ties are broken towards the lowest entry index (a stable descending sort). On CPU one kernel pass per query scores
-the visible entries in place and selects the top k (``cpu_ops.indexer_topk``); the torch code is the fallback. HF uses ``torch.topk``, whose tie order
+the visible entries in place and selects the top k (``cpu_ops.indexer_select``; ``cpu_ops.indexer_topk`` for fp8
+keys); the torch code is the fallback. HF uses ``torch.topk``, whose tie order
 depends on the tensor length, so on exact ties (ReLU makes many scores exactly 0) HF's prefill and decode can pick
 different entries; where HF has no ties the two agree.
 """
@@ -65,8 +66,16 @@ class Indexer(nn.Module):
         q, head_w = self.query(q_residual, x, cos, sin)
         windows = torch.arange(max_visible, device=x.device)
         k = min(self.topk, max_visible)
+        if self.tp.world_size == 1 and not isinstance(index_entries, PackedRows) and (
+                step.coarse_tables is None or m != step.coarse_tokens):
+            # CPU kernel: keys read in place through the block tables, each tile shared by a sequence's queries,
+            # a top-k selection instead of a sort (cpu_kernels/indexer_select.cpp, V4.1's indexer kernel)
+            picked = cpu_ops.indexer_select(q, head_w, index_entries, step.tables, step.token_seq, visible, k,
+                                            self.head_dim ** -0.5, m, step.block_size, cap)
+            if picked is not None:
+                return picked[0]
         if self.tp.world_size == 1:
-            # CPU kernel: each query's visible keys scored in place and only k of them selected
+            # CPU kernel for fp8 rows: each query's visible keys scored in place and only k of them selected
             raw = index_entries.data if isinstance(index_entries, PackedRows) else index_entries  # fp8 rows as is
             # each sequence's entry slots: the same table for every CSA layer of the step
             slots = step.memo(("index_slots", m, cap), lambda: step.entry_slots(

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from openinfer.forward_context import get_forward_context
+from openinfer.layers import cpu_ops
 from openinfer.layers.linear import CheckpointLinear
 from openinfer.layers.norm import RMSNorm
 from openinfer.layers.rotary import apply_interleaved
@@ -125,7 +126,7 @@ class Attention(nn.Module, KVStoreOwner):
                 self._store_index_keys(step, rope, state)
         # Queries in chunks: a long prefill's [T, entries, d] gathers would not fit otherwise.
         out = torch.empty_like(q)
-        t, chunk = x.shape[0], self._query_chunk(step)
+        t, chunk = x.shape[0], self._query_chunk(step, state)
         chosen_parts, candidate_parts = [], []
         for s in range(0, t, chunk):
             e = min(t, s + chunk)
@@ -142,11 +143,19 @@ class Attention(nn.Module, KVStoreOwner):
             state.candidates = torch.cat(candidate_parts)
         return self.project_out(out, cos, sin)
 
-    def _query_chunk(self, step: StepIndex) -> int:
-        entries = int(step.positions.max()) + 1
-        per_query = (entries * (self.cfg.index_head_dim + self.cfg.index_n_heads + self.head_dim)
-                     + self.window * self.head_dim) * 4
-        return max(1, GATHER_BUDGET_BYTES // per_query)
+    def _query_chunk(self, step: StepIndex, state: StepState) -> int:
+        # what attending gathers per query: its window and its chosen entries
+        per_query = self.window * self.head_dim + (self.cfg.index_topk * self.head_dim if self.ratio else 0)
+        if self.indexer is not None and not self._kernel_scores(state):
+            # the torch scoring path gathers every visible index key and scores [heads, entries] per query
+            entries = int(step.positions.max()) + 1
+            per_query += entries * (self.cfg.index_head_dim + self.cfg.index_n_heads)
+        return max(1, GATHER_BUDGET_BYTES // (per_query * 4))
+
+    def _kernel_scores(self, state: StepState) -> bool:
+        """Whether the CPU kernel scores this layer's index keys in place (cpu_ops.indexer_select)."""
+        store = state.caches[self.index_k_source].flat("index_keys")
+        return isinstance(store, torch.Tensor) and cpu_ops.ops_for(store) is not None
 
     def _emit(self, h: torch.Tensor, step: StepIndex, slot_mapping: torch.Tensor, rope: dict,
               state: StepState) -> None:
@@ -193,15 +202,26 @@ class Attention(nn.Module, KVStoreOwner):
         src = state.caches[self.index_k_source]
         if src.numerics.index_keys is not None:  # DeepInfer casts the indexer's queries as its keys (FP4)
             q = src.numerics.index_keys.round_trip(q)
+        store = src.flat("index_keys")
+        topo = cfg.topology
+        if isinstance(store, torch.Tensor) and (step.coarse_tables is None or m != step.coarse_tokens):
+            # CPU kernel: keys read in place through the block tables, only the candidate blocks' keys where the
+            # layer is restricted, a top-k selection instead of a sort (cpu_kernels/indexer_select.cpp)
+            picked = cpu_ops.indexer_select(
+                q, head_w, store, step.tables, step.token_seq, visible, cfg.index_topk,
+                self.indexer.head_dim ** -0.5, m, step.block_size, src.entry_cap, topo.candidate_block_size,
+                topo.candidate_topk_blocks if self.is_candidate_source else 0,
+                state.candidates[s:e] if self.uses_candidates else None)
+            if picked is not None:
+                return picked
         windows = torch.arange(width, device=x.device)
-        keys = src.flat("index_keys")[step.entry_slots(step.token_seq[:, None], windows[None, :], m, src.entry_cap)]
+        keys = store[step.entry_slots(step.token_seq[:, None], windows[None, :], m, src.entry_cap)]
         scores = self.indexer.score(q, head_w, keys)
         allowed = blocks = None
         if self.is_candidate_source:
-            blocks = candidate_blocks(scores, visible, cfg.topology.candidate_block_size,
-                                      cfg.topology.candidate_topk_blocks)
+            blocks = candidate_blocks(scores, visible, topo.candidate_block_size, topo.candidate_topk_blocks)
         elif self.uses_candidates:
-            allowed = candidate_mask(state.candidates[s:e], width, cfg.topology.candidate_block_size)
+            allowed = candidate_mask(state.candidates[s:e], width, topo.candidate_block_size)
         chosen = select_topk(scores, visible, cfg.index_topk, allowed)
         if chosen.shape[1] < cfg.index_topk:  # chunks of one step must agree in width
             chosen = torch.cat([chosen, chosen.new_full((chosen.shape[0], cfg.index_topk - chosen.shape[1]), -1)], 1)

@@ -89,5 +89,8 @@ def candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, block_size: in
 
 def candidate_mask(blocks: torch.Tensor, width: int, block_size: int) -> torch.Tensor:
     """[T, B] block ids -> [T, width] bool: entry w lies in one of the row's blocks."""
-    of_entry = torch.arange(width, device=blocks.device) // block_size
-    return (of_entry[None, :, None] == blocks[:, None, :]).any(dim=-1)
+    nb = -(-width // block_size)
+    # one flag per block (-1 pads land in a spare column), then widened to entries: [T, nb], not [T, width, B]
+    hit = torch.zeros(blocks.shape[0], nb + 1, dtype=torch.bool, device=blocks.device)
+    hit.scatter_(1, torch.where(blocks >= 0, blocks.clamp(max=nb), nb), True)
+    return hit[:, :nb].repeat_interleave(block_size, dim=1)[:, :width]
