@@ -1,5 +1,6 @@
 """Prefill / decode split of one GGUF file in openinfer, in process: per batch B, B prompts of 128 random tokens,
-generate 1 token (prefill + first token) and 32 tokens, best of ``reps`` each; decode per step = the difference / 31.
+generate 1 token (prefill + first token) and 32 tokens (prompt ids drawn from 100..30999: a vocabulary of at
+least 31,000 tokens, as the Llama bench checkpoint's 32,000), best of ``reps`` each; decode per step = the difference / 31.
 Run with OPENINFER_GGUF_ACTIVATIONS=int8 for llama.cpp's arithmetic; scripts/llamacpp_step_split.py is the same
 workload on llama.cpp (its venv), for the split ``bench peers`` does not report.
 

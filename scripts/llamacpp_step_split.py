@@ -25,7 +25,7 @@ for B in batches:
         assert L.llama_decode(ctx, batch) == 0
         return np.ctypeslib.as_array(L.llama_get_logits(ctx), shape=(B * nv,)).reshape(B, nv).argmax(1).tolist()
     def gen(n):
-        prompts = [[rng.randrange(100, 31000) for _ in range(128)] for _ in range(B)]
+        prompts = [[rng.randrange(100, nv - 1) for _ in range(128)] for _ in range(B)]
         L.llama_memory_clear(L.llama_get_memory(ctx), True)
         t = time.perf_counter()
         fill([(tok, pos, s, pos == 127) for s, p in enumerate(prompts) for pos, tok in enumerate(p)]); nxt = step()
