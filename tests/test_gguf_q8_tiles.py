@@ -4,7 +4,10 @@ The same arithmetic as the small-M int8 kernel, so the same checks as test_gguf_
 - bit for bit with unit scales and integer activations (every partial sum an exact integer in fp32);
 - against ``matmul_q8_reference`` within the fp32 rounding bound of test_gguf_q8.py, N not a multiple of the
   16-column chunk, every remainder of the row pass, K one block and several, a bias, an all-zero activation block;
-- a corrupted scale byte leaves the bound in exactly that output column (the check can fail).
+- a corrupted scale byte leaves the bound in exactly that output column (the check can fail);
+- full 16-column chunks (decoded 8 weight rows at a time, transposed in registers) give the bits of the same rows
+  decoded one by one (a chunk of 15: the tail path);
+- the small-M int8 entry (``gguf_linear_q8``) hands its calls from ``gguf_q8_tile_from`` rows on to this kernel.
 The AVX2 (maddubs) build runs the reference check in ``test_gguf_quant.test_gguf_kernel_isa_variants``.
 """
 from __future__ import annotations
@@ -92,3 +95,32 @@ def test_tiles_refuse_what_they_lack(kernel_ops, monkeypatch):
         kernel_ops.gguf_linear_q8_tiled(torch.empty(24, 1), torch.zeros(24, 256),
                                         torch.zeros(1, 176, dtype=torch.uint8), code, None)
     assert not gguf_quant._tiled(kernel_ops, code)
+
+
+@pytest.mark.parametrize("qtype", TILE_TYPES)
+def test_tiles_eight_row_decode_matches_the_tail_path(tiled, qtype):
+    """A full chunk's columns are decoded 8 weight rows at a time (decode_rows8), a partial chunk's one row at a
+    time (decode_row); every column is its own lanes, so the same rows give the same bits either way."""
+    k = SHAPES[qtype.endswith("_K")][0][1]
+    data = _blocks(qtype, 16, k, seed=5)
+    x = np.random.default_rng(5).standard_normal((25, k)).astype(np.float32)
+    full, tail = _run(tiled, qtype, data, x), _run(tiled, qtype, np.ascontiguousarray(data[:15]), x)
+    assert np.array_equal(full[:, :15], tail), (qtype, np.abs(full[:, :15] - tail).max())
+
+
+def test_small_m_entry_hands_over_to_the_tiles(tiled):
+    """From gguf_q8_tile_from rows the small-M int8 op runs the tile kernel (same bits); below, its own passes
+    (still within the reference bound: test_gguf_q8.py)."""
+    start = tiled.gguf_q8_tile_from()
+    assert 1 < start <= GGUF_TILE_ROWS
+    data = _blocks("Q4_K", 40, 512, seed=7)
+    code = type_info("Q4_K")[0]
+    rng = np.random.default_rng(7)
+    for m in (start - 1, start, GGUF_TILE_ROWS - 1):
+        x = rng.standard_normal((m, 512)).astype(np.float32)
+        y = torch.empty(m, 40)
+        tiled.gguf_linear_q8(y, torch.from_numpy(x), torch.from_numpy(data), code, None)
+        ref = matmul_q8_reference(torch.from_numpy(x), torch.from_numpy(data), "Q4_K", 512).numpy()
+        assert (np.abs(y.double().numpy() - ref) <= _q8_bound(x, data, "Q4_K", 512)).all(), m
+        if m >= start:
+            assert np.array_equal(y.numpy(), _run(tiled, "Q4_K", data, x).astype(np.float32)), m

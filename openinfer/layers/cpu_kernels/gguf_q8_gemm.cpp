@@ -34,6 +34,7 @@
 
 #include "gguf_blocks.h"
 #include "gguf_q8_act.h"
+#include "kernels.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -269,6 +270,13 @@ void row_dot(int64_t t, const uint8_t* w, int64_t nb, const Format& f, const XRo
 
 constexpr int kMB = 4;  // activation rows per pass over a weight row
 
+// From this many activation rows on, the types the tile kernel takes go to it (oi::gguf_gemm_q8_tiled): the same
+// integers, summed in another fp32 order. This kernel's cost grows by a full pass of integer dots, per-sub-block
+// reductions and scale FMAs per activation row (~2.6 ms per row on the 200M Llama's 135 MB of Q4_K_M weights, 2
+// threads), the tiles' by ~0.9 ms per row after a fixed decode of the weights into int8 tiles (~19 ms there): the
+// tiles win from ~11 rows (docs/gguf_kernels.md, "Small-M hand-over"). gguf_q8_tile_from reports it (tests).
+constexpr int64_t kTileFrom = 12;
+
 void gguf_linear_q8(at::Tensor y, const at::Tensor& x, const at::Tensor& data, int64_t qtype,
                     const c10::optional<at::Tensor>& bias) {
   const Format f = format_of(qtype);
@@ -280,6 +288,7 @@ void gguf_linear_q8(at::Tensor y, const at::Tensor& x, const at::Tensor& data, i
   if (bias.has_value())
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
                 "bias must be contiguous fp32 [N]");
+  if (M >= kTileFrom && oi::gguf_q8_tiled_has(qtype)) return oi::gguf_gemm_q8_tiled(y, x, data, qtype, bias);
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = data.data_ptr<uint8_t>();
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
@@ -332,4 +341,5 @@ TORCH_LIBRARY_FRAGMENT(openinfer_cpu, m) {
   m.def("gguf_linear_q8(Tensor(a!) y, Tensor x, Tensor data, int qtype, Tensor? bias) -> ()");
   m.impl("gguf_linear_q8", c10::DispatchKey::CPU, &gguf_linear_q8);
   m.def("gguf_int_dot() -> int", &gguf_int_dot);
+  m.def("gguf_q8_tile_from() -> int", +[]() -> int64_t { return kTileFrom; });
 }

@@ -51,4 +51,8 @@ void moe_experts_panels(at::Tensor out, const at::Tensor& rows, const at::Tensor
 void gguf_gemm(at::Tensor y, const at::Tensor& x, const at::Tensor& data, int64_t qtype);
 // the same with x quantised to int8 per 32 columns and integer dot products (gguf_q8_gemm.cpp)
 void gguf_gemm_q8(at::Tensor y, const at::Tensor& x, const at::Tensor& data, int64_t qtype);
+// the same through the tile kernel (gguf_q8_tiles.cpp), for the types gguf_q8_tiled_has says it takes
+void gguf_gemm_q8_tiled(at::Tensor y, const at::Tensor& x, const at::Tensor& data, int64_t qtype,
+                        const c10::optional<at::Tensor>& bias);
+bool gguf_q8_tiled_has(int64_t qtype);
 }  // namespace oi

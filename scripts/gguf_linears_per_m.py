@@ -1,0 +1,57 @@
+"""The GGUF int8 linears of one forward step of a Llama GGUF file at M activation rows, grouped as the fused decode
+block runs them (q/k/v, o, gate/up, down per layer; same-type neighbours concatenated) plus the logits head:
+``gguf_linear_q8`` (the small-M op, which hands M >= gguf_q8_tile_from to the tiles) at the SMALL row counts and
+``gguf_linear_q8_tiled`` at the others; best of REPS steps. Where a step's linear time goes per M, and where the
+tiles pass the small-M kernel.
+
+    python scripts/gguf_linears_per_m.py FILE.gguf THREADS 1,8,16,32 REPS [SMALL: 4,8,12]
+"""
+import sys, time, numpy as np, torch, gguf
+path = sys.argv[1]; threads = int(sys.argv[2]); Ms = [int(m) for m in sys.argv[3].split(",")]; reps = int(sys.argv[4])
+SMALL = [int(m) for m in sys.argv[5].split(",")] if len(sys.argv) > 5 and sys.argv[5] else []
+torch.set_num_threads(threads)
+from openinfer.layers import dispatch
+ops = dispatch.active().ops
+r = gguf.GGUFReader(path)
+T = {t.name: (int(t.tensor_type), torch.from_numpy(np.array(t.data)).reshape(int(t.shape[1]), -1).contiguous(), int(t.shape[0])) for t in r.tensors if t.name.endswith('weight') and t.tensor_type.name != 'F32'}
+def cat(names):
+    ts = [T[n] for n in names]; groups = []
+    for t in ts:
+        if groups and groups[-1][0] == t[0]: groups[-1] = (t[0], torch.cat([groups[-1][1], t[1]]), t[2])
+        else: groups.append(t)
+    return groups
+layers = []
+for i in range(sum(1 for n in T if n.endswith('attn_q.weight'))):
+    b = f'blk.{i}.'
+    layers.append([cat([b+'attn_q.weight', b+'attn_k.weight', b+'attn_v.weight']), cat([b+'attn_output.weight']),
+                   cat([b+'ffn_gate.weight', b+'ffn_up.weight']), cat([b+'ffn_down.weight'])])
+head = cat(['output.weight'])
+nbytes = sum(g[1].numel() for L in layers for lin in L for g in lin) + head[0][1].numel()
+print(f"weights {nbytes/1e6:.1f} MB; regions per step {sum(len(lin) for L in layers for lin in L)+1}")
+for M in SMALL:
+    xs = {K: torch.randn(M, K) for K in {g[2] for L in layers for lin in L for g in lin}}
+    def step():
+        for L in layers:
+            for lin in L:
+                for (code, data, K) in lin:
+                    y = torch.empty(M, data.shape[0]); ops.gguf_linear_q8(y, xs[K], data, code, None)
+        y = torch.empty(M, head[0][1].shape[0]); ops.gguf_linear_q8(y, xs[head[0][2]], head[0][1], head[0][0], None)
+    step()
+    best = 1e9
+    for _ in range(reps):
+        t = time.perf_counter(); step(); best = min(best, time.perf_counter() - t)
+    print(f"M={M} t{threads}: {best*1e3:.2f} ms/step, {nbytes/best/1e9:.1f} GB/s")
+print("tiled:")
+for M in Ms:
+    xs = {K: torch.randn(M, K) for K in {g[2] for L in layers for lin in L for g in lin}}
+    def step():
+        for L in layers:
+            for lin in L:
+                for (code, data, K) in lin:
+                    y = torch.empty(M, data.shape[0]); ops.gguf_linear_q8_tiled(y, xs[K], data, code, None)
+        y = torch.empty(M, head[0][1].shape[0]); ops.gguf_linear_q8_tiled(y, xs[head[0][2]], head[0][1], head[0][0], None)
+    step()
+    best = 1e9
+    for _ in range(reps):
+        t = time.perf_counter(); step(); best = min(best, time.perf_counter() - t)
+    print(f"tiled M={M} t{threads}: {best*1e3:.2f} ms/step, {nbytes/best/1e9:.1f} GB/s")
