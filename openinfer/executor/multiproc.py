@@ -66,6 +66,11 @@ def _stop(procs: list[subprocess.Popen], exit_wait_s: float = 0.0) -> None:
             p.wait()
 
 
+def _close_zmq(sock: zmq.Socket, ctx: zmq.Context) -> None:
+    sock.close(linger=0)
+    ctx.term()
+
+
 class MultiprocExecutor(Executor):
     # Where worker ranks find the executor's socket; a launcher placing ranks on other machines binds wider.
     bind_host = "127.0.0.1"
@@ -76,6 +81,10 @@ class MultiprocExecutor(Executor):
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         port = self._sock.bind_to_random_port(f"tcp://{self.bind_host}")
+        # An executor dropped without shutdown (a caller's exception) is collected with its socket and context in
+        # one cycle; should the context be finalized first, its term() waits forever for the open socket (seen:
+        # pytest hung at exit after a failed test). The finalizer keeps both alive and closes them in order.
+        self._zmq_finalizer = weakref.finalize(self, _close_zmq, self._sock, self._ctx)
         self._ids = [f"rank-{r}".encode() for r in range(world)]
         self._calls = itertools.count()
         self._failed: str | None = None
@@ -222,6 +231,5 @@ class MultiprocExecutor(Executor):
             exit_wait_s = 5.0
         if hasattr(self, "_finalizer"):
             self._stop_workers(exit_wait_s)
-        self._sock.close()
         self._sock = None
-        self._ctx.term()
+        self._zmq_finalizer()
