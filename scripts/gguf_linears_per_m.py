@@ -28,30 +28,29 @@ for i in range(sum(1 for n in T if n.endswith('attn_q.weight'))):
 head = cat(['output.weight'])
 nbytes = sum(g[1].numel() for L in layers for lin in L for g in lin) + head[0][1].numel()
 print(f"weights {nbytes/1e6:.1f} MB; regions per step {sum(len(lin) for L in layers for lin in L)+1}")
-for M in SMALL:
+
+
+def best_step(op, M):
+    """Best of ``reps`` steps of every linear (and the head) through ``op`` at M rows, in seconds."""
     xs = {K: torch.randn(M, K) for K in {g[2] for L in layers for lin in L for g in lin}}
+
     def step():
         for L in layers:
             for lin in L:
                 for (code, data, K) in lin:
-                    y = torch.empty(M, data.shape[0]); ops.gguf_linear_q8(y, xs[K], data, code, None)
-        y = torch.empty(M, head[0][1].shape[0]); ops.gguf_linear_q8(y, xs[head[0][2]], head[0][1], head[0][0], None)
+                    op(torch.empty(M, data.shape[0]), xs[K], data, code, None)
+        op(torch.empty(M, head[0][1].shape[0]), xs[head[0][2]], head[0][1], head[0][0], None)
     step()
     best = 1e9
     for _ in range(reps):
         t = time.perf_counter(); step(); best = min(best, time.perf_counter() - t)
+    return best
+
+
+for M in SMALL:
+    best = best_step(ops.gguf_linear_q8, M)
     print(f"M={M} t{threads}: {best*1e3:.2f} ms/step, {nbytes/best/1e9:.1f} GB/s")
 print("tiled:")
 for M in Ms:
-    xs = {K: torch.randn(M, K) for K in {g[2] for L in layers for lin in L for g in lin}}
-    def step():
-        for L in layers:
-            for lin in L:
-                for (code, data, K) in lin:
-                    y = torch.empty(M, data.shape[0]); ops.gguf_linear_q8_tiled(y, xs[K], data, code, None)
-        y = torch.empty(M, head[0][1].shape[0]); ops.gguf_linear_q8_tiled(y, xs[head[0][2]], head[0][1], head[0][0], None)
-    step()
-    best = 1e9
-    for _ in range(reps):
-        t = time.perf_counter(); step(); best = min(best, time.perf_counter() - t)
+    best = best_step(ops.gguf_linear_q8_tiled, M)
     print(f"tiled M={M} t{threads}: {best*1e3:.2f} ms/step, {nbytes/best/1e9:.1f} GB/s")

@@ -112,6 +112,16 @@ inline void put(Tile& t, int c, int64_t b, __m256i q, const float* s, float mn) 
   t.mn[b * kNC + c] = mn;
 }
 
+// Q6_K's 32 signed quants 128 h + 32 j + i of a super-block, from its 32-byte rows qh = qh[32 h ..] and ql =
+// ql[64 h + 32 (j & 1) ..]: low 4 bits in ql (high nibble for j >= 2), high 2 in bits 2j of qh; q - 32. The rows
+// are loaded by the caller once per h (the tile stores between calls could alias them for the compiler).
+inline __m256i q6k_quants(__m256i qh, __m256i ql, int j) {
+  const __m256i f = _mm256_set1_epi8(0xF), three = _mm256_set1_epi8(3);
+  const __m256i lo = j < 2 ? _mm256_and_si256(ql, f) : _mm256_and_si256(_mm256_srli_epi16(ql, 4), f);
+  const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j), three), 4);
+  return _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32));
+}
+
 // Weight row w (nb blocks of type T) into column c of the tile.
 template <int64_t T>
 void decode_row(Tile& t, int c, const uint8_t* w, int64_t nb) {
@@ -146,15 +156,11 @@ void decode_row(Tile& t, int c, const uint8_t* w, int64_t nb) {
       const uint8_t* blk = w + b * 210;
       const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
       const float d = fp16(blk + 208);
-      const __m256i three = _mm256_set1_epi8(3), off = _mm256_set1_epi8(32);
       for (int h = 0; h < 2; ++h) {
         const __m256i qh = load32(blk + 128 + 32 * h), ql0 = load32(blk + 64 * h), ql1 = load32(blk + 64 * h + 32);
         for (int j = 0; j < 4; ++j) {
-          const __m256i ql = (j & 1) ? ql1 : ql0;
-          const __m256i lo = j < 2 ? _mm256_and_si256(ql, f) : _mm256_and_si256(_mm256_srli_epi16(ql, 4), f);
-          const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j), three), 4);
           const float s[2] = {d * static_cast<float>(sc[8 * h + 2 * j]), d * static_cast<float>(sc[8 * h + 2 * j + 1])};
-          put<2>(t, c, 8 * b + 4 * h + j, _mm256_sub_epi8(_mm256_or_si256(lo, hi), off), s, 0.f);
+          put<2>(t, c, 8 * b + 4 * h + j, q6k_quants(qh, (j & 1) ? ql1 : ql0, j), s, 0.f);
         }
       }
     }
@@ -224,14 +230,10 @@ inline int block_ints(const uint8_t* blk, __m256i* q, float* s, float* mn) {
   } else {  // Q6_K, as decode_row
     const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
     const float d = fp16(blk + 208);
-    const __m256i three = _mm256_set1_epi8(3), off = _mm256_set1_epi8(32);
     for (int h = 0; h < 2; ++h) {
       const __m256i qh = load32(blk + 128 + 32 * h), ql0 = load32(blk + 64 * h), ql1 = load32(blk + 64 * h + 32);
       for (int j = 0; j < 4; ++j) {
-        const __m256i ql = (j & 1) ? ql1 : ql0;
-        const __m256i lo = j < 2 ? _mm256_and_si256(ql, f) : _mm256_and_si256(_mm256_srli_epi16(ql, 4), f);
-        const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j), three), 4);
-        q[4 * h + j] = _mm256_sub_epi8(_mm256_or_si256(lo, hi), off);
+        q[4 * h + j] = q6k_quants(qh, (j & 1) ? ql1 : ql0, j);
         if constexpr (!kScales) continue;
         s[2 * (4 * h + j)] = d * static_cast<float>(sc[8 * h + 2 * j]);
         s[2 * (4 * h + j) + 1] = d * static_cast<float>(sc[8 * h + 2 * j + 1]);
