@@ -226,7 +226,7 @@ class EngineCore:
         if len(self.schedulers) == 1:
             return least
         hits = [self.kvs[r].cached_prefix_tokens(req) for r in replicas]
-        best = max(replicas, key=lambda r: (hits[r], [-x for x in self._load(r)]))
+        best = max(replicas, key=lambda r: (hits[r], -self.schedulers[r].num_unfinished))
         if hits[best] <= hits[least] or hits[best] < _PLACE_MIN_HIT * req.num_prompt_tokens:
             return least
         busy, idle = self.schedulers[best].num_unfinished, self.schedulers[least].num_unfinished
