@@ -74,6 +74,27 @@ def test_remote_request_waits_without_blocking_others_then_computes_only_its_las
     assert conn.stats.loads_ok == 1
 
 
+def test_a_remote_request_short_of_blocks_still_reads_its_prompt_once_blocks_free():
+    """A decoder without blocks for a remote prompt admits nothing more that step; once a request ends and frees
+    its blocks, the waiting one reads its prompt from the producer (it used to count as tried at the first ask and
+    then computed its whole prompt here, while the producer held the blocks until its abort timeout)."""
+    s, kv, conn = make("kv_consumer", num_blocks=4)  # 16 tokens of 4-token blocks
+    s.add_request(Request("local", list(range(200, 209)), SamplingParams(max_tokens=3, ignore_eos=True), 128))
+    step(s)  # its 9 prompt tokens: 3 blocks (another prompt than the remote one's: no prefix hit)
+    add(s, "remote", 10, params=remote_params(10))  # 3 blocks: not there until "local" ends
+    sched, rows, _ = step(s)
+    assert "remote" not in s.waiting_remote and not sched.kv_connector_metadata.loads
+    for _ in range(4):  # "local" decodes its last tokens and ends
+        sched, rows, _ = step(s)
+        if "remote" in s.waiting_remote:
+            break
+    assert "local" not in s.requests
+    (load,) = sched.kv_connector_metadata.loads
+    assert load.req_id == "remote" and load.remote_block_ids == [[100, 101, 102]]
+    _, rows, _ = step(s, KVConnectorOutput(finished_recving=["remote"]))
+    assert rows["remote"] == (9, 1) and conn.stats.fallbacks == 0
+
+
 def test_failed_read_falls_back_to_computing_the_prompt():
     s, kv, conn = make("kv_consumer")
     add(s, "r", 10, params=remote_params(10))

@@ -308,25 +308,34 @@ def test_router_pd_full_deepseek_shape(arch, tmp_path_factory):
     over each side's replicas when they overlap; not asserted here - tests/test_pd_parallel.py checks that both
     producer replicas served); pull, then push (a second router, roles swapped: the first prefill instance
     decodes with send_type PUT); tokens as the instance answers alone; every prompt token but the last came over
-    NIXL; the decoder drafted; both sides free everything. The documented commands are docs/composition.md's. Per
-    model the two servers start once and serve the reference, the pull and the push rounds; two prompts of 6
-    tokens keep each case at 11-14 s on the shared 2-core host (22-26 s under load). These three replace a V3-only
-    case of this test and a one-rank V3/V4 router test, which they subsume: +10-16 s, +16-19 CPU s in all."""
+    NIXL; the decoder drafted; both sides free everything. Prompts are prefilled in chunks; the producer of the
+    pull round serves them from its prefix cache (it computed them as the reference); V3's and V4's decoders
+    preempt. The documented commands are docs/composition.md's. Per model the two servers start once and serve the
+    reference, the pull and the push rounds; four 40-token prompts, 12 tokens each."""
     if not os.path.exists(ROUTER):
         pytest.skip("vllm-router is not installed (pip install 'openinfer[pd]')")
     from concurrent.futures import ThreadPoolExecutor
 
     model, model_args = _deepseek_with_mtp(arch, tmp_path_factory)
+    # Chunked prefill (8-token chunks) and, for V3 and V4, pools small enough that a replica holding two of the
+    # four requests runs out of blocks while they decode (one fits: 3 of 16-token blocks to admit, 4 at the end; 5
+    # and 7 of 8-token blocks): the decoder preempts requests whose prompts came over NIXL (they recompute there,
+    # never read again), and so does the reference. V4.1 keeps a large pool: with DSpark, a producer short of
+    # blocks that prefills from its own prefix cache sends KV its decoder reads wrong tokens from (found here,
+    # not fixed yet: docs/composition.md, "Known wrong").
+    pool = {"deepseek_v3": "7", "deepseek_v4": "11", "deepseek_v41": "96"}[arch]
     args = (*COMMON, *model_args, "--data-parallel-size", "2", "--enable-expert-parallel",
+            "--num-kv-blocks", pool,  # after COMMON's: the last one counts
+            "--max-num-batched-tokens", "8",
             "--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 2}))
     push_kv = {**KV, "kv_connector_extra_config": {"send_type": "PUT"}}
     a = ServerProcess(model, *args, "--kv-transfer-config", json.dumps(push_kv), wait=False)
     b = ServerProcess(model, *args, "--kv-transfer-config", json.dumps(KV), wait=False)
     router = None
     # Both past V4's 16-token window (and V4.1's 8): the window groups send released (-1) blocks too.
-    prompts = ["the full shape: prefill and decode, each two expert-parallel replicas",
-               "MTP drafts on the decoder, two requests at once"]
-    n_out = 6
+    prompts = ["the full shape: prefill and decode, too.", "MTP drafts on the decoder, four requests",
+               "chunked prefill, prefix hits, preemption", "behind the unmodified router, both ways."]
+    n_out = 12
     try:
         a.wait_ready()
         b.wait_ready()
@@ -353,7 +362,9 @@ def test_router_pd_full_deepseek_shape(arch, tmp_path_factory):
             assert d1[P + "kv_transfer_loads_total"] - d0[P + "kv_transfer_loads_total"] == len(prompts), mode
             assert d1[P + "kv_transfer_fallbacks_total"] == d0[P + "kv_transfer_fallbacks_total"], mode
             src = P + 'prompt_tokens_by_source_total{source="%s"}'
-            assert d1[src % "local_compute"] - d0[src % "local_compute"] == len(prompts), mode
+            # the last prompt token of each, and what the preempted requests recomputed from their own cache
+            assert d1[src % "local_compute"] - d0[src % "local_compute"] >= len(prompts), mode
+            assert arch == "deepseek_v41" or d1[P + "num_preemptions_total"] > d0[P + "num_preemptions_total"], mode
             assert d1[src % "external_kv_transfer"] - d0[src % "external_kv_transfer"] == sum(n_prompt) - len(
                 prompts), mode
             _stop_router(router)

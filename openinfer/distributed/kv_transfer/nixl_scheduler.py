@@ -138,9 +138,12 @@ class NixlConnectorScheduler(KVConnectorScheduler):
                                    num_computed_tokens: int) -> tuple[int, bool]:
         if not params or not params.get("do_remote_prefill") or req.request_id in self._tried:
             return 0, False
-        self._tried.add(req.request_id)
+        # Tried means the read was queued (update_state_after_alloc) or refused here, not merely asked about: a
+        # decoder short of blocks asks again on a later step, and must still read the prompt then rather than
+        # recompute it while the producer holds its blocks until they expire.
         remote = group_block_lists(params["remote_block_ids"])
         if len(remote) == len(self.tokens_per_block) and not self._remote_blocks_fit(req, remote):
+            self._tried.add(req.request_id)
             logger.warning("request %s: remote_block_ids do not cover its %d prompt tokens (another block_size or "
                            "tokenization?); computing the prompt here", req.request_id, req.num_prompt_tokens)
             self.stats.fallbacks += 1
@@ -150,6 +153,7 @@ class NixlConnectorScheduler(KVConnectorScheduler):
 
     def update_state_after_alloc(self, req: ConnectorRequest, params: dict[str, Any],
                                  block_ids: list[list[int]], num_local_blocks: list[int]) -> None:
+        self._tried.add(req.request_id)
         remote = group_block_lists(params["remote_block_ids"])
         local = [[-1 if j < skip else b for j, b in enumerate(ids)] for ids, skip in zip(block_ids, num_local_blocks)]
         self._pending.append(KVLoad(req.request_id, local, remote, params["remote_engine_id"],
