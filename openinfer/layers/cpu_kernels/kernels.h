@@ -21,6 +21,10 @@ void rotary_cache_write(at::Tensor qkv, const at::Tensor& positions, const at::T
 // paged_decode_attention.cpp
 void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale);
+// Requests the cache blocks that paged_decode_attention will read (K and V, every sequence's filled slots) from
+// memory, up to max_bytes of them; no result (software prefetches), so it is safe to call with any tables.
+void prefetch_kv_blocks(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
+                        const at::Tensor& seq_lens, int64_t max_bytes);
 // rope_interleaved.cpp
 void rope_interleaved(at::Tensor out, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool inverse,
                       bool deinterleave);
