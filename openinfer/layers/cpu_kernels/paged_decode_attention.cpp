@@ -376,13 +376,13 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
 
 // A decode step's K / V blocks arrive from DRAM only when the attention asks for them, after the layer's qkv
 // projection: ~4 kB rows scattered over 1 kB-strided slots, latency-bound (batch 1 at ~130 tokens: 16 layers x 266 kB
-// took ~0.8 ms of an ~8 ms step where the same reads from cache take ~0.25). Requested at the start of the layer
-// instead, they come in while the projection streams its weights (a few MB, well inside the last-level cache, which
-// keeps them), so the attention reads them from cache. Whole blocks are contiguous ([block_size, Hk, D]), so each
+// took ~0.8 ms of an ~8 ms step where the same reads from cache take ~0.25). kv_side_lines lists them so that the
+// previous layer's down projection can request them while it streams its weights (gguf_gemm_q8_prefetching), or
+// prefetch_kv_blocks requests them at the layer's start. Whole blocks are contiguous ([block_size, Hk, D]), so each
 // sequence's filled slots are one contiguous run per block; blocks outside the cache are skipped (the attention
 // reports them).
-void prefetch_kv_blocks(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
-                        const at::Tensor& seq_lens, int64_t max_bytes) {
+void kv_side_lines(SideLines& out, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                   const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t max_bytes) {
   if (k_cache.dim() != 4 || !k_cache.is_contiguous() || !v_cache.is_contiguous() ||
       v_cache.sizes() != k_cache.sizes() || block_tables.dim() != 2 || block_tables.scalar_type() != at::kLong ||
       seq_lens.scalar_type() != at::kLong || !block_tables.is_contiguous() || !seq_lens.is_contiguous() ||
@@ -404,15 +404,19 @@ void prefetch_kv_blocks(const at::Tensor& k_cache, const at::Tensor& v_cache, co
       const int64_t blk = tables[b * max_blocks + i];
       if (blk < 0 || blk >= nblk) continue;
       const int64_t bytes = std::min(bs, len - i * bs) * slot_bytes;
-      const char* k = kc + blk * blk_bytes;
-      const char* v = vc + blk * blk_bytes;
-      for (int64_t off = 0; off < bytes; off += 64) {
-        __builtin_prefetch(k + off, 0, 2);
-        __builtin_prefetch(v + off, 0, 2);
-      }
+      out.add(kc + blk * blk_bytes, bytes);
+      out.add(vc + blk * blk_bytes, bytes);
       budget -= 2 * bytes;
     }
   }
+}
+
+void prefetch_kv_blocks(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
+                        const at::Tensor& seq_lens, int64_t max_bytes) {
+  SideLines lines;
+  kv_side_lines(lines, k_cache, v_cache, block_tables, seq_lens, max_bytes);
+  for (const auto& [p, bytes] : lines.runs)
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 2);
 }
 }  // namespace oi
 
