@@ -209,7 +209,7 @@ def test_llama_block_runs_gguf_linears(kernel_ops, monkeypatch, tmp_path, types,
 @pytest.mark.parametrize("gguf", [False, True])
 def test_llama_layer_stack_same_bits(kernel_ops, monkeypatch, tmp_path, gguf):
     """With no hooks on the layers, a decode-only step runs every Llama layer in one op (``llama_decode_layers``:
-    each layer's block in order, K / V prefetched at each layer's start): the same greedy tokens and log-probs as
+    each layer's block in order): the same greedy tokens and log-probs as
     the Python path (blocks off), and it really runs (counted). GGUF: Q4_K_M's mixed layer (q / k Q4_K, v Q6_K)."""
     if gguf:
         from gguf_writer import write_gguf

@@ -85,10 +85,6 @@ def moe_block(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor | None, 
         math.inf if limit is None else float(limit))
 
 
-# K / V bytes per layer the stack op asks memory for at each layer's start, before its projections (cpu_kernels/
-# paged_decode_attention.cpp, prefetch_kv_blocks; the per-layer op uses the same cap, kPrefetchKVBytes)
-PREFETCH_KV_BYTES = 4 << 20
-
 # how cpu_kernels/decode_blocks.cpp's layer_linear runs each Llama linear
 LINEAR_KINDS = {"panels": 0, "w4a8": 1, "w8a8": 2, "int8": 3, "int4": 4, "gguf": 5, "gguf_q8": 6, "gguf_parts": 7}
 
@@ -225,5 +221,4 @@ def llama_decode_stack(model, positions: torch.Tensor, x: torch.Tensor) -> tuple
     tables = md.group(a0.kv_group)
     return ops.llama_decode_layers(
         x, weights, scales, kinds, groups, offsets, norms, caches, positions, cos, sin, tables.slot_mapping,
-        tables.decode_block_tables, md.decode_seq_lens, heads, kv_heads, head_dim, rot_dim, scale, inter, eps,
-        PREFETCH_KV_BYTES)
+        tables.decode_block_tables, md.decode_seq_lens, heads, kv_heads, head_dim, rot_dim, scale, inter, eps)

@@ -122,19 +122,12 @@ at::Tensor moe_block(const at::Tensor& x, const at::Tensor& gate_w, const c10::o
 // whose row blocks have different types (GGUFWeightParts: Q4_K_M's q / k in Q4_K, v in Q6_K): its parts are
 // weights[group ..] of the layer's list, scales an int64 [parts, 3] table of (type code, rows, int8 activations),
 // each part's output written into its columns (GGUFWeightParts.matmul's concatenation).
-// At most this many bytes of K / V per layer are prefetched at the layer's start (prefetch_kv_blocks): a batch-1 step
-// at ~130 tokens of the 200M Llama holds 266 kB per layer; a batch of 8 at that length 2.1 MB.
-constexpr int64_t kPrefetchKVBytes = 4 << 20;
-
 enum LinearKind : int64_t {
   kPanels = 0, kW4A8 = 1, kW8A8 = 2, kInt8 = 3, kInt4 = 4, kGGUF = 5, kGGUFQ8 = 6, kGGUFParts = 7
 };
 
-// side / side_done: lines to request while a kind-6 GGUF linear streams (gguf_gemm_q8_prefetching), and whether
-// that happened (other kinds, and the tile kernel's row counts, do not take them)
 at::Tensor layer_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& scales,
-                        int64_t kind, int64_t group, int64_t n, at::TensorList all,
-                        const oi::SideLines* side = nullptr, bool* side_done = nullptr) {
+                        int64_t kind, int64_t group, int64_t n, at::TensorList all) {
   if (kind == kPanels) return oi::panel_linear(x, w, n, c10::nullopt);
   at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
   at::Tensor y = at::empty({x.size(0), n}, x.options().dtype(at::kFloat));
@@ -165,12 +158,10 @@ at::Tensor layer_linear(const at::Tensor& x, const at::Tensor& w, const c10::opt
   }
   if (kind == kGGUF || kind == kGGUFQ8) {  // the file's block bytes [n, row bytes]; ``group``: the GGML type code
     TORCH_CHECK(w.size(0) == n, "llama_decode_layer: a GGUF linear's data must have n rows");
-    if (kind == kGGUF) {
+    if (kind == kGGUF)
       oi::gguf_gemm(y, xf.contiguous(), w, group);
-    } else {  // activations as int8 per 32 columns (KernelSelection.gguf_int8)
-      const bool done = oi::gguf_gemm_q8_prefetching(y, xf.contiguous(), w, group, side);
-      if (side_done) *side_done = done && side;
-    }
+    else  // activations as int8 per 32 columns (KernelSelection.gguf_int8)
+      oi::gguf_gemm_q8(y, xf.contiguous(), w, group);
     return x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type());
   }
   TORCH_CHECK(kind >= kW4A8 && kind <= kInt4 && scales.has_value() && scales->size(0) == n,
@@ -202,9 +193,7 @@ at::Tensor llama_decode_layer(at::Tensor x, const c10::optional<at::Tensor>& res
                               const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache, at::Tensor v_cache,
                               const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                               const at::Tensor& seq_lens, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                              int64_t rot_dim, double scale, const at::Tensor& post_norm, int64_t inter, double eps,
-                              int64_t prefetch_kv_bytes = kPrefetchKVBytes,
-                              const oi::SideLines* down_side = nullptr, bool* down_side_done = nullptr) {
+                              int64_t rot_dim, double scale, const at::Tensor& post_norm, int64_t inter, double eps) {
   TORCH_CHECK(x.dim() == 2 && k_cache.dim() == 4 && k_cache.scalar_type() == x.scalar_type(),
               "llama_decode_layer: x must be [T, hidden] and the caches [blocks, block_size, Hk, D] in x's dtype");
   TORCH_CHECK(weights.size() >= 4 && scales.size() == 4 && kinds.size() == 4 && groups.size() == 4,
@@ -213,14 +202,8 @@ at::Tensor llama_decode_layer(at::Tensor x, const c10::optional<at::Tensor>& res
   const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim;
   const int64_t widths[4] = {q_size + 2 * kv_size, hidden, 2 * inter, hidden};
   auto linear = [&](int i, const at::Tensor& in) {
-    return i == 3 ? layer_linear(in, weights[i], scales.get(i), kinds[i], groups[i], widths[i], weights, down_side,
-                                 down_side_done)
-                  : layer_linear(in, weights[i], scales.get(i), kinds[i], groups[i], widths[i], weights);
+    return layer_linear(in, weights[i], scales.get(i), kinds[i], groups[i], widths[i], weights);
   };
-  // the step's K / V blocks of this layer start coming in now, while the projections stream their weights
-  // (paged_decode_attention.cpp, prefetch_kv_blocks); capped so a long or wide batch does not crowd the weights
-  // out of the last-level cache
-  if (prefetch_kv_bytes > 0) oi::prefetch_kv_blocks(k_cache, v_cache, block_tables, seq_lens, prefetch_kv_bytes);
   // input_layernorm: RMSNorm(x) into a new tensor for the first layer, else the fused residual add in place
   at::Tensor h, res;
   if (residual.has_value()) {
@@ -260,7 +243,7 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layers(
     at::IntArrayRef groups, at::IntArrayRef offsets, at::TensorList norms, at::TensorList caches,
     const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slot_mapping,
     const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t heads, int64_t kv_heads, int64_t head_dim,
-    int64_t rot_dim, double scale, int64_t inter, double eps, int64_t prefetch_kv_bytes) {
+    int64_t rot_dim, double scale, int64_t inter, double eps) {
   const int64_t L = static_cast<int64_t>(offsets.size()) - 1;
   TORCH_CHECK(L >= 1 && static_cast<int64_t>(kinds.size()) == 4 * L && static_cast<int64_t>(groups.size()) == 4 * L &&
                   static_cast<int64_t>(scales.size()) == 4 * L && static_cast<int64_t>(norms.size()) == 2 * L &&
@@ -269,14 +252,7 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layers(
               "llama_decode_layers: per layer four linears (kinds, groups, scales), two norms, two caches, and "
               "weight offsets [0 .. len(weights)]");
   c10::optional<at::Tensor> residual;
-  bool requested = false;  // this layer's K / V lines were requested by the previous layer's down projection
   for (int64_t l = 0; l < L; ++l) {
-    // the next layer's K / V lines, requested while this layer's down projection streams its weights; where that
-    // projection cannot take them (not a small-M GGUF int8 linear), the next layer prefetches them at its start
-    oi::SideLines next;
-    if (l + 1 < L && prefetch_kv_bytes > 0)
-      oi::kv_side_lines(next, caches[2 * l + 2], caches[2 * l + 3], block_tables, seq_lens, prefetch_kv_bytes);
-    bool next_requested = false;
     TORCH_CHECK(offsets[l + 1] - offsets[l] >= 4, "llama_decode_layers: layer ", l, " has fewer than four weights");
     const at::TensorList w(weights.data() + offsets[l], offsets[l + 1] - offsets[l]);
     c10::List<c10::optional<at::Tensor>> sc;
@@ -285,10 +261,7 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layers(
     at::Tensor out = llama_decode_layer(x, residual, norms[2 * l], w, sc, kinds.slice(4 * l, 4),
                                         groups.slice(4 * l, 4), positions, cos, sin, caches[2 * l],
                                         caches[2 * l + 1], slot_mapping, block_tables, seq_lens, heads, kv_heads,
-                                        head_dim, rot_dim, scale, norms[2 * l + 1], inter, eps,
-                                        requested ? 0 : prefetch_kv_bytes, next.lines ? &next : nullptr,
-                                        &next_requested);
-    requested = next_requested;
+                                        head_dim, rot_dim, scale, norms[2 * l + 1], inter, eps);
     if (!residual.has_value()) residual = x;  // the first layer's input, summed into in place from here on
     x = out;
   }
@@ -314,21 +287,11 @@ TORCH_LIBRARY_FRAGMENT(openinfer_cpu, m) {
       "int[] kinds, int[] groups, Tensor positions, Tensor cos, Tensor sin, Tensor(c!) k_cache, Tensor(d!) v_cache, "
       "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, int heads, int kv_heads, int head_dim, int rot_dim, "
       "float scale, Tensor post_norm, int inter, float eps) -> Tensor");
-  m.impl("llama_decode_layer", c10::DispatchKey::CPU,
-         [](at::Tensor x, const c10::optional<at::Tensor>& residual, const at::Tensor& in_norm, at::TensorList weights,
-            const c10::List<c10::optional<at::Tensor>>& scales, at::IntArrayRef kinds, at::IntArrayRef groups,
-            const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
-            at::Tensor v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-            const at::Tensor& seq_lens, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t rot_dim,
-            double scale, const at::Tensor& post_norm, int64_t inter, double eps) {
-           return llama_decode_layer(std::move(x), residual, in_norm, weights, scales, kinds, groups, positions, cos,
-                                     sin, std::move(k_cache), std::move(v_cache), slot_mapping, block_tables,
-                                     seq_lens, heads, kv_heads, head_dim, rot_dim, scale, post_norm, inter, eps);
-         });
+  m.impl("llama_decode_layer", c10::DispatchKey::CPU, &llama_decode_layer);
   m.def(
       "llama_decode_layers(Tensor(a!) x, Tensor[] weights, Tensor?[] scales, int[] kinds, int[] groups, int[] offsets, "
       "Tensor[] norms, Tensor(b!)[] caches, Tensor positions, Tensor cos, Tensor sin, Tensor slot_mapping, "
       "Tensor block_tables, Tensor seq_lens, int heads, int kv_heads, int head_dim, int rot_dim, float scale, "
-      "int inter, float eps, int prefetch_kv_bytes) -> (Tensor, Tensor)");
+      "int inter, float eps) -> (Tensor, Tensor)");
   m.impl("llama_decode_layers", c10::DispatchKey::CPU, &llama_decode_layers);
 }

@@ -277,33 +277,8 @@ constexpr int kMB = 4;  // activation rows per pass over a weight row
 // tiles win from ~11 rows (docs/gguf_kernels.md, "Small-M hand-over"). gguf_q8_tile_from reports it (tests).
 constexpr int64_t kTileFrom = 12;
 
-// Walks SideLines from a given line on, handing out one line address at a time.
-struct SideCursor {
-  const oi::SideLines* s;
-  size_t run = 0;
-  int64_t off = 0;  // bytes into runs[run]
-  SideCursor(const oi::SideLines* side, int64_t line) : s(side) {
-    if (!s) return;
-    for (; run < s->runs.size(); ++run) {
-      const int64_t n = (s->runs[run].second + 63) / 64;
-      if (line < n) break;
-      line -= n;
-    }
-    off = line * 64;
-  }
-  const char* next() {
-    const char* p = s->runs[run].first + off;
-    off += 64;
-    if (off >= s->runs[run].second) {
-      ++run;
-      off = 0;
-    }
-    return p;
-  }
-};
-
-void gguf_linear_q8_side(at::Tensor y, const at::Tensor& x, const at::Tensor& data, int64_t qtype,
-                         const c10::optional<at::Tensor>& bias, const oi::SideLines* side) {
+void gguf_linear_q8(at::Tensor y, const at::Tensor& x, const at::Tensor& data, int64_t qtype,
+                    const c10::optional<at::Tensor>& bias) {
   const Format f = format_of(qtype);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "x must be contiguous fp32 [M, K]");
   const auto [N, K] = check_data(data, qtype, x.size(1), f);
@@ -332,15 +307,8 @@ void gguf_linear_q8_side(at::Tensor y, const at::Tensor& x, const at::Tensor& da
   });
   const int64_t nb = K / f.block, row_bytes = nb * f.bytes;
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(row_bytes, 1));
-  const int64_t side_lines = side ? side->lines : 0;
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    // this range's share of the side lines, a few per weight row (spread over the range's stream)
-    int64_t s0 = side_lines * n0 / N;
-    const int64_t s1 = side_lines * n1 / N;
-    const int64_t per_row = n1 > n0 ? (s1 - s0 + (n1 - n0) - 1) / (n1 - n0) : 0;
-    SideCursor cur(side_lines ? side : nullptr, s0);
     for (int64_t n = n0; n < n1; ++n) {
-      for (int64_t j = 0; j < per_row && s0 < s1; ++j, ++s0) __builtin_prefetch(cur.next(), 0, 2);
       const uint8_t* w = wp + n * row_bytes;
       for (int64_t m = 0; m < M; m += kMB) {
         float out[kMB];
@@ -358,11 +326,6 @@ void gguf_linear_q8_side(at::Tensor y, const at::Tensor& x, const at::Tensor& da
   });
 }
 
-void gguf_linear_q8(at::Tensor y, const at::Tensor& x, const at::Tensor& data, int64_t qtype,
-                    const c10::optional<at::Tensor>& bias) {
-  gguf_linear_q8_side(std::move(y), x, data, qtype, bias, nullptr);
-}
-
 int64_t gguf_int_dot() { return kIntDot; }
 
 }  // namespace
@@ -371,12 +334,6 @@ namespace oi {
 // for decode_blocks.cpp's fused Llama layer (kernels.h)
 void gguf_gemm_q8(at::Tensor y, const at::Tensor& x, const at::Tensor& data, int64_t qtype) {
   gguf_linear_q8(std::move(y), x, data, qtype, c10::nullopt);
-}
-bool gguf_gemm_q8_prefetching(at::Tensor y, const at::Tensor& x, const at::Tensor& data, int64_t qtype,
-                              const SideLines* side) {
-  const bool small = !(x.size(0) >= kTileFrom && oi::gguf_q8_tiled_has(qtype));
-  gguf_linear_q8_side(std::move(y), x, data, qtype, c10::nullopt, side);
-  return small;
 }
 }  // namespace oi
 

@@ -6,10 +6,6 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Optional.h>
 
-#include <cstdint>
-#include <utility>
-#include <vector>
-
 namespace oi {
 
 // panel_gemm.cpp
@@ -25,10 +21,6 @@ void rotary_cache_write(at::Tensor qkv, const at::Tensor& positions, const at::T
 // paged_decode_attention.cpp
 void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale);
-// Requests the cache blocks that paged_decode_attention will read (K and V, every sequence's filled slots) from
-// memory, up to max_bytes of them; no result (software prefetches), so it is safe to call with any tables.
-void prefetch_kv_blocks(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
-                        const at::Tensor& seq_lens, int64_t max_bytes);
 // rope_interleaved.cpp
 void rope_interleaved(at::Tensor out, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool inverse,
                       bool deinterleave);
@@ -59,24 +51,6 @@ void moe_experts_panels(at::Tensor out, const at::Tensor& rows, const at::Tensor
 void gguf_gemm(at::Tensor y, const at::Tensor& x, const at::Tensor& data, int64_t qtype);
 // the same with x quantised to int8 per 32 columns and integer dot products (gguf_q8_gemm.cpp)
 void gguf_gemm_q8(at::Tensor y, const at::Tensor& x, const at::Tensor& data, int64_t qtype);
-// Memory that a later kernel of the step will read (the next layer's K / V blocks), as (start, bytes) runs: a GEMV
-// that streams its weights from DRAM requests these lines a few per weight row as it goes
-// (gguf_gemm_q8_prefetching), so they arrive spread over its stream instead of as one latency-bound burst later.
-struct SideLines {
-  std::vector<std::pair<const char*, int64_t>> runs;
-  int64_t lines = 0;  // 64-byte lines over all runs
-  void add(const char* p, int64_t bytes) {
-    runs.emplace_back(p, bytes);
-    lines += (bytes + 63) / 64;
-  }
-};
-// gguf_gemm_q8 that also requests ``side``'s lines while it streams: true when it did (the small-M kernel; from the
-// tile kernel's row count on it is gguf_gemm_q8 and returns false)
-bool gguf_gemm_q8_prefetching(at::Tensor y, const at::Tensor& x, const at::Tensor& data, int64_t qtype,
-                              const SideLines* side);
-// every filled K / V line of the sequences in block_tables / seq_lens (at most max_bytes), as SideLines runs
-void kv_side_lines(SideLines& out, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                   const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t max_bytes);
 // the same through the tile kernel (gguf_q8_tiles.cpp), for the types gguf_q8_tiled_has says it takes
 void gguf_gemm_q8_tiled(at::Tensor y, const at::Tensor& x, const at::Tensor& data, int64_t qtype,
                         const c10::optional<at::Tensor>& bias);

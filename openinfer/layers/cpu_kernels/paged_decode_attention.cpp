@@ -373,51 +373,6 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
                             const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
   ::paged_decode_attention(std::move(out), q, k_cache, v_cache, block_tables, seq_lens, scale);
 }
-
-// A decode step's K / V blocks arrive from DRAM only when the attention asks for them, after the layer's qkv
-// projection: ~4 kB rows scattered over 1 kB-strided slots, latency-bound (batch 1 at ~130 tokens: 16 layers x 266 kB
-// took ~0.8 ms of an ~8 ms step where the same reads from cache take ~0.25). kv_side_lines lists them so that the
-// previous layer's down projection can request them while it streams its weights (gguf_gemm_q8_prefetching), or
-// prefetch_kv_blocks requests them at the layer's start. Whole blocks are contiguous ([block_size, Hk, D]), so each
-// sequence's filled slots are one contiguous run per block; blocks outside the cache are skipped (the attention
-// reports them).
-void kv_side_lines(SideLines& out, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                   const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t max_bytes) {
-  if (k_cache.dim() != 4 || !k_cache.is_contiguous() || !v_cache.is_contiguous() ||
-      v_cache.sizes() != k_cache.sizes() || block_tables.dim() != 2 || block_tables.scalar_type() != at::kLong ||
-      seq_lens.scalar_type() != at::kLong || !block_tables.is_contiguous() || !seq_lens.is_contiguous() ||
-      seq_lens.dim() != 1 || seq_lens.size(0) != block_tables.size(0))
-    return;
-  const int64_t nblk = k_cache.size(0), bs = k_cache.size(1);
-  const int64_t slot_bytes = k_cache.stride(1) * static_cast<int64_t>(k_cache.element_size());
-  const int64_t blk_bytes = k_cache.stride(0) * static_cast<int64_t>(k_cache.element_size());
-  const char* kc = static_cast<const char*>(k_cache.const_data_ptr());
-  const char* vc = static_cast<const char*>(v_cache.const_data_ptr());
-  const int64_t* tables = block_tables.const_data_ptr<int64_t>();
-  const int64_t* lens = seq_lens.const_data_ptr<int64_t>();
-  const int64_t B = seq_lens.size(0), max_blocks = block_tables.size(1);
-  int64_t budget = max_bytes;
-  for (int64_t b = 0; b < B && budget > 0; ++b) {
-    const int64_t len = lens[b];
-    const int64_t need = std::min<int64_t>(len > 0 ? (len + bs - 1) / bs : 0, max_blocks);
-    for (int64_t i = 0; i < need && budget > 0; ++i) {
-      const int64_t blk = tables[b * max_blocks + i];
-      if (blk < 0 || blk >= nblk) continue;
-      const int64_t bytes = std::min(bs, len - i * bs) * slot_bytes;
-      out.add(kc + blk * blk_bytes, bytes);
-      out.add(vc + blk * blk_bytes, bytes);
-      budget -= 2 * bytes;
-    }
-  }
-}
-
-void prefetch_kv_blocks(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
-                        const at::Tensor& seq_lens, int64_t max_bytes) {
-  SideLines lines;
-  kv_side_lines(lines, k_cache, v_cache, block_tables, seq_lens, max_bytes);
-  for (const auto& [p, bytes] : lines.runs)
-    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 2);
-}
 }  // namespace oi
 
 TORCH_LIBRARY(openinfer_cpu, m) {
