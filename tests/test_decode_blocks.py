@@ -204,3 +204,36 @@ def test_llama_block_runs_gguf_linears(kernel_ops, monkeypatch, tmp_path, types,
     _assert_same_bits(runs)
     calls = runs["1"][1]["llama"]
     assert (calls >= 2 * 11) if runs_block else calls == 0, calls
+
+
+@pytest.mark.parametrize("gguf", [False, True])
+def test_llama_layer_stack_same_bits(kernel_ops, monkeypatch, tmp_path, gguf):
+    """With no hooks on the layers, a decode-only step runs every Llama layer in one op (``llama_decode_layers``:
+    each layer's block in order): the same greedy tokens and log-probs as
+    the Python path (blocks off), and it really runs (counted). GGUF: Q4_K_M's mixed layer (q / k Q4_K, v Q6_K)."""
+    if gguf:
+        from gguf_writer import write_gguf
+        path, _ = write_gguf(tmp_path, "llama", "Q4_K", {"attn_v": "Q6_K", "ffn_down": "Q6_K"}, hidden=256,
+                             intermediate=512)
+        kw = dict(max_model_len=256)
+    else:
+        path, kw = make_dense_checkpoint(tmp_path / "llama", seed=2, num_hidden_layers=3), dict(dtype="float32")
+    real, calls = decode_blocks.llama_decode_stack, [0]
+
+    def counted(*args):
+        out = real(*args)
+        calls[0] += out is not None
+        return out
+
+    monkeypatch.setattr(decode_blocks, "llama_decode_stack", counted)
+    runs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("OPENINFER_DECODE_BLOCKS", flag)
+        calls[0] = 0
+        llm = LLM(str(path), enable_prefix_caching=False, num_kv_blocks=96, **kw)
+        outs = llm.generate([{"prompt_token_ids": p} for p in make_prompts((5, 17, 33, 3), seed=8)], PARAMS,
+                            use_tqdm=False)
+        runs[flag] = ([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], calls[0])
+    assert len({t for toks, _ in runs["0"][0] for t in toks}) > 8  # not a degenerate run
+    assert runs["1"][0] == runs["0"][0]
+    assert runs["1"][1] >= 11 and runs["0"][1] == 0, (runs["1"][1], runs["0"][1])

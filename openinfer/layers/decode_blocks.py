@@ -167,3 +167,58 @@ def llama_decode_layer(layer, positions: torch.Tensor, x: torch.Tensor, residual
         tables.slot_mapping, tables.decode_block_tables, md.decode_seq_lens, heads, kv_heads, head_dim, rot_dim,
         scale, norms[1], inter, eps)
     return out, (x if residual is None else residual)
+
+
+def _llama_stack_weights(layers) -> tuple | None:
+    """The stack op's constants for these layers (their per-layer constants flattened), or None when a layer's weights
+    do not fit the block or the layers differ in what the op takes once for all (shapes, rotary tables, eps, KV
+    group). Built once, at the first decode step."""
+    consts = []
+    for layer in layers:
+        const = layer.__dict__.get("_decode_block_weights", False)
+        if const is False:
+            const = layer.__dict__["_decode_block_weights"] = _llama_layer_weights(layer)
+        if const is None:
+            return None
+        consts.append(const)
+    shared = [(c[0].kv_group, c[6], c[7], *c[8:15]) for c in consts]  # kv group, cos, sin, shapes, scale, eps
+    if any(s[0] != shared[0][0] or s[1] is not shared[0][1] or s[2] is not shared[0][2] or s[3:] != shared[0][3:]
+           for s in shared):
+        return None
+    weights, scales, kinds, groups, offsets, norms = [], [], [], [], [0], []
+    for a, layer_norms, w, s, k, g, *_ in consts:
+        weights += w
+        scales += s
+        kinds += k
+        groups += g
+        offsets.append(len(weights))
+        norms += layer_norms
+    return (consts, weights, scales, kinds, groups, offsets, norms, min(c[15] for c in consts))
+
+
+def llama_decode_stack(model, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``LlamaModel``'s loop over its decoder layers for a decode-only step as one op (``llama_decode_layers``: each
+    layer's ``llama_decode_layer`` in order, the same bits): ``(last layer's output, residual)``; None where a layer
+    would not take its block, or a layer has forward hooks (they see each layer's call: the per-layer path)."""
+    layers = model.layers
+    if not layers or not all(layer._block_ok for layer in layers):
+        return None
+    md = decode_only_step(x)
+    ops = cpu_ops.get_ops()
+    if md is None or ops is None or any(layer._forward_hooks or layer._forward_pre_hooks for layer in layers):
+        return None
+    const = model.__dict__.get("_decode_stack_weights", False)
+    if const is False:
+        const = model.__dict__["_decode_stack_weights"] = _llama_stack_weights(layers)
+    if const is None:
+        return None
+    consts, weights, scales, kinds, groups, offsets, norms, max_rows = const
+    a0, (n0, _), _, _, _, _, cos, sin, heads, kv_heads, head_dim, rot_dim, scale, inter, eps, _ = consts[0]
+    caches = [c for cst in consts for c in (cst[0].k_cache, cst[0].v_cache)]
+    if (x.shape[0] >= max_rows or any(c is None or c.dtype != x.dtype for c in caches) or x.dim() != 2
+            or not x.is_contiguous() or n0.dtype != x.dtype):
+        return None
+    tables = md.group(a0.kv_group)
+    return ops.llama_decode_layers(
+        x, weights, scales, kinds, groups, offsets, norms, caches, positions, cos, sin, tables.slot_mapping,
+        tables.decode_block_tables, md.decode_seq_lens, heads, kv_heads, head_dim, rot_dim, scale, inter, eps)
