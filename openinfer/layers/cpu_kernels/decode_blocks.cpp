@@ -231,7 +231,6 @@ at::Tensor llama_decode_layer(at::Tensor x, const c10::optional<at::Tensor>& res
   return linear(3, act);
 }
 
-
 // Every decoder layer of a decode-only step as one op: llama_decode_layer per layer, in order, with the Python loop's
 // hand-over (x <- the layer's output, the residual from the first layer's input on). The layers' lists are
 // flattened: weights[offsets[l] .. offsets[l + 1]) are layer l's (its four linears, then any GGUF parts, ``groups``
