@@ -143,12 +143,16 @@ struct Problem {
   }
 };
 
-// x in every lane as one broadcast (splat's 0 + x is an add first, to turn -0 into +0: no score can tell, since
-// each chain starts at +0 and +0 + -0 is +0)
+// x in every lane as one broadcast: splat's 0 + x is an add first, to turn -0 into +0 (no score can tell: each
+// chain starts at +0 and +0 + -0 is +0), and a lane-by-lane fill compiles to kW masked broadcasts
 inline vfloat bcast(float x) {
-  vfloat v;
-  for (int64_t l = 0; l < kW; ++l) v[l] = x;
-  return v;
+#if defined(__AVX512F__) && OI_VEC_LANES == 16
+  return (vfloat)_mm512_set1_ps(x);
+#elif defined(__AVX2__) && OI_VEC_LANES == 8
+  return (vfloat)_mm256_set1_ps(x);
+#else
+  return splat(x);
+#endif
 }
 
 constexpr int64_t kChains = 8;  // (query, head) dot products in flight: FMA latency x throughput on one core
