@@ -11,6 +11,8 @@ own distinct ``tail`` tokens (its SWA window and the newest compressed entries a
 there. Each point is one ``bench throughput`` process per (model, context), all batches inside it, and the
 whole grid is run ``--repeats`` times, models and contexts alternating, so load drifting on a shared host lands
 on every point alike; the JSON keeps every repeat, the picture shows the median and the min-max band.
+``--distinct`` runs the control without the shared prefix (every prompt its own, batch x context tokens
+prefilled per iteration: small points only), into its own ``--out``.
 """
 from __future__ import annotations
 
@@ -56,9 +58,11 @@ def make_checkpoints(ckpt_dir: Path) -> dict[str, Path]:
 
 
 def bench_cmd(model: Path, context: int, tail: int, batches: list[int], steps: int, json_path: Path,
-              extra: list[str]) -> list[str]:
+              extra: list[str], distinct: bool = False) -> list[str]:
+    # distinct: every request's whole prompt its own (prefix cache reset per iteration), the shared prefix's control
+    prefix = [] if distinct else ["--shared-prefix-len", str(context - tail)]
     return [sys.executable, "-m", "openinfer", "bench", "throughput", "--model", str(model), "--mode", "decode",
-            "--context-len", str(context), "--shared-prefix-len", str(context - tail),
+            "--context-len", str(context), *prefix,
             "--decode-steps", str(steps), "--batch-sizes", ",".join(map(str, batches)), "--num-iters", "1",
             "--warmup-iters", "1", "--speculative-config", json.dumps(SPEC), "--output-json", str(json_path),
             *extra]
@@ -72,7 +76,8 @@ def run_grid(args: argparse.Namespace, ckpts: dict[str, Path], work: Path) -> li
             order = list(args.models) if (r + ci) % 2 == 0 else list(reversed(args.models))
             for m in order:
                 path = work / f"{m}_{context}_b{'-'.join(map(str, args.batches))}_r{r + args.repeat_offset}.json"
-                cmd = bench_cmd(ckpts[m], context, args.tail, args.batches, args.decode_steps, path, args.extra)
+                cmd = bench_cmd(ckpts[m], context, args.tail, args.batches, args.decode_steps, path, args.extra,
+                                args.distinct)
                 print(f"--- repeat {r + 1}/{args.repeats}: {m} context {context}", flush=True)
                 t0 = time.time()
                 proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -177,6 +182,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--extra", default="", help="more bench throughput flags, space-separated")
     ap.add_argument("--repeat-offset", type=int, default=0, help="number this invocation's repeats from here")
+    ap.add_argument("--distinct", action="store_true",
+                    help="the control: distinct prompts (no shared prefix, no prefix-cache hits); prefills "
+                         "batch x context tokens per iteration, so only small points are affordable; give it its "
+                         "own --out")
     ap.add_argument("--replot", action="store_true",
                     help="run nothing: reduce every raw JSON in OUT/runs (from several invocations, each a subset of "
                          "the grid) into decode_curve.json and decode_curve.png")
@@ -215,9 +224,13 @@ def main() -> None:
                "engine": r["result"]["engines"]["openinfer"], "environment": r["result"]["environment"],
                "workload": r["result"]["workload"]} for r in runs]}
     (out / "decode_curve.json").write_text(json.dumps(doc, indent=1) + "\n")
-    caption = (f"openinfer bench throughput --mode decode, MTP k=3, shared prefix = context - {args.tail} "
-               f"(prefilled once, prefix-cache hits), {args.decode_steps} timed steps; median of up to {args.repeats} "
-               f"repeats, band = min-max; 2-core shared CPU host, nice 19")
+    shared = {r["result"]["workload"].get("shared_prefix_len", 0) > 0 for r in runs}
+    if len(shared) > 1:
+        raise SystemExit(f"{work}: shared-prefix and --distinct runs mixed in one directory")
+    prompts = (f"shared prefix = context - {args.tail} (prefilled once, prefix-cache hits)" if shared.pop() else
+               "distinct prompts (no prefix-cache hits)")
+    caption = (f"openinfer bench throughput --mode decode, MTP k=3, {prompts}, {args.decode_steps} timed steps; "
+               f"median of up to {args.repeats} repeats, band = min-max; 2-core shared CPU host, nice 19")
     plot(rows, out / "decode_curve.png", caption)
     print(f"wrote {out / 'decode_curve.json'} and {out / 'decode_curve.png'}")
 

@@ -160,7 +160,9 @@ class FakeRunner:
 
 
 @pytest.mark.parametrize("batches, expected", [
-    ([1, 4], [4, 1, 1, 1, 4, 4, 4]),  # sweep warm-up at 4, then per point: 1 warm-up + 2 timed
+    # sweep warm-up at 4, which is the largest point's warm-up too; then the others: 1 warm-up + 2 timed
+    ([1, 4], [4, 4, 4, 1, 1, 1]),
+    ([1, 2, 4], [4, 4, 4, 2, 2, 2, 1, 1, 1]),
     ([4], [4, 4, 4]),  # a one-point child: the sweep warm-up already ran at this batch
 ])
 def test_sweep_warmup_schedule(batches, expected):

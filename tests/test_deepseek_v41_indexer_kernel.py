@@ -13,11 +13,11 @@ from openinfer.models.deepseek_v41.indexer import Indexer, candidate_blocks, can
 BS = 16
 
 
-def _problem(ratio, dtype, gen, lens=(37, 150, 5, 90), nh=3, d=20):
+def _problem(ratio, dtype, gen, lens=(37, 150, 5, 90), nh=3, d=20, bs=BS):
     """Index keys paged through shuffled block tables (every slot no sequence owns is NaN), and queries: the last
     11 positions of each sequence (runs longer than the kernel's group of 8) plus a few early ones."""
-    cap = BS // ratio
-    need = [-(-n // BS) for n in lens]
+    cap = bs // ratio
+    need = [-(-n // bs) for n in lens]
     num_blocks = sum(need) + 3
     perm = torch.randperm(num_blocks, generator=gen).tolist()
     tables = torch.zeros(len(lens), max(need) + 1, dtype=torch.long)  # a padding column, as the engine's
@@ -38,11 +38,11 @@ def _problem(ratio, dtype, gen, lens=(37, 150, 5, 90), nh=3, d=20):
     return keys.to(dtype), tables, token_seq, positions, q, head_w, cap
 
 
-def _torch_scores(idx, keys, tables, token_seq, visible, q, head_w, ratio, cap):
+def _torch_scores(idx, keys, tables, token_seq, visible, q, head_w, ratio, cap, bs=BS):
     width = int(visible.max())
     w = torch.arange(width)
     end = (w + 1) * ratio - 1
-    slots = tables[token_seq[:, None], end[None, :] // BS] * cap + (end[None, :] % BS) // ratio
+    slots = tables[token_seq[:, None], end[None, :] // bs] * cap + (end[None, :] % bs) // ratio
     return idx.score(q, head_w, torch.nan_to_num(keys[slots].float()).to(keys.dtype)), width
 
 
@@ -76,6 +76,46 @@ def test_indexer_select_matches_torch(kernel_ops, dtype, ratio, k):
                                     cblock, 0, allowed)
     want = select_topk(scores, visible, k, candidate_mask(allowed, width, cblock))
     assert torch.equal(got, pad(want))
+
+
+@pytest.mark.parametrize("ratio", [1, 2])
+def test_indexer_select_ties_and_non_finite_scores(kernel_ops, ratio):
+    """The kernel's radix top-k on scores that a plain random problem never gives: small integer q, keys and head
+    weights with d = 16 (scale 1/4), so every score is exact whatever the summation order and few distinct values
+    fill long rows (ties that survive all 32 bits of the radix select: the lowest entries must win); a query with
+    q = 0 (every score 0); and non-finite scores from an infinite or NaN head weight (inf * relu 0 = NaN). The
+    ranking must be torch's stable descending sort (NaN first, then +inf, ..., -inf; ties -> lowest), the candidate
+    blocks its amax (a NaN in a block makes its max NaN). One sequence of 700 positions gives the passes long rows;
+    paged blocks of 12 tokens take the kernel's slot arithmetic by division (16: by shifts)."""
+    gen = torch.Generator().manual_seed(7 + ratio)
+    bs = 12
+    keys, tables, token_seq, positions, q, head_w, cap = _problem(ratio, torch.float32, gen, lens=(37, 700, 90),
+                                                                  d=16, bs=bs)
+    owned = ~keys.isnan().any(dim=1)
+    keys[owned] = torch.randint(-2, 3, (int(owned.sum()), keys.shape[1]), generator=gen).float()
+    q = torch.randint(-2, 3, q.shape, generator=gen).float()
+    head_w = torch.randint(-2, 3, head_w.shape, generator=gen).float()
+    q[3] = 0.0
+    head_w[5, 0], head_w[20, 1], head_w[30, 2] = float("inf"), float("-inf"), float("nan")
+    visible = (positions + 1) // ratio
+    nh, d = q.shape[1:]
+    idx = Indexer(8, 8, 8, nh, d, False, 1e-6)
+    scores, width = _torch_scores(idx, keys, tables, token_seq, visible, q, head_w, ratio, cap, bs)
+    assert scores.isnan().any() and scores.isposinf().any() and scores.isneginf().any()
+    for k in (7, 300):
+        pad = lambda c: torch.cat([c, c.new_full((c.shape[0], k - c.shape[1]), -1)], 1) if c.shape[1] < k else c
+        got, blocks = cpu_ops.indexer_select(q, head_w, keys, tables, token_seq, visible, k, d ** -0.5, ratio, bs,
+                                             cap, 5, 6)
+        assert torch.equal(got, pad(select_topk(scores, visible, k)))
+        want_blocks = candidate_blocks(scores, visible, 5, 6)
+        assert torch.equal(blocks, want_blocks)
+        # restricted: torch masks the entries outside the blocks to -inf, which then tie with real -inf scores
+        # (and may outrank them by a lower index): compared on the queries without -inf scores
+        got, _ = cpu_ops.indexer_select(q, head_w, keys, tables, token_seq, visible, k, d ** -0.5, ratio, bs, cap,
+                                        5, 0, want_blocks)
+        want = pad(select_topk(scores, visible, k, candidate_mask(want_blocks, width, 5)))
+        rows = ~scores.isneginf().any(dim=1)
+        assert torch.equal(got[rows], want[rows])
 
 
 def test_candidate_mask_marks_the_listed_blocks():

@@ -215,9 +215,11 @@ def sweep(runner, batches: list[int], args: argparse.Namespace, vocab_size: int,
     logger.info("%s: warm-up at batch %d took %.1f s", runner.name, batches[-1], time.perf_counter() - t0)
     summaries = []
     last = batches[-1]
-    for b in batches:
-        # A warm-up at this very batch just before (the sweep warm-up, in a one-point --fresh-process child)
-        # counts as one: at batch 256 an iteration can take many minutes.
+    # Points from the largest down: the sweep warm-up then is the largest point's warm-up as well (one full
+    # iteration at the costliest batch saved; in decode mode at batch 256 that is 256 tails prefilled once more).
+    for b in reversed(batches):
+        # A warm-up at this very batch just before (the sweep warm-up for the largest point) counts as one: at
+        # batch 256 an iteration can take many minutes.
         for w in range(args.warmup_iters - (last == b)):
             measure(prompts(b, -2 - w))
         out_len = args.decode_steps if decode else args.output_len
@@ -235,7 +237,7 @@ def sweep(runner, batches: list[int], args: argparse.Namespace, vocab_size: int,
               flush=True)
         summaries.append(s)
         last = b
-    return summaries
+    return summaries[::-1]  # ascending batch, as the batches came
 
 
 def workload_block(args: argparse.Namespace, batches: list[int], with_hf: bool) -> dict[str, Any]:
@@ -257,8 +259,9 @@ def workload_block(args: argparse.Namespace, batches: list[int], with_hf: bool) 
                    f"cache (not reset between iterations); each request hits it and prefills only its distinct "
                    f"tail (distinct first block, distinct per iteration); cached_prompt_tokens counts the hits"),
         "timing": DECODE_TIMING if decode else E2E_TIMING,
-        "warmup": "one untimed iteration at each engine's largest batch, then warmup_iters per point (the "
-                  "first of which is skipped when the previous iteration ran at the same batch)",
+        "warmup": "one untimed iteration at each engine's largest batch, then the points from the largest "
+                  "batch down with warmup_iters per point (the first of which is skipped when the previous "
+                  "iteration ran at the same batch: the largest point's is the sweep warm-up)",
     }
 
 
