@@ -97,6 +97,24 @@ def test_hit_needs_the_window_blocks_before_the_hit_point_and_is_shortened_other
     assert all_free(kv)
 
 
+def test_lookahead_slots_never_make_a_block_full_for_the_prefix_cache():
+    """A drafter's lookahead slots are allocated but not written by the step's forward: a prompt chunk ending 2
+    tokens short of a block boundary, with 2 lookahead slots, must not register that block (a preempted or aborted
+    request would leave its last rows unwritten, and a later hit would read them)."""
+    kv = hybrid(16, 16)
+    prompt = list(range(1, 12))
+    a = req("a", prompt)
+    assert kv.allocate_slots(a, 2, num_lookahead_tokens=2) is not None  # rows 0, 1 written; 2, 3 are lookahead
+    assert [len(t) for t in kv.block_ids("a")] == [1, 1]  # the lookahead slots are held
+    a.num_computed_tokens = 2
+    kv.free(a)
+    assert kv.get_computed_blocks(req("b", prompt))[1] == 0
+    c = req("c", prompt)
+    assert kv.allocate_slots(c, 4, num_lookahead_tokens=2) is not None  # rows 0..3 written: block 0 is full
+    c.num_computed_tokens = 4
+    kv.free(c)
+    assert kv.get_computed_blocks(req("d", prompt))[1] == BS
+
 def test_no_window_blocks_means_no_admission():
     kv = hybrid(32, 2)
     a = req("a", list(range(12)))  # 3 blocks at once: the full pool has them, the window pool does not

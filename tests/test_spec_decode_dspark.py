@@ -92,6 +92,23 @@ def test_prefix_hit_after_dspark_window_blocks_were_released(v41):
     assert kv.all_free()
 
 
+def test_a_prompt_chunk_short_of_a_block_is_not_cached_through_the_lookahead_slots(v41):
+    """A prompt chunk ending 2 tokens before a block boundary, with k = 2 lookahead slots after it, once made that
+    block "full" in the prefix cache although its last 2 rows (every group's: target KV, Engram ids, DSpark keys)
+    were never written; a request preempted or aborted there left them so, and the next request with the prompt
+    hit them and decoded other greedy tokens (seen with small pools, docs/composition.md)."""
+    path, prompts, ref = v41
+    llm = LLM(str(path), **BASE, block_size=8, max_num_batched_tokens=6, num_kv_blocks=32,
+              speculative_config=dspark(2))
+    llm.engine.add_request("cut", {"prompt_token_ids": prompts[2]}, SamplingParams(temperature=0, max_tokens=4))
+    llm.engine.step()  # rows 0..5 of block 0 written
+    llm.engine.abort_request("cut")
+    got = greedy(llm, [prompts[2]])[0]
+    assert got.num_cached_tokens == 0
+    want = ref[2].outputs[0]
+    assert got.outputs[0].token_ids == want.token_ids
+    assert max(abs(a[t] - b[t]) for a, b, t in zip(got.outputs[0].logprobs, want.logprobs, want.token_ids)) < 1e-4
+
 def _recorded_proposals(llm):
     """Wrap the proposer: every request's known tokens when it drafted, and its drafts."""
     proposer = llm.engine.core.executor.driver_worker.model_runner.proposer

@@ -179,20 +179,25 @@ class KVCacheManager:
 
     # -- allocation --------------------------------------------------------------------------------------
     def allocate_slots(self, req: Request, num_new_tokens: int, hit: KVCacheBlocks | None = None,
-                       cache: bool = True) -> KVCacheBlocks | None:
-        """Make room for ``num_new_tokens`` more tokens after the computed ones (plus the hit). Returns the newly
-        allocated blocks per group, or None (nothing changed) when a pool cannot fit them. ``cache=False``: the
-        blocks are not registered in the prefix cache yet (their KV is still being read from another instance;
-        the next allocation for the request registers them)."""
+                       cache: bool = True, num_lookahead_tokens: int = 0) -> KVCacheBlocks | None:
+        """Make room for ``num_new_tokens`` more tokens after the computed ones (plus the hit), and for
+        ``num_lookahead_tokens`` slots after those (a drafter's chain writes there). Returns the newly allocated
+        blocks per group, or None (nothing changed) when a pool cannot fit them. ``cache=False``: the blocks are
+        not registered in the prefix cache yet (their KV is still being read from another instance; the next
+        allocation for the request registers them)."""
         hit = hit or self.empty_blocks()
         rid = req.request_id
-        total = req.num_computed_tokens + hit.num_tokens + num_new_tokens
+        written = req.num_computed_tokens + hit.num_tokens + num_new_tokens
+        total = written + num_lookahead_tokens
         need = [g.num_new_blocks(rid, total, h) for g, h in zip(self.groups, hit.blocks)]
         if not all(g.fits(n, h) for g, n, h in zip(self.groups, need, hit.blocks)):
             return None
         new = KVCacheBlocks(tuple(g.allocate(rid, h, n) for g, h, n in zip(self.groups, hit.blocks, need)))
         if cache:
-            self._cache_full_blocks(req, total)
+            # Only the rows this step's forward writes count: a block whose last positions are lookahead slots
+            # is not full yet (its target rows there are written by a later step, or never if the request is
+            # preempted or ends first), so caching it would serve stale rows to a later prefix hit.
+            self._cache_full_blocks(req, written)
         return new
 
     def _cache_full_blocks(self, req: Request, num_tokens_after_step: int) -> None:

@@ -239,6 +239,8 @@ class Scheduler:
             for rid in self.connector.expired_sends(time.monotonic()):
                 self._release_held(rid)
 
+        # Slots a drafter writes past each request's step tokens: allocated, never counted as written (cached).
+        lookahead = self.config.num_lookahead_tokens
         # 1) running requests, FCFS
         i = 0
         while i < len(self.running) and budget > 0:
@@ -249,7 +251,7 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            while (blocks := self.kv.allocate_slots(req, num_new + self.config.num_lookahead_tokens)) is None:
+            while (blocks := self.kv.allocate_slots(req, num_new, num_lookahead_tokens=lookahead)) is None:
                 if spec:  # short of blocks: verify no drafts this step rather than preempt anyone for them
                     num_new, spec = num_new - len(spec), []
                     continue
@@ -298,7 +300,7 @@ class Scheduler:
                 if parked:
                     continue
             num_new = min(req.num_tokens - req.num_computed_tokens - num_hit, budget)
-            if self.kv.allocate_slots(req, num_new + self.config.num_lookahead_tokens, hit) is None:
+            if self.kv.allocate_slots(req, num_new, hit, num_lookahead_tokens=lookahead) is None:
                 if self._reclaim_waiting_blocks(keep=req):
                     continue  # the same head again, its hit looked up afresh
                 break
