@@ -309,20 +309,19 @@ def test_router_pd_full_deepseek_shape(arch, tmp_path_factory):
     producer replicas served); pull, then push (a second router, roles swapped: the first prefill instance
     decodes with send_type PUT); tokens as the instance answers alone; every prompt token but the last came over
     NIXL; the decoder drafted; both sides free everything. Prompts are prefilled in chunks; the producer of the
-    pull round serves them from its prefix cache (it computed them as the reference); V3's and V4's decoders
-    preempt. The documented commands are docs/composition.md's. Per model the two servers start once and serve the
+    pull round serves them from its prefix cache (it computed them as the reference); the decoders preempt. The documented commands are docs/composition.md's. Per model the two servers start once and serve the
     reference, the pull and the push rounds; four 40-token prompts, 12 tokens each."""
     if not os.path.exists(ROUTER):
         pytest.skip("vllm-router is not installed (pip install 'openinfer[pd]')")
     from concurrent.futures import ThreadPoolExecutor
 
     model, model_args = _deepseek_with_mtp(arch, tmp_path_factory)
-    # Chunked prefill (8-token chunks) and, for V3 and V4, pools small enough that a replica holding two of the
-    # four requests runs out of blocks while they decode (one fits: 3 of 16-token blocks to admit, 4 at the end; 5
-    # and 7 of 8-token blocks): the decoder preempts requests whose prompts came over NIXL (they recompute there,
-    # never read again), and so does the reference. V4.1 runs V4's 11 blocks (its producer, prefilling from its own
-    # prefix cache, once sent blocks cached through the drafter's lookahead slots: docs/composition.md).
-    pool = {"deepseek_v3": "7", "deepseek_v4": "11", "deepseek_v41": "11"}[arch]
+    # Chunked prefill (8-token chunks) and pools small enough that a replica holding two of the four requests runs
+    # out of blocks while they decode, though both are admitted (with the k = 2 lookahead, 3 of 16-token blocks each
+    # to admit, 4 at the end; 6 and 7 of 8-token blocks): the decoder preempts requests whose prompts came over NIXL
+    # (they recompute there, never read again), and so does the reference. These pools found a producer sending
+    # blocks cached through the drafter's lookahead slots (docs/composition.md).
+    pool = {"deepseek_v3": "7", "deepseek_v4": "12", "deepseek_v41": "12"}[arch]
     args = (*COMMON, *model_args, "--data-parallel-size", "2", "--enable-expert-parallel",
             "--num-kv-blocks", pool,  # after COMMON's: the last one counts
             "--max-num-batched-tokens", "8",
@@ -341,6 +340,7 @@ def test_router_pd_full_deepseek_shape(arch, tmp_path_factory):
         with ThreadPoolExecutor(len(prompts)) as pool:
             want = list(pool.map(lambda p: _complete(a.url, p, n_out, return_token_ids=True), prompts))
         n_prompt = [w["usage"]["prompt_tokens"] for w in want]
+        preempted = 0  # by the decoders, over both rounds (which round preempts depends on arrival timing)
         _wait_free(a)
         for prefill, decode, mode in ((a, b, "pull"), (b, a, "push")):
             # The decoder must not hold the prompts already (it computed them as the reference, or produced them
@@ -363,11 +363,12 @@ def test_router_pd_full_deepseek_shape(arch, tmp_path_factory):
             src = P + 'prompt_tokens_by_source_total{source="%s"}'
             # the last prompt token of each, and what the preempted requests recomputed from their own cache
             assert d1[src % "local_compute"] - d0[src % "local_compute"] >= len(prompts), mode
-            assert arch == "deepseek_v41" or d1[P + "num_preemptions_total"] > d0[P + "num_preemptions_total"], mode
+            preempted += d1[P + "num_preemptions_total"] - d0[P + "num_preemptions_total"]
             assert d1[src % "external_kv_transfer"] - d0[src % "external_kv_transfer"] == sum(n_prompt) - len(
                 prompts), mode
             _stop_router(router)
             router = None
+        assert preempted > 0
     finally:
         _stop_router(router)
         a.stop()
