@@ -68,6 +68,24 @@ def test_every_output_validates_against_its_schema(llm, schemas, greedy):
             jsonschema.validate(json.loads(c.text), schema)
 
 
+def test_json_is_compact(llm):
+    """Both backends write compact JSON (no space after "," or ":"), the form max_json_chars bounds: xgrammar's
+    separators were json.dumps' ", " and ": ", so a CI run's 4 x 3 objects ({"a": true, "aa": true}), inside
+    the bound when compact, ran past the 300-token budget (finish_reason "length")."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["a", "b"],
+              "properties": {"a": {"type": "boolean"}, "b": {"type": "array", "items": {"type": "boolean"}}}}
+    tok = llm.get_tokenizer()
+    grammar = llm.engine.grammar_compiler.backend.compile(SO(json=schema))
+
+    def accepts(text: str) -> bool:
+        matcher = grammar.new_matcher()
+        return all(matcher.accept_token(t) for t in tok.encode(text, add_special_tokens=False))
+
+    assert accepts('{"a":true,"b":[false,true]}')
+    assert not accepts('{"a": true,"b":[false,true]}') and not accepts('{"a":true, "b":[false,true]}')
+    assert not accepts('{"a":true,"b":[false, true]}')
+
+
 def test_json_strings_never_hold_raw_control_characters(llm):
     """Strict JSON escapes U+0000-U+001F inside strings. xgrammar's string rule admits a raw tab (its characters
     are [^"\\\r\n]); the backend takes such tokens out of JSON masks. A logit bias makes the tab the model's
