@@ -1,4 +1,5 @@
-"""A kernel build lock left by a killed build does not hang the next engine start (layers/kernel_build.py)."""
+"""The kernel build (layers/kernel_build.py): a lock left by a killed build does not hang the next engine start;
+build names follow the sources, their path and the flags, and nothing else."""
 import os
 import threading
 import time
@@ -48,3 +49,13 @@ def test_two_checkouts_of_the_same_kernels_build_apart(tmp_path):
     assert there != here and there == kernel_build.extension_name(flags, copy)
     next(copy.glob("*.cpp")).write_text("// edited\n", encoding="utf-8")
     assert kernel_build.extension_name(flags, copy) not in (here, there)
+
+
+def test_a_load_leaves_the_next_builds_name_alone(kernel_ops):
+    """torch's cpp_extension.load appends its own libraries to the extra_ldflags list it is given: handed the
+    module's list, it changed the hash of every later build in the process, which then built afresh under another
+    name (seen: the same x86-64-v3 build twice in one process)."""
+    extra, cache_dir = next(key for key, r in kernel_build._results.items() if isinstance(r, kernel_build.BuildResult))
+    name = kernel_build.extension_name(kernel_build.cflags("-march=x86-64-v3"))
+    kernel_build._build(extra, cache_dir)  # the build kernel_ops loaded: cached, loaded again (the same library)
+    assert kernel_build.extension_name(kernel_build.cflags("-march=x86-64-v3")) == name

@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 KERNEL_DIR = Path(__file__).parent / "cpu_kernels"
 _SOURCES = sorted(KERNEL_DIR.glob("*.cpp"))
 BASE_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast"]
-_LDFLAGS = ["-fopenmp"]
+_LDFLAGS = ("-fopenmp",)  # a tuple: cpp_extension.load appends torch's libraries to the list it is given
 
 
 class KernelBuildError(RuntimeError):
@@ -90,7 +90,7 @@ def extension_name(flags: list[str], kernel_dir: Path = KERNEL_DIR) -> str:
     h = hashlib.sha256()
     for src in sorted(kernel_dir.glob("*.[ch]*")):  # the headers too: an edited vec.h must rebuild
         h.update(src.read_bytes())
-    h.update(" ".join(flags + _LDFLAGS).encode())
+    h.update(" ".join([*flags, *_LDFLAGS]).encode())
     h.update(torch.__version__.encode())
     h.update(str(kernel_dir.resolve()).encode())
     model, cpu_flags = cpu_info()
@@ -137,7 +137,8 @@ def _build(extra_cflags: str, cache_dir: str | None) -> BuildResult:
         pch = kernel_pch.precompile(resolved_dir, name, flags)
     try:
         cpp_extension.load(name=name, sources=[str(s) for s in _SOURCES], extra_cflags=flags + include,
-                           extra_ldflags=_LDFLAGS, build_directory=build_dir, is_python_module=False, verbose=False)
+                           extra_ldflags=list(_LDFLAGS), build_directory=build_dir, is_python_module=False,
+                           verbose=False)
     finally:
         if pch is not None:
             pch.unlink(missing_ok=True)
