@@ -8,9 +8,11 @@ The same arithmetic as the small-M int8 kernel, so the same checks as test_gguf_
 - full 16-column chunks (decoded 8 weight rows at a time, transposed in registers) give the bits of the same rows
   decoded one by one (a chunk of 15: the tail path);
 - the small-M int8 entry (``gguf_linear_q8``) hands its calls from ``gguf_q8_tile_from`` rows on to this kernel.
-The AVX2 (maddubs) build runs the reference check in ``test_gguf_quant.test_gguf_kernel_isa_variants``.
+test_avx2_variant.py reruns this file on the x86-64-v3 build (AVX2 maddubs, no VNNI: Q8_0 without tiles).
 """
 from __future__ import annotations
+
+import os
 
 import gguf
 import numpy as np
@@ -29,12 +31,37 @@ SHAPES = {False: [(37, 64), (16, 32)], True: [(37, 512), (5, 256)]}  # (N, K): a
 
 
 @pytest.fixture
-def tiled(kernel_ops, monkeypatch):
+def tiled(kernel_ops, monkeypatch, request):
+    """The kernels, for a test of one tile type (its ``qtype`` parameter, else Q4_K): skipped where the build has
+    no tile kernel for it (AVX2 without VNNI: Q8_0; no AVX2: none), which test_avx2_variant.py's x86-64-v3 run
+    of this file hits for Q8_0."""
     monkeypatch.setenv("OPENINFER_GGUF_ACTIVATIONS", "int8")
-    for t in TILE_TYPES:
-        if not kernel_ops.gguf_q8_tiled_supports(type_info(t)[0]):
-            pytest.skip(f"this build has no tile kernel for {t} (AVX2 without VNNI: Q8_0; no AVX2: none)")
+    qtype = getattr(request.node, "callspec", None) and request.node.callspec.params.get("qtype") or "Q4_K"
+    if not kernel_ops.gguf_q8_tiled_supports(type_info(qtype)[0]):
+        pytest.skip(f"this build has no tile kernel for {qtype}")
     return kernel_ops
+
+
+def _expected_int_dot() -> int:
+    """The integer dot product the build should have (gguf_q8_gemm.cpp's kIntDot), from the flags it was built
+    for: test_avx2_variant.py reruns this file on an -march=x86-64-v3 build, the others are -march=native."""
+    from openinfer.platform import cpu_info
+
+    march = [f for f in os.environ.get("OPENINFER_KERNEL_CFLAGS", "").split() if f.startswith("-march=")]
+    if march:
+        return {"-march=x86-64-v3": 1, "-march=x86-64": 0}[march[-1]]
+    flags = cpu_info()[1]
+    return 3 if {"avx512_vnni", "avx512vl"} <= flags else 2 if "avx_vnni" in flags else 1 if "avx2" in flags else 0
+
+
+def test_build_has_the_integer_dot_and_tile_types_of_its_isa(kernel_ops):
+    """What the build compiled in, against its ISA: the int8 path's dot product (VNNI, AVX2 maddubs, the portable
+    loop) and the tile kernel's types (Q8_0's products saturate maddubs: only with VNNI; none without AVX2)."""
+    dot = _expected_int_dot()
+    assert kernel_ops.gguf_int_dot() == dot
+    want = ({"Q4_0", "Q4_1", "Q4_K", "Q6_K"} | ({"Q8_0"} if dot >= 2 else set())) if dot >= 1 else set()
+    types = TILE_TYPES + ("Q5_0", "Q5_1", "Q5_K")
+    assert {t for t in types if kernel_ops.gguf_q8_tiled_supports(type_info(t)[0])} == want
 
 
 def _run(ops, qtype, data, x, bias=None):
