@@ -633,6 +633,9 @@ class EngineConfig:
                              f"llguidance, xgrammar")
         if self.tokenizer_mode not in ("auto", "deepseek_v4", "deepseek_v32"):
             raise ValueError(f"tokenizer_mode={self.tokenizer_mode!r}; choose one of auto, deepseek_v4, deepseek_v32")
+        heads, tp = self.model.hf_config.get("num_attention_heads"), self.parallel.tensor_parallel_size
+        if isinstance(heads, int) and heads % tp:  # as vLLM checks it: before any rank process starts
+            raise ValueError(f"num_attention_heads={heads} is not divisible by tensor_parallel_size={tp}")
         if self.kv_transfer is not None:
             # Every rank runs its own connector worker side (its NIXL agent over its shard); the engine combines
             # their reports. Under external_launcher each rank is an engine of its own: nobody combines them.
