@@ -111,27 +111,33 @@ def test_tp2_to_tp1_and_back_llama(llama_tp2, send_type):
         one.engine.shutdown()
 
 
-@pytest.mark.parametrize("send_type", ["GET", "PUT"])
-def test_dp2_ep_to_dp2_ep_deepseek_v3_with_mtp(tmp_path_factory, send_type):
-    """Prefill DP = 2 + EP and decode DP = 2 + EP with MTP k = 2 on both (the MTP layer's KV moves with the
-    target's): the prompts spread over both producer replicas (each its own engine id and pool) and both decoder
-    replicas; tokens as one process with MTP."""
+@pytest.fixture(scope="module")
+def v3_dp2_ep_mtp(tmp_path_factory):
+    """One producer and one reference for both decoders (pull and push): two fewer deployments to start."""
     pytest.importorskip("nixl")
     from make_deepseek_checkpoint import make_v3
 
     ck = make_v3(tmp_path_factory.mktemp("pd-dp"), "tiny", overrides={"num_nextn_predict_layers": 1})
     engines = _pd(ck, {"data_parallel_size": 2, "enable_expert_parallel": True},
-                  {"method": "mtp", "num_speculative_tokens": 2}, send_types=(send_type,))
-    try:
-        held = _check_pd(engines, send_type, random_prompts(2, [40, 17, 33, 5]))
-        ids = {h.kv_transfer_params["remote_engine_id"] for h in held}
-        assert len(ids) == 2 and all(i.endswith(("_dp0", "_dp1")) for i in ids)  # both producer replicas served
-        s = engines[send_type].engine.stats()
-        assert s.spec_decode.num_draft_tokens > 0
-        assert all(r[0] == 0 for r in s.rank_loads)
-    finally:
-        for llm in engines.values():
-            llm.engine.shutdown()
+                  {"method": "mtp", "num_speculative_tokens": 2})
+    yield engines
+    for llm in engines.values():
+        llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("send_type", ["GET", "PUT"])
+def test_dp2_ep_to_dp2_ep_deepseek_v3_with_mtp(v3_dp2_ep_mtp, send_type):
+    """Prefill DP = 2 + EP and decode DP = 2 + EP with MTP k = 2 on both (the MTP layer's KV moves with the
+    target's): the prompts spread over both producer replicas (each its own engine id and pool) and both decoder
+    replicas; tokens as one process with MTP."""
+    engines = v3_dp2_ep_mtp
+    seed = 2 if send_type == "GET" else 3  # prompts the shared producer has not computed yet
+    held = _check_pd(engines, send_type, random_prompts(seed, [40, 17, 33, 5]))
+    ids = {h.kv_transfer_params["remote_engine_id"] for h in held}
+    assert len(ids) == 2 and all(i.endswith(("_dp0", "_dp1")) for i in ids)  # both producer replicas served
+    s = engines[send_type].engine.stats()
+    assert s.spec_decode.num_draft_tokens > 0
+    assert all(r[0] == 0 for r in s.rank_loads)
 
 
 def _kv_consumer_tp2(path: str, **kt):
