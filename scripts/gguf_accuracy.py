@@ -175,6 +175,8 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=8,
                     help="openinfer's batch (below 24 every decode step runs the --activations auto int8 kernel)")
     ap.add_argument("--no-perplexity", action="store_true", help="the greedy comparisons only")
+    ap.add_argument("--file-layout", action="store_true",
+                    help="keep Q4_K / Q6_K in the file's layout under int8 (no load-time repack: the A/B of it)")
     ap.add_argument("--out", default=None,
                     help="default: docs/results/gguf_accuracy_smollm2.json for fp32, ..._smollm2_MODE.json otherwise")
     args = ap.parse_args()
@@ -184,6 +186,9 @@ def main() -> None:
         from openinfer.layers import gguf_quant
 
         gguf_quant.GGUF_DEQUANT_ROWS = 1 << 30
+        if args.file_layout:
+            gguf_quant.GGUFWeight.repacked = lambda self: self
+            gguf_quant.GGUFWeightParts.repacked = lambda self: self
     if args.out is None:
         suffix = "" if args.activations == "fp32" else f"_{args.activations}"
         args.out = str(ROOT / "docs" / "results" / f"gguf_accuracy_smollm2{suffix}.json")

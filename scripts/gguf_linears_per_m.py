@@ -2,13 +2,16 @@
 block runs them (q/k/v, o, gate/up, down per layer; same-type neighbours concatenated) plus the logits head:
 ``gguf_linear_q8`` (the small-M op, which hands M >= gguf_q8_tile_from to the tiles) at the SMALL row counts and
 ``gguf_linear_q8_tiled`` at the others; best of REPS steps. Where a step's linear time goes per M, and where the
-tiles pass the small-M kernel.
+tiles pass the small-M kernel. R8: row counts for the same step with the Q4_K / Q6_K groups repacked 8 rows at a
+time (``gguf_repack8``, as ``GGUFWeight.repacked`` does at load) through ``gguf_linear_q8`` (the repacked kernel at
+every M; other types as before).
 
-    python scripts/gguf_linears_per_m.py FILE.gguf THREADS 1,8,16,32 REPS [SMALL: 4,8,12]
+    python scripts/gguf_linears_per_m.py FILE.gguf THREADS 1,8,16,32 REPS [SMALL: 4,8,12] [R8: 1,2,4,8,16,32,64]
 """
 import sys, time, numpy as np, torch, gguf
 path = sys.argv[1]; threads = int(sys.argv[2]); Ms = [int(m) for m in sys.argv[3].split(",")]; reps = int(sys.argv[4])
 SMALL = [int(m) for m in sys.argv[5].split(",")] if len(sys.argv) > 5 and sys.argv[5] else []
+R8 = [int(m) for m in sys.argv[6].split(",")] if len(sys.argv) > 6 and sys.argv[6] else []
 torch.set_num_threads(threads)
 from openinfer.layers import dispatch
 ops = dispatch.active().ops
@@ -47,6 +50,11 @@ def best_step(op, M):
     return best
 
 
+def repacked(lin):
+    return [(code + 1000, ops.gguf_repack8(data, code), K) if code in (12, 14) and data.shape[0] % 8 == 0
+            else (code, data, K) for (code, data, K) in lin]
+
+
 for M in SMALL:
     best = best_step(ops.gguf_linear_q8, M)
     print(f"M={M} t{threads}: {best*1e3:.2f} ms/step, {nbytes/best/1e9:.1f} GB/s")
@@ -54,3 +62,10 @@ print("tiled:")
 for M in Ms:
     best = best_step(ops.gguf_linear_q8_tiled, M)
     print(f"tiled M={M} t{threads}: {best*1e3:.2f} ms/step, {nbytes/best/1e9:.1f} GB/s")
+
+for M in R8:
+    if M == R8[0]:
+        layers = [[repacked(lin) for lin in L] for L in layers]
+        head = repacked(head)
+    best = best_step(ops.gguf_linear_q8, M)
+    print(f"r8 M={M} t{threads}: {best*1e3:.2f} ms/step, {nbytes/best/1e9:.1f} GB/s")

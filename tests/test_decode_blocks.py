@@ -187,15 +187,28 @@ def test_llama_block_steps_aside_for_bias_and_qk_norm(kernel_ops, monkeypatch, t
     assert runs["1"][1]["llama"] == 0
 
 
-@pytest.mark.parametrize("types,runs_block", [
-    ({"ffn_down": "Q8_0"}, True),
+@pytest.mark.parametrize("types,runs_block,activations", [
+    ({"ffn_down": "Q8_0"}, True, "auto"),
     # Q4_K_M's layer: q / k in Q4_K, v in Q6_K, so the fused projection has two kernels (each writes its columns)
-    ({"attn_v": "Q6_K", "ffn_down": "Q6_K"}, True),
+    ({"attn_v": "Q6_K", "ffn_down": "Q6_K"}, True, "auto"),
+    # int8 everywhere: the Q4_K / Q6_K rows repacked 8 at a time at load (GGUFWeight.repacked), in the block too
+    ({"attn_v": "Q6_K", "ffn_down": "Q6_K"}, True, "int8"),
 ])
-def test_llama_block_runs_gguf_linears(kernel_ops, monkeypatch, tmp_path, types, runs_block):
+def test_llama_block_runs_gguf_linears(kernel_ops, monkeypatch, tmp_path, types, runs_block, activations):
     """A GGUF file's Llama layers: the block calls the GGUF kernel on the file's blocks, as GGUFWeight.matmul does;
     the same bits either way."""
     from gguf_writer import write_gguf
+
+    monkeypatch.setenv("OPENINFER_GGUF_ACTIVATIONS", activations)
+    layouts = []
+    real = decode_blocks.layer_linear
+
+    def seen(linear):  # the layouts the block is handed
+        q = linear._quant
+        layouts.append("dense" if q is None else getattr(q, "layout", None) or [p.layout for p in q.parts])
+        return real(linear)
+
+    monkeypatch.setattr(decode_blocks, "layer_linear", seen)
 
     qtype = "Q4_K" if "attn_v" in types else "Q4_1"
     path, _ = write_gguf(tmp_path, "llama", qtype, types, **(dict(hidden=256, intermediate=512)
@@ -204,6 +217,9 @@ def test_llama_block_runs_gguf_linears(kernel_ops, monkeypatch, tmp_path, types,
     _assert_same_bits(runs)
     calls = runs["1"][1]["llama"]
     assert (calls >= 2 * 11) if runs_block else calls == 0, calls
+    want = "r8" if activations == "int8" else "file"
+    assert layouts and all(set(x if isinstance(x, list) else [x]) <= {want, "file"} for x in layouts)
+    assert any(want in (x if isinstance(x, list) else [x]) for x in layouts), layouts
 
 
 @pytest.mark.parametrize("gguf", [False, True])

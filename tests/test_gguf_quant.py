@@ -276,6 +276,21 @@ for qt in t.GGUF_TYPES:
                 ops.gguf_linear_q8_tiled(y, torch.from_numpy(x), torch.from_numpy(d), code, None)
                 ref = matmul_q8_reference(torch.from_numpy(x), torch.from_numpy(d), qt, k).numpy()
                 assert (np.abs(y.numpy() - ref) <= t8._q8_bound(x, d, qt, k)).all(), ("tiles", qt, n, k, m)
+        if qt in ("Q4_K", "Q6_K"):  # the load-time repacked layout (gguf_repack.cpp): its kernel at every M
+            r = ops.gguf_repack8(torch.from_numpy(d), code)
+            assert torch.equal(ops.gguf_unpack8(r, code + 1000, n), torch.from_numpy(d)), ("r8 bytes", qt, n, k)
+            for m in (1, 5, 9, 33):  # 33: the tile kernel on the repacked rows (AVX2)
+                x = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
+                y = torch.empty(m, n)
+                ops.gguf_linear_q8(y, torch.from_numpy(x), r, code + 1000, None)
+                ref = matmul_q8_reference(torch.from_numpy(x), torch.from_numpy(d), qt, k).numpy()
+                assert (np.abs(y.numpy() - ref) <= t8._q8_bound(x, d, qt, k)).all(), ("r8", qt, n, k, m)
+                du = t8._unit_scale_blocks(qt, n, k, seed=m)
+                xi = t8._integer_x(m, k, seed=m)
+                ops.gguf_linear_q8(y, torch.from_numpy(xi), ops.gguf_repack8(torch.from_numpy(du), code), code + 1000,
+                                   None)
+                wu = gq.dequantize(du, gguf.GGMLQuantizationType[qt]).astype(np.float64)
+                assert np.array_equal(y.numpy(), xi.astype(np.float64) @ wu.T), ("r8 exact", qt, n, k, m)
 print("tiled", sorted(qt for qt in t.GGUF_TYPES if ops.gguf_q8_tiled_supports(type_info(qt)[0])))
 print("variant ok")
 """
@@ -284,11 +299,11 @@ print("variant ok")
 @pytest.mark.slow
 @pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])
 def test_gguf_kernel_isa_variants(march, tmp_path):
-    """The GGUF kernels built alone (their three sources, ~20 s, not the whole extension) for AVX2 without
-    AVX-VNNI (x86-64-v3: the maddubs code CI's AVX2 hosts run) and for plain x86-64 (the portable loop, what
-    non-x86 hosts run), checked as above in a subprocess (its ops register under the same names as the main
-    build's). On an AVX-512 host the x86-64-v3 build is test_avx2_variant.py's, which reruns this file's and the
-    int8 files' kernel tests on it (one build, not two); on a plain AVX2 host the native build is that build."""
+    """The GGUF kernels built alone (their four sources, not the whole extension) for AVX2 without AVX-VNNI
+    (x86-64-v3: the maddubs code CI's AVX2 hosts run) and for plain x86-64 (the portable loop, what non-x86 hosts
+    run), checked as above in a subprocess (its ops register under the same names as the main build's). On an
+    AVX-512 host the x86-64-v3 build is test_avx2_variant.py's, which reruns this file's, the int8 files' and the
+    repack's kernel tests on it (one build, not two); on a plain AVX2 host the native build is that build."""
     import platform
 
     from openinfer.platform import cpu_info
@@ -301,7 +316,8 @@ def test_gguf_kernel_isa_variants(march, tmp_path):
         pytest.skip("no AVX-VNNI here: the native build is the x86-64-v3 build, which the tests above ran")
     tests = os.path.dirname(os.path.abspath(__file__))
     kdir = os.path.join(os.path.dirname(tests), "openinfer", "layers", "cpu_kernels")
-    srcs = [os.path.join(kdir, f) for f in ("gguf_gemm.cpp", "gguf_q8_gemm.cpp", "gguf_q8_tiles.cpp")]
+    srcs = [os.path.join(kdir, f) for f in ("gguf_gemm.cpp", "gguf_q8_gemm.cpp", "gguf_q8_tiles.cpp",
+                                                   "gguf_repack.cpp")]
     code = _VARIANT_CHECK.format(tests=tests, march=march, srcs=srcs, build=str(tmp_path))
     env = dict(os.environ, OMP_NUM_THREADS="1")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900,

@@ -101,11 +101,17 @@ def layer_linear(linear) -> tuple[torch.Tensor, torch.Tensor | None, int, int] |
         return None
     if q.method == "gguf":  # a GGUF file's blocks as they are, with the kernel GGUFWeight.matmul picks
         int8 = dispatch.active().gguf_int8
+        # a repacked weight (GGUFWeight.repacked: only under int8 everywhere) has int8 activations at every M; its
+        # rows padded to a multiple of 8 leave it to the Python path (the block's linears have n rows of data)
+        parts = [q] if isinstance(q, GGUFWeight) else q.parts
+        if any(p.layout == "r8" and p.data.shape[0] != p.shape[0] for p in parts):
+            return None
         if isinstance(q, GGUFWeight):
-            return q.data, None, LINEAR_KINDS["gguf_q8" if int8 else "gguf"], q.code
+            return q.data, None, LINEAR_KINDS["gguf_q8" if int8 or q.layout == "r8" else "gguf"], q.code
         # a fused weight of mixed types (GGUFWeightParts): its parts' bytes and a table (code, rows, int8) per part;
         # _llama_layer_weights appends the parts to the layer's weight list and points ``group`` at them
-        table = torch.tensor([[p.code, p.shape[0], int(int8)] for p in q.parts], dtype=torch.int64)
+        table = torch.tensor([[p.code, p.shape[0], int(int8 or p.layout == "r8")] for p in q.parts],
+                             dtype=torch.int64)
         return [p.data for p in q.parts], table, LINEAR_KINDS["gguf_parts"], 0
     if q.zero_corr is not None:
         return None

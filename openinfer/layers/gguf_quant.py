@@ -56,6 +56,10 @@ GGUF_DEQUANT_ROWS = 24
 # / 13.2, Q8_0 9.36 / 8.61 / 10.8; 4096 x 4096 Q4_1 143 / 368 / 168, Q8_0 101 / 180 / 125. Tiles were ahead of
 # decode + GEMM in 26 of 32 cells at M = 24..1024; re-measure on a quiet host before moving the threshold.
 GGUF_TILE_ROWS = GGUF_DEQUANT_ROWS
+# Types ``GGUFWeight.repacked`` interleaves 8 rows at a time at load (``cpu_kernels/gguf_repack.cpp``), and the
+# offset of a repacked weight's type code over the file's (the kernels tell the layouts apart by it).
+REPACK_TYPES = ("Q4_K", "Q6_K")
+REPACK_CODE_OFFSET = 1000
 
 
 _TILED: dict[int, bool] = {}  # type code -> whether the loaded kernel build has its tile kernel
@@ -102,6 +106,34 @@ class GGUFWeight:
         self.data = data.contiguous()
         self.shape = torch.Size((n, k))
         self.dtype = dtype  # what the dense weight comes back as (Linear.load_quantized sets the model's)
+        self.layout = "file"  # or "r8": ``repacked``
+
+    def repacked(self) -> GGUFWeight:
+        """This weight with its rows interleaved 8 at a time (``cpu_kernels/gguf_repack.cpp``: one pass over the
+        weights serves every activation row, scales decoded once per 8 rows), replacing the file's bytes, where
+        every GGUF linear runs int8 activations (``KernelSelection.gguf_int8_everywhere``: decode, prefill and head
+        all take the repacked kernel) and the type has the layout (Q4_K, Q6_K); else self. The file's bytes are
+        not kept: a dense view or an fp32-activation call unpacks them for that call (exact byte moves)."""
+        ops = cpu_ops.ops_for(self.data)
+        if (self.layout != "file" or self.qtype not in REPACK_TYPES or ops is None
+                or not dispatch.active().gguf_int8_everywhere):
+            return self
+        out = GGUFWeight.__new__(GGUFWeight)
+        out.__dict__.update(self.__dict__)
+        out.data = ops.gguf_repack8(self.data, self.code)  # rows padded to a multiple of 8 with zero rows
+        out.code = self.code + REPACK_CODE_OFFSET
+        out.layout = "r8"
+        return out
+
+    def file_data(self) -> torch.Tensor:
+        """The rows' bytes in the file's layout (unpacked for this call where the weight is repacked)."""
+        if self.layout == "file":
+            return self.data
+        return cpu_ops.ops_for(self.data).gguf_unpack8(self.data, self.code, self.shape[0])
+
+    @property
+    def file_code(self) -> int:
+        return self.code - REPACK_CODE_OFFSET if self.layout == "r8" else self.code
 
     @property
     def nbytes(self) -> int:
@@ -113,7 +145,7 @@ class GGUFWeight:
     def _decode_into(self, out: torch.Tensor, rows: torch.Tensor) -> None:
         ops = cpu_ops.ops_for(rows, out)
         if ops is not None:
-            ops.gguf_dequantize(out, rows, self.code)
+            ops.gguf_dequantize(out, rows, self.file_code)
         else:
             out.copy_(dequantize_reference(rows, self.qtype, self.shape[1]))
 
@@ -127,7 +159,8 @@ class GGUFWeight:
     def rows(self, index: torch.Tensor | None) -> torch.Tensor:
         """fp32 ``[len(index), K]``: only those rows dequantised (an embedding lookup on a quantized token table);
         every row for None."""
-        data = self.data if index is None else self.data.index_select(0, index.to(self.data.device).reshape(-1))
+        data = self.file_data()
+        data = data if index is None else data.index_select(0, index.to(data.device).reshape(-1))
         out = torch.empty(data.shape[0], self.shape[1], dtype=torch.float32, device=data.device)
         if data.shape[0]:
             self._decode_into(out, data)
@@ -146,7 +179,12 @@ class GGUFWeight:
         b = None if bias is None else bias.float().contiguous()
         sel = dispatch.active()
         int8 = not fp32_activations and sel.gguf_int8
-        if int8 and sel.gguf_int8_everywhere and xf.shape[0] >= GGUF_TILE_ROWS and _tiled(ops, self.code):
+        if self.layout == "r8":
+            if not int8:  # fp32 activations asked of a repacked weight: the file's layout for this call
+                return GGUFWeight(self.qtype, self.file_data(), self.shape, self.dtype).matmul(x, bias, True)
+            y = torch.empty(xf.shape[0], n, dtype=torch.float32)
+            ops.gguf_linear_q8(y, xf, self.data, self.code, b)  # the repacked kernel, every M
+        elif int8 and sel.gguf_int8_everywhere and xf.shape[0] >= GGUF_TILE_ROWS and _tiled(ops, self.code):
             y = torch.empty(xf.shape[0], n, dtype=torch.float32)
             ops.gguf_linear_q8_tiled(y, xf, self.data, self.code, b)
         elif xf.shape[0] >= GGUF_DEQUANT_ROWS:
@@ -169,7 +207,7 @@ class GGUFWeight:
             return parts[0]
         n = sum(p.shape[0] for p in parts)
         if all(isinstance(p, GGUFWeight) and p.qtype == parts[0].qtype for p in parts):
-            return cls(parts[0].qtype, torch.cat([p.data for p in parts]), (n, k), parts[0].dtype)
+            return cls(parts[0].qtype, torch.cat([p.file_data() for p in parts]), (n, k), parts[0].dtype)
         flat: list[GGUFWeight] = []
         for p in parts:
             flat += p.parts if isinstance(p, GGUFWeightParts) else [p]
@@ -191,6 +229,13 @@ class GGUFWeightParts:
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
+
+    def repacked(self) -> GGUFWeightParts:
+        """Each part as ``GGUFWeight.repacked`` makes it."""
+        parts = [p.repacked() for p in self.parts]
+        if all(a is b for a, b in zip(parts, self.parts)):
+            return self
+        return GGUFWeightParts(parts, self.dtype)
 
     def numel(self) -> int:
         return self.shape[0] * self.shape[1]

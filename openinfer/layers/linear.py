@@ -184,9 +184,20 @@ def prepack_linears(model: nn.Module) -> int:
     counts: dict[int, int] = {}
     for _, p in model.named_parameters(remove_duplicate=False):
         counts[id(p)] = counts.get(id(p), 0) + 1
+    quant_users: dict[int, int] = {}  # a GGUF table shared by the embedding and a tied head stays as it is
+    for module in model.modules():
+        q = getattr(module, "_quant", None)
+        if q is not None:
+            quant_users[id(q)] = quant_users.get(id(q), 0) + 1
     packed = 0
     for module in model.modules():
-        if isinstance(module, Linear) and module.prepack:
+        if isinstance(module, Linear) and module._quant is not None:
+            repack = getattr(module._quant, "repacked", None)  # GGUF Q4_K / Q6_K: rows interleaved 8 at a time
+            if repack is not None and quant_users[id(module._quant)] == 1:
+                new = repack()
+                packed += new is not module._quant
+                module._quant = new
+        elif isinstance(module, Linear) and module.prepack:
             packed += module.prepack_cpu(keep_weight=counts.get(id(module.weight), 0) > 1)
         elif not isinstance(module, Linear) and hasattr(module, "prepack_cpu"):  # e.g. stacked MoE experts
             packed += module.prepack_cpu()

@@ -279,6 +279,9 @@ constexpr int64_t kTileFrom = 12;
 
 void gguf_linear_q8(at::Tensor y, const at::Tensor& x, const at::Tensor& data, int64_t qtype,
                     const c10::optional<at::Tensor>& bias) {
+  // a load-time repacked Q4_K / Q6_K weight (gguf_repack.cpp): its own kernel at every M (the decode block and the
+  // Python path reach it through this entry)
+  if (oi::gguf_is_r8(qtype)) return oi::gguf_gemm_q8_r8(y, x, data, qtype, bias);
   const Format f = format_of(qtype);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "x must be contiguous fp32 [M, K]");
   const auto [N, K] = check_data(data, qtype, x.size(1), f);

@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 #include <vector>
 
 #ifdef __AVX2__
@@ -322,6 +323,82 @@ void decode_rows8(Tile& t, int c0, const uint8_t* w0, int64_t row_bytes, int64_t
   }
 }
 
+// 8 weight rows repacked at load (gguf_repack.cpp: group gp, nb super-blocks) into columns c0 .. c0 + 7 of the
+// tile. The repacked vectors already hold quad j of 8 rows in one vector, so no transpose: a mask or shift per
+// vector (Q6_K: the high bits or-ed in, the offset 32 taken off), the scales widened 8 rows at a time, the same fp32
+// products as block_ints.
+inline __m256 fp16x8(const uint8_t* p) {
+#ifdef __F16C__
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  alignas(32) float v[8];
+  for (int i = 0; i < 8; ++i) v[i] = fp16(p + 2 * i);
+  return _mm256_load_ps(v);
+#endif
+}
+
+template <int64_t T>
+void decode_r8(Tile& t, int c0, const uint8_t* gp, int64_t nb) {
+  constexpr int kChunk = T == Q4_K ? 1184 : 1680;
+  const __m256i f = _mm256_set1_epi8(0xF), three = _mm256_set1_epi8(3), ones = _mm256_set1_epi8(1);
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  auto u8s = [](const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); };
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* c = gp + b * kChunk;
+    const __m256 d = fp16x8(c);
+    if constexpr (T == Q4_K) {
+      const __m256 dmin = fp16x8(c + 16);
+      for (int j = 0; j < 8; ++j) {
+        const int64_t g = 8 * b + j;
+        _mm256_storeu_ps(t.s.data() + g * kNC + c0, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(u8s(c + 32 + 8 * j)))));
+        _mm256_storeu_ps(t.mn.data() + g * kNC + c0,
+                         _mm256_xor_ps(_mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(u8s(c + 96 + 8 * j)))), sign));
+        int32_t* dst = t.q.data() + g * 8 * kNC + c0;
+        __m256i sum = _mm256_setzero_si256();
+        for (int v = 0; v < 4; ++v) {
+          const __m256i L = load32(c + 160 + 128 * j + 32 * v);
+          const __m256i lo = _mm256_and_si256(L, f), hi = _mm256_and_si256(_mm256_srli_epi16(L, 4), f);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + v * kNC), lo);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (v + 4) * kNC), hi);
+          sum = dot4(dot4(sum, ones, lo), ones, hi);
+        }
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(t.comp.data() + g * kNC + c0),
+                            _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(sum, 7)));
+      }
+    } else {
+      for (int k = 0; k < 16; ++k)
+        _mm256_storeu_ps(t.s.data() + (16 * b + k) * kNC + c0,
+                         _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(u8s(c + 16 + 8 * k)))));
+      const __m256i off = _mm256_set1_epi8(32);
+      for (int j = 0; j < 8; ++j) {
+        const int64_t g = 8 * b + j;
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(t.mn.data() + g * kNC + c0), _mm256_setzero_si256());
+        const uint8_t* qs = c + 144 + 192 * j;
+        const __m256i H0 = load32(qs + 128), H1 = load32(qs + 160);
+        int32_t* dst = t.q.data() + g * 8 * kNC + c0;
+        __m256i sa = _mm256_setzero_si256(), sb = _mm256_setzero_si256();
+        for (int v = 0; v < 4; ++v) {
+          const __m256i L = load32(qs + 32 * v);
+          const __m256i qa = _mm256_sub_epi8(
+              _mm256_or_si256(_mm256_and_si256(L, f),
+                              _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H0, 2 * v), three), 4)), off);
+          const __m256i qb = _mm256_sub_epi8(
+              _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L, 4), f),
+                              _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H1, 2 * v), three), 4)), off);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + v * kNC), qa);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (v + 4) * kNC), qb);
+          sa = dot4(sa, ones, qa);
+          sb = dot4(sb, ones, qb);
+        }
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(t.comp.data() + (2 * g) * kNC + c0),
+                            _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(sa, 7)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(t.comp.data() + (2 * g + 1) * kNC + c0),
+                            _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(sb, 7)));
+      }
+    }
+  }
+}
+
 // MR activation rows (u: q + 128, [MR][K]; their scales dx and sums xs, [MR][G]) times the tile: out [MR][kNC].
 template <int MR, int S, bool kMin>
 void tile_rows(const Tile& t, const uint8_t* u, const float* dx, const float* xs, int64_t K, int64_t G, float* out) {
@@ -377,7 +454,7 @@ void tile_rows(const Tile& t, const uint8_t* u, const float* dx, const float* xs
 // ran at half the tokens per second of 128 rows (the activations re-streamed once per chunk).
 constexpr int kGroup = 8;
 
-template <int64_t T>
+template <int64_t T, bool kR8 = false>
 void run_chunks(int64_t n0, int64_t n1, const uint8_t* wp, int64_t row_bytes, int64_t nb, const uint8_t* u,
                 const QX& qx, int64_t M, int64_t N, int64_t K, const float* bias, float* y) {
   constexpr int S = T == Q6_K ? 2 : 1;
@@ -394,7 +471,10 @@ void run_chunks(int64_t n0, int64_t n1, const uint8_t* wp, int64_t row_bytes, in
       const int64_t c0 = ch * kNC;
       const int nc = static_cast<int>(std::min<int64_t>(kNC, N - c0));
       if (nc < kNC) tile.zero(G, S);  // the missing columns contribute zeros
-      if (nc == kNC) {
+      if constexpr (kR8) {  // row_bytes: one 8-row group's bytes; the rows are padded to whole groups
+        decode_r8<T>(tile, 0, wp + (2 * ch) * row_bytes, nb);
+        if (nc > 8) decode_r8<T>(tile, 8, wp + (2 * ch + 1) * row_bytes, nb);
+      } else if (nc == kNC) {
         decode_rows8<T>(tile, 0, wp + c0 * row_bytes, row_bytes, nb);
         decode_rows8<T>(tile, 8, wp + (c0 + 8) * row_bytes, row_bytes, nb);
       } else {
@@ -428,16 +508,32 @@ void run_chunks(int64_t n0, int64_t n1, const uint8_t* wp, int64_t row_bytes, in
 }
 #endif
 
-void gguf_linear_q8_tiled(at::Tensor y, const at::Tensor& x, const at::Tensor& data, int64_t qtype,
+// A repacked weight's code (gguf_repack.cpp: 1000 + Q4_K / Q6_K); its data [N rounded up to 8, nb * chunk / 8].
+constexpr int64_t kR8 = 1000;
+
+void gguf_linear_q8_tiled(at::Tensor y, const at::Tensor& x, const at::Tensor& data, int64_t code,
                           const c10::optional<at::Tensor>& bias) {
+  const bool r8 = code == kR8 + Q4_K || code == kR8 + Q6_K;
+  const int64_t qtype = r8 ? code - kR8 : code;
   const Format f = format_of(qtype);
-  TORCH_CHECK(tiled_supports(qtype), "gguf_linear_q8_tiled: type ", qtype,
+  TORCH_CHECK(tiled_supports(qtype), "gguf_linear_q8_tiled: type ", code,
               " has no tile kernel in this build (gguf_q8_tiled_supports)");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "x must be contiguous fp32 [M, K]");
-  const auto [N, K] = check_data(data, qtype, x.size(1), f);
-  const int64_t M = x.size(0), G = K / 32;
-  TORCH_CHECK(y.dim() == 2 && y.is_contiguous() && y.scalar_type() == at::kFloat && y.size(0) == M && y.size(1) == N,
+  TORCH_CHECK(y.dim() == 2 && y.is_contiguous() && y.scalar_type() == at::kFloat && y.size(0) == x.size(0),
               "y must be contiguous fp32 [M, N]");
+  int64_t N, K;
+  if (r8) {
+    N = y.size(1), K = x.size(1);
+    const int64_t cb = qtype == Q4_K ? 1184 : 1680;
+    TORCH_CHECK(K > 0 && K % 256 == 0 && data.dim() == 2 && data.is_contiguous() && data.scalar_type() == at::kByte &&
+                    data.size(0) == (N + 7) / 8 * 8 && data.size(1) == K / 256 * cb / 8,
+                "gguf_linear_q8_tiled: repacked type ", code, " needs data uint8 [", (N + 7) / 8 * 8, ", ",
+                K / 256 * cb / 8, "], has ", data.sizes());
+  } else {
+    std::tie(N, K) = check_data(data, qtype, x.size(1), f);
+  }
+  const int64_t M = x.size(0), G = K / 32;
+  TORCH_CHECK(y.size(1) == N, "y must be contiguous fp32 [M, N]");
   if (bias.has_value())
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
                 "bias must be contiguous fp32 [N]");
@@ -467,6 +563,11 @@ void gguf_linear_q8_tiled(at::Tensor y, const at::Tensor& x, const at::Tensor& d
   float* yp = y.data_ptr<float>();
   const int64_t nb = K / f.block, row_bytes = nb * f.bytes, chunks = (N + kNC - 1) / kNC;
   at::parallel_for(0, chunks, 1, [&](int64_t n0, int64_t n1) {
+    if (r8) {  // row_bytes * 8 / 8: a group of 8 rows holds 8 rows' bytes (+ Q4_K's 4 per super-block and row)
+      const int64_t gb = nb * (qtype == Q4_K ? 1184 : 1680);
+      if (qtype == Q4_K) return run_chunks<Q4_K, true>(n0, n1, wp, gb, nb, up, qr, M, N, K, bp, yp);
+      return run_chunks<Q6_K, true>(n0, n1, wp, gb, nb, up, qr, M, N, K, bp, yp);
+    }
     switch (qtype) {
       case Q8_0: return run_chunks<Q8_0>(n0, n1, wp, row_bytes, nb, up, qr, M, N, K, bp, yp);
       case Q4_0: return run_chunks<Q4_0>(n0, n1, wp, row_bytes, nb, up, qr, M, N, K, bp, yp);

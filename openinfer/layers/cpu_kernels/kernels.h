@@ -55,4 +55,8 @@ void gguf_gemm_q8(at::Tensor y, const at::Tensor& x, const at::Tensor& data, int
 void gguf_gemm_q8_tiled(at::Tensor y, const at::Tensor& x, const at::Tensor& data, int64_t qtype,
                         const c10::optional<at::Tensor>& bias);
 bool gguf_q8_tiled_has(int64_t qtype);
+// Q4_K / Q6_K repacked 8 rows interleaved (gguf_repack.cpp), code 1000 + type: every M, y's N columns
+bool gguf_is_r8(int64_t code);
+void gguf_gemm_q8_r8(at::Tensor y, const at::Tensor& x, const at::Tensor& data, int64_t code,
+                     const c10::optional<at::Tensor>& bias);
 }  // namespace oi
