@@ -95,14 +95,19 @@ def run_grid(args: argparse.Namespace, ckpts: dict[str, Path], work: Path) -> li
     return runs
 
 
-def collect_runs(work: Path) -> list[dict]:
-    """The raw bench JSONs of earlier invocations (named MODEL_CONTEXT_bBATCHES_rREPEAT.json by run_grid)."""
+def collect_runs(work: Path, only: set[tuple[str, int]] | None = None) -> list[dict]:
+    """The raw bench JSONs of earlier invocations (named MODEL_CONTEXT_bBATCHES_rREPEAT.json by run_grid);
+    ``only``: just these (model, context) pairs."""
     runs = []
     for path in sorted(work.glob("*_r*.json")):
+        model, context = path.stem.split("_")[:2]
+        if only is not None and (model, int(context)) not in only:
+            continue
         model, context, *_, rep = path.stem.split("_")
         res = json.loads(path.read_text())
         runs.append({"model": model, "context": int(context), "repeat": int(rep[1:]), "wall_s": None,
-                     "command": res.get("workload", {}).get("command"), "file": path.name, "result": res})
+                     "command": res.get("workload", {}).get("command"),
+                     "file": str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path), "result": res})
     return runs
 
 
@@ -219,6 +224,10 @@ def main() -> None:
     ap.add_argument("--ns-per-score", type=float, default=9.3,
                     help="the dashed prediction's cost of one query-key score (the indexer kernel's marginal cost "
                          "between the V4.1 4k and 131k batch-8 profiles); 0: no prediction")
+    ap.add_argument("--also", action="append", default=[], metavar="DIR:MODEL@CONTEXT,...",
+                    help="with --replot: also merge the runs of another output directory's runs/ for these "
+                         "(model, context) pairs, e.g. an earlier branch's points this one did not re-measure "
+                         "(each run keeps its file path in decode_curve.json)")
     ap.add_argument("--replot", action="store_true",
                     help="run nothing: reduce every raw JSON in OUT/runs (from several invocations, each a subset of "
                          "the grid) into decode_curve.json and decode_curve.png")
@@ -241,6 +250,10 @@ def main() -> None:
     t0 = time.time()
     if args.replot:
         runs = collect_runs(work)
+        for spec in args.also:
+            where, _, pairs = spec.partition(":")
+            only = {(m, int(c)) for m, c in (p.split("@") for p in pairs.split(",") if p)}
+            runs += collect_runs(Path(where) / "runs", only)
         args.models = sorted({r["model"] for r in runs})
         args.repeats = len({r["repeat"] for r in runs})  # what the caption and the JSON state
         steps = {r["result"]["workload"]["decode_steps"] for r in runs}
