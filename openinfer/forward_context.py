@@ -122,10 +122,11 @@ class AttentionMetadata:
         return bias
 
     @classmethod
-    def build(cls, query_lens: list[int], context_lens: list[int], block_tables: dict[str, list[list[int]]],
+    def build(cls, query_lens: list[int], context_lens: list[int], block_tables: dict[str, list[list[int]] | list[torch.Tensor]],
               tokens_per_block: dict[str, int], block_size: int, device: torch.device) -> AttentionMetadata:
         """Metadata for sequences in step order (single-token ones first): sequence i computes ``query_lens[i]``
-        tokens ending at ``context_lens[i]``; ``block_tables[g][i]`` is its table in group g."""
+        tokens ending at ``context_lens[i]``; ``block_tables[g][i]`` is its table in group g (a list of block
+        ids or an int64 tensor of them)."""
         num_decodes = 0
         while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
             num_decodes += 1
@@ -148,11 +149,21 @@ class AttentionMetadata:
             if num_decodes else None,
             prefills=prefills, max_decode_len=max(context_lens[:num_decodes], default=0))
         for name, rows in block_tables.items():
-            width = max(1, max((len(r) for r in rows), default=0))
-            padded = [r + [0] * (width - len(r)) for r in rows]
-            md.groups[name] = KVGroupTables(md, torch.tensor(padded, dtype=torch.long, device=device).view(-1, width),
-                                            tokens_per_block[name])
+            md.groups[name] = KVGroupTables(md, padded_block_table(rows, device), tokens_per_block[name])
         return md
+
+
+def padded_block_table(rows: list[list[int]] | list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """[S, longest row (at least 1)] int64, padded with block 0. Rows as int64 tensors (the worker's incremental
+    mirrors, ``input_batch.BlockIdMirror``) are copied; rows as lists are converted id by id."""
+    width = max(1, max((len(r) for r in rows), default=0))
+    if rows and all(isinstance(r, torch.Tensor) for r in rows):
+        table = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=0)
+        if table.shape[1] < width:  # every row empty
+            table = torch.zeros(len(rows), width, dtype=torch.long)
+        return table.to(device=device, dtype=torch.long)
+    padded = [(r if isinstance(r, list) else r.tolist()) + [0] * (width - len(r)) for r in rows]
+    return torch.tensor(padded, dtype=torch.long, device=device).view(-1, width)
 
 
 _CURRENT: AttentionMetadata | None = None

@@ -95,14 +95,19 @@ def run_grid(args: argparse.Namespace, ckpts: dict[str, Path], work: Path) -> li
     return runs
 
 
-def collect_runs(work: Path) -> list[dict]:
-    """The raw bench JSONs of earlier invocations (named MODEL_CONTEXT_bBATCHES_rREPEAT.json by run_grid)."""
+def collect_runs(work: Path, only: set[tuple[str, int]] | None = None) -> list[dict]:
+    """The raw bench JSONs of earlier invocations (named MODEL_CONTEXT_bBATCHES_rREPEAT.json by run_grid);
+    ``only``: just these (model, context) pairs."""
     runs = []
     for path in sorted(work.glob("*_r*.json")):
+        model, context = path.stem.split("_")[:2]
+        if only is not None and (model, int(context)) not in only:
+            continue
         model, context, *_, rep = path.stem.split("_")
         res = json.loads(path.read_text())
         runs.append({"model": model, "context": int(context), "repeat": int(rep[1:]), "wall_s": None,
-                     "command": res.get("workload", {}).get("command"), "file": path.name, "result": res})
+                     "command": res.get("workload", {}).get("command"),
+                     "file": str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path), "result": res})
     return runs
 
 
@@ -136,7 +141,32 @@ def reduce(runs: list[dict], steps: int) -> list[dict]:
     return sorted(out, key=lambda r: (r["model"], r["batch"], r["context"]))
 
 
-def plot(rows: list[dict], path: Path, caption: str) -> None:
+def predicted(rows: list[dict], configs: dict[str, dict], ns_per_score: float) -> dict[tuple, float]:
+    """What the compressed attention says each point should cost: the batch's measured median at its smallest
+    context plus the query-key scores the larger context adds (``decode_curve_model.per_request``: index keys and
+    HCA entries, 4 queries per request) at ``ns_per_score`` each -> {(model, context, batch): ms per step}."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("decode_curve_model", ROOT / "scripts" / "decode_curve_model.py")
+    model = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(model)
+    out = {}
+    for m in {r["model"] for r in rows}:
+        for b in {r["batch"] for r in rows if r["model"] == m}:
+            pts = sorted((r for r in rows if r["model"] == m and r["batch"] == b), key=lambda r: r["context"])
+
+            def scores(c: int) -> float:
+                r = model.per_request(configs[m], c)
+                return b * model.QUERIES * (r["index_keys"] + r["hca_entries"])
+
+            base = pts[0]
+            for r in pts:
+                out[(m, r["context"], b)] = (base["ms_per_step_median"]
+                                             + (scores(r["context"]) - scores(base["context"])) * ns_per_score * 1e-6)
+    return out
+
+
+def plot(rows: list[dict], path: Path, caption: str, prediction: dict[tuple, float] | None = None) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -155,6 +185,11 @@ def plot(rows: list[dict], path: Path, caption: str) -> None:
                 (line,) = ax.plot(xs, [r[key + "_median"] for r in pts], marker="o", label=f"batch {b}")
                 ax.fill_between(xs, [r[key + "_min"] for r in pts], [r[key + "_max"] for r in pts],
                                 color=line.get_color(), alpha=0.2)
+                if prediction and len(pts) > 1:  # dashed: the smallest context's cost + the scores context adds
+                    ms = [prediction[(m, r["context"], b)] for r in pts]
+                    if key == "ms_per_token":  # the same tokens per step as measured at each point
+                        ms = [p * r["ms_per_token_median"] / r["ms_per_step_median"] for p, r in zip(ms, pts)]
+                    ax.plot(xs, ms, linestyle="--", color=line.get_color(), alpha=0.7)
             ax.set_xscale("log", base=2)
             ax.set_xticks(sorted({r["context"] for r in mine}))
             ax.set_xticklabels([f"{c // 1024}k" for c in sorted({r["context"] for r in mine})])
@@ -165,7 +200,7 @@ def plot(rows: list[dict], path: Path, caption: str) -> None:
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=7)
     fig.supxlabel(caption, fontsize=7, ha="left", x=0.01)
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png", dpi=110)
 
@@ -186,6 +221,13 @@ def main() -> None:
                     help="the control: distinct prompts (no shared prefix, no prefix-cache hits); prefills "
                          "batch x context tokens per iteration, so only small points are affordable; give it its "
                          "own --out")
+    ap.add_argument("--ns-per-score", type=float, default=9.3,
+                    help="the dashed prediction's cost of one query-key score (the indexer kernel's marginal cost "
+                         "between the V4.1 4k and 131k batch-8 profiles); 0: no prediction")
+    ap.add_argument("--also", action="append", default=[], metavar="DIR:MODEL@CONTEXT,...",
+                    help="with --replot: also merge the runs of another output directory's runs/ for these "
+                         "(model, context) pairs, e.g. an earlier branch's points this one did not re-measure "
+                         "(each run keeps its file path in decode_curve.json)")
     ap.add_argument("--replot", action="store_true",
                     help="run nothing: reduce every raw JSON in OUT/runs (from several invocations, each a subset of "
                          "the grid) into decode_curve.json and decode_curve.png")
@@ -208,6 +250,10 @@ def main() -> None:
     t0 = time.time()
     if args.replot:
         runs = collect_runs(work)
+        for spec in args.also:
+            where, _, pairs = spec.partition(":")
+            only = {(m, int(c)) for m, c in (p.split("@") for p in pairs.split(",") if p)}
+            runs += collect_runs(Path(where) / "runs", only)
         args.models = sorted({r["model"] for r in runs})
         args.repeats = len({r["repeat"] for r in runs})  # what the caption and the JSON state
         steps = {r["result"]["workload"]["decode_steps"] for r in runs}
@@ -231,7 +277,15 @@ def main() -> None:
                "distinct prompts (no prefix-cache hits)")
     caption = (f"openinfer bench throughput --mode decode, MTP k=3, {prompts}, {args.decode_steps} timed steps; "
                f"median of up to {args.repeats} repeats, band = min-max; 2-core shared CPU host, nice 19")
-    plot(rows, out / "decode_curve.png", caption)
+    prediction = None
+    if args.ns_per_score > 0:
+        prediction = predicted(rows, doc["models"], args.ns_per_score)
+        caption += (f"\ndashed: the smallest context's median + the query-key scores the context adds (index keys, "
+                    f"HCA entries; scripts/decode_curve_model.py) at {args.ns_per_score} ns each")
+        for r in rows:
+            r["predicted_ms_per_step"] = prediction[(r["model"], r["context"], r["batch"])]
+        (out / "decode_curve.json").write_text(json.dumps(doc, indent=1) + "\n")
+    plot(rows, out / "decode_curve.png", caption, prediction)
     print(f"wrote {out / 'decode_curve.json'} and {out / 'decode_curve.png'}")
 
 

@@ -30,11 +30,14 @@ def main() -> None:
     own.add_argument("--steps", type=int, default=2)
     own.add_argument("--tail", type=int, default=256, help="distinct tokens per request after the shared prefix")
     own.add_argument("--top", type=int, default=25)
+    own.add_argument("--python", type=int, default=0, metavar="N",
+                     help="also print the N Python functions with the most own and cumulative time over --steps "
+                          "more steps (cProfile): the per-step work outside torch ops, which the op table misses")
     mine, rest = own.parse_known_args()
     bench = argparse.ArgumentParser()
     T.add_args(bench)
     args = bench.parse_args(["--mode", "decode", "--batch-sizes", str(mine.batch), "--decode-steps",
-                             str(2 * mine.steps + 2), *rest])
+                             str(3 * mine.steps + 2), *rest])
     if not args.shared_prefix_len:
         args.shared_prefix_len = args.context_len - mine.tail
     resolve_workload(args)
@@ -45,7 +48,7 @@ def main() -> None:
     from openinfer import SamplingParams
     from openinfer.sampling_params import RequestOutputKind
 
-    params = SamplingParams(temperature=0.0, max_tokens=4 * (2 * mine.steps + 4), ignore_eos=True,
+    params = SamplingParams(temperature=0.0, max_tokens=4 * (3 * mine.steps + 4), ignore_eos=True,
                             output_kind=RequestOutputKind.DELTA)
     _prime_prefix(engine, prompts, args.shared_prefix_len)
     for i, p in enumerate(prompts):
@@ -71,6 +74,18 @@ def main() -> None:
     for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:mine.top]:
         print(f"| {e.key} | {e.self_cpu_time_total / 1e3 / mine.steps:.2f} | "
               f"{100 * e.self_cpu_time_total / total:.1f}% | {e.count / mine.steps:.0f} |")
+    if mine.python:
+        import cProfile
+        import pstats
+
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(mine.steps):
+            engine.step()
+        pr.disable()
+        print(f"\nPython functions over {mine.steps} steps (cProfile; torch ops count in their caller):")
+        pstats.Stats(pr).sort_stats("tottime").print_stats(mine.python)
+        pstats.Stats(pr).sort_stats("cumulative").print_stats(mine.python)
     runner.close()
 
 

@@ -69,5 +69,5 @@ class DraftingModel(Proposer):
                  batch: InputBatch, gidx: dict[str, int]) -> AttentionMetadata:
         """The module's forward context: its own group names over the engine's ``<prefix>*`` block tables."""
         return AttentionMetadata.build(
-            query_lens, context_lens, {g: [st.block_ids[i] for st in states] for g, i in gidx.items()},
+            query_lens, context_lens, {g: [st.block_table(i) for st in states] for g, i in gidx.items()},
             {g: batch.tokens_per_block[self.prefix + g] for g in gidx}, self.block_size, self.device)

@@ -111,16 +111,17 @@ class DSparkProposer(DraftingModel):
         tpb = batch.tokens_per_block[self.prefix + WINDOW_GROUP]
         store = self.module.flat()
 
-        def slots(block_ids: list[int], positions: torch.Tensor) -> torch.Tensor:
-            table = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-            return table[positions // tpb] * tpb + positions % tpb
+        def slots(table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            # table: the request's incremental int64 mirror of its block ids (not a conversion of the whole list,
+            # which grew with context: two per request and step)
+            return table.to(self.device)[positions // tpb] * tpb + positions % tpb
 
         # 1) page the keys of every token the target computed this step (rows in step order, as the features)
         positions, slot_rows = [], []
         for r in step.rows:
             pos = torch.arange(r.start, r.start + r.num_tokens, device=self.device)
             positions.append(pos)
-            slot_rows.append(slots(r.state.block_ids[g], pos))
+            slot_rows.append(slots(r.state.block_table(g), pos))
         positions = torch.cat(positions)
         features = self.target.dspark_features()
         assert features is not None and features.shape[0] == positions.shape[0]
@@ -132,7 +133,7 @@ class DSparkProposer(DraftingModel):
             return {}
         accepted = torch.tensor([len(st.token_ids) - 2 for st in states], device=self.device)  # a = L - 2
         ctx_pos = self.target.dspark_context_positions(accepted, self.window, self.k)
-        keys = torch.stack([store[slots(st.block_ids[g], p.clamp(min=0))] for st, p in zip(states, ctx_pos)])
+        keys = torch.stack([store[slots(st.block_table(g), p.clamp(min=0))] for st, p in zip(states, ctx_pos)])
         golden = torch.tensor([st.token_ids[-1] for st in states], dtype=torch.long, device=self.device)
         draw = DraftDraw(states)
         tokens, confidence = self.target.propose_over_keys(keys, ctx_pos, golden, block_size=self.k, draw=draw)
