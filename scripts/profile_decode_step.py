@@ -117,17 +117,23 @@ def main() -> None:
         print(f"| {e.key} | {group_of(e.key)} | {e.self_cpu_time_total / 1e3 / args.steps:.2f} | "
               f"{100 * e.self_cpu_time_total / total:.1f}% |")
     if args.python and not args.prefill:
-        import cProfile
-        import pstats
+        print_python_profile(engine, args.steps, args.python)
 
-        pr = cProfile.Profile()
-        pr.enable()
-        for _ in range(args.steps):
-            engine.step()
-        pr.disable()
-        print(f"\nPython functions by own time over {args.steps} steps (cProfile; torch ops count in their caller):")
-        pstats.Stats(pr).sort_stats("tottime").print_stats(args.python)
-        pstats.Stats(pr).sort_stats("cumulative").print_stats(args.python)
+
+def print_python_profile(engine, steps: int, top: int) -> None:
+    """cProfile over ``steps`` engine steps: the ``top`` Python functions by own time, then by cumulative time
+    (also scripts/profile_decode_window.py's)."""
+    import cProfile
+    import pstats
+
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(steps):
+        engine.step()
+    pr.disable()
+    print(f"\nPython functions over {steps} steps (cProfile; torch ops count in their caller):")
+    pstats.Stats(pr).sort_stats("tottime").print_stats(top)
+    pstats.Stats(pr).sort_stats("cumulative").print_stats(top)
 
 
 if __name__ == "__main__":

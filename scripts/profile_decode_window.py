@@ -75,17 +75,9 @@ def main() -> None:
         print(f"| {e.key} | {e.self_cpu_time_total / 1e3 / mine.steps:.2f} | "
               f"{100 * e.self_cpu_time_total / total:.1f}% | {e.count / mine.steps:.0f} |")
     if mine.python:
-        import cProfile
-        import pstats
+        from profile_decode_step import print_python_profile  # this script's folder is on sys.path
 
-        pr = cProfile.Profile()
-        pr.enable()
-        for _ in range(mine.steps):
-            engine.step()
-        pr.disable()
-        print(f"\nPython functions over {mine.steps} steps (cProfile; torch ops count in their caller):")
-        pstats.Stats(pr).sort_stats("tottime").print_stats(mine.python)
-        pstats.Stats(pr).sort_stats("cumulative").print_stats(mine.python)
+        print_python_profile(engine, mine.steps, mine.python)
     runner.close()
 
 

@@ -9,6 +9,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "gguf_blocks.h"  // fp16
+
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
@@ -16,6 +18,17 @@
 namespace {
 
 #ifdef __AVX2__
+// 8 consecutive fp16 scales (the repacked layout's 8 rows' d / dmin, gguf_repack.cpp) as fp32
+inline __m256 fp16x8(const uint8_t* p) {
+#ifdef __F16C__
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  alignas(32) float v[8];
+  for (int i = 0; i < 8; ++i) v[i] = fp16(p + 2 * i);
+  return _mm256_load_ps(v);
+#endif
+}
+
 // lane l of acc += Σ_{i < 4} u[4 l + i] (unsigned) * s[4 l + i] (signed): VNNI's dpbusd, or AVX2's maddubs (pairs
 // into int16; each kernel keeps its operands below saturation) and madd by ones.
 inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {

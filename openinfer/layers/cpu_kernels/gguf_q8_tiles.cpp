@@ -327,16 +327,6 @@ void decode_rows8(Tile& t, int c0, const uint8_t* w0, int64_t row_bytes, int64_t
 // tile. The repacked vectors already hold quad j of 8 rows in one vector, so no transpose: a mask or shift per
 // vector (Q6_K: the high bits or-ed in, the offset 32 taken off), the scales widened 8 rows at a time, the same fp32
 // products as block_ints.
-inline __m256 fp16x8(const uint8_t* p) {
-#ifdef __F16C__
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-#else
-  alignas(32) float v[8];
-  for (int i = 0; i < 8; ++i) v[i] = fp16(p + 2 * i);
-  return _mm256_load_ps(v);
-#endif
-}
-
 template <int64_t T>
 void decode_r8(Tile& t, int c0, const uint8_t* gp, int64_t nb) {
   constexpr int kChunk = T == Q4_K ? 1184 : 1680;

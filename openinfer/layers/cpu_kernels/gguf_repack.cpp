@@ -195,16 +195,6 @@ constexpr int kMR4 = 8, kMR6 = 6;  // activation rows per pass (32 registers)
 constexpr int kMR4 = 4, kMR6 = 3;  // 16 registers: 2 x rows accumulators + the weights, constants and a broadcast
 #endif
 
-inline __m256 fp16x8(const uint8_t* p) {
-#ifdef __F16C__
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-#else
-  alignas(32) float v[8];
-  for (int i = 0; i < 8; ++i) v[i] = fp16(p + 2 * i);
-  return _mm256_load_ps(v);
-#endif
-}
-
 inline __m256i bcast4(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
