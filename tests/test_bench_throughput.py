@@ -59,19 +59,23 @@ def check_summary(s: dict, engine: str, batch: int) -> None:
 
 @pytest.mark.slow  # bench subprocesses, each importing torch and building an engine
 def test_sweep_vs_hf_json(ckpt, tmp_path):
-    d = run_bench(ckpt, tmp_path / "r.json", "--batch-sizes", "1,4", "--vs", "hf")
+    d = run_bench(ckpt, tmp_path / "r.json", "--batch-sizes", "1,2,4", "--vs", "hf", "--hf-max-batch", "2")
     assert d["schema"] == R.SCHEMA
     env = d["environment"]
     assert env["num_devices"] == 1 and env["torch_num_threads"] >= 1 and env["cpu_model"]
     assert env["torch"] and env["transformers"] and env["device"] == "cpu"
     assert env["model"]["num_params"] > 0 and env["model"]["architecture"] == "LlamaForCausalLM"
     w = d["workload"]
-    assert (w["input_len"], w["output_len"], w["batch_sizes"]) == (IN_LEN, OUT_LEN, [1, 4])
+    assert (w["input_len"], w["output_len"], w["batch_sizes"]) == (IN_LEN, OUT_LEN, [1, 2, 4])
     assert w["ignore_eos"] is True and w["temperature"] == 0 and "prefix" in w["prompts"]
     assert d["engines"]["openinfer"]["dtype"] == d["engines"]["hf"]["dtype"] == "bfloat16"
     assert "KV cache" in d["engines"]["openinfer"]["startup_message"]
-    assert [p["batch_size"] for p in d["points"]] == [1, 4]
-    for p in d["points"]:
+    assert [p["batch_size"] for p in d["points"]] == [1, 2, 4]
+    *both, beyond = d["points"]
+    check_summary(beyond["openinfer"], "openinfer", 4)
+    assert beyond["hf"] is None and beyond["ratio_openinfer_over_hf"] is None  # beyond --hf-max-batch
+    assert any("hf-max-batch" in n for n in d["notes"])
+    for p in both:
         b = p["batch_size"]
         check_summary(p["openinfer"], "openinfer", b)
         check_summary(p["hf"], "hf", b)
@@ -80,18 +84,14 @@ def test_sweep_vs_hf_json(ckpt, tmp_path):
             assert math.isfinite(p["ratio_openinfer_over_hf"][k]) and p["ratio_openinfer_over_hf"][k] > 0
 
 
-@pytest.mark.slow  # bench subprocesses, each importing torch and building an engine
-@pytest.mark.slow  # three child processes, each importing torch and building an engine
-def test_fresh_process_merges_and_hf_max_batch(ckpt, tmp_path):
-    d = run_bench(ckpt, tmp_path / "r.json", "--batch-sizes", "1,2", "--vs", "hf", "--hf-max-batch", "1",
-                  "--warmup-iters", "0", "--fresh-process")
+@pytest.mark.slow  # two child processes, each importing torch and building an engine
+def test_fresh_process_merges(ckpt, tmp_path):
+    """One child process per point, merged (HF in fresh processes: test_bench_peers.py; --hf-max-batch: above)."""
+    d = run_bench(ckpt, tmp_path / "r.json", "--batch-sizes", "1,2", "--warmup-iters", "0", "--fresh-process")
     assert d["workload"]["fresh_process"] is True
     one, two = d["points"]
     check_summary(one["openinfer"], "openinfer", 1)
-    check_summary(one["hf"], "hf", 1)
     check_summary(two["openinfer"], "openinfer", 2)
-    assert two["hf"] is None and two["ratio_openinfer_over_hf"] is None  # beyond --hf-max-batch
-    assert any("hf-max-batch" in n for n in d["notes"])
     runs = d["engines"]["openinfer"]["per_process"]
     assert [r["batch_size"] for r in runs] == [1, 2]
     # Children build the engine the single-process run would: sized for the largest batch of the sweep.
