@@ -50,6 +50,16 @@ struct QX {
   std::vector<int8_t> q;
   std::vector<float> d, sum;
   std::vector<int32_t> nls;
+
+  // room for M rows of K columns (G = K / 32 blocks); kept per calling thread, so it only grows
+  void reserve(int64_t M, int64_t K, int64_t G) {
+    if (static_cast<int64_t>(q.size()) < M * K) q.resize(M * K);
+    if (static_cast<int64_t>(d.size()) < M * G) {
+      d.resize(M * G);
+      sum.resize(M * G);
+      nls.resize(M * G * 8);
+    }
+  }
 };
 
 // A view of kMB (or fewer) consecutive quantised rows.

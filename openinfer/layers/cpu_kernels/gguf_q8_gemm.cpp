@@ -298,12 +298,7 @@ void gguf_linear_q8(at::Tensor y, const at::Tensor& x, const at::Tensor& data, i
   float* yp = y.data_ptr<float>();
   // the quantised activations, in buffers kept per calling thread (no allocation per call at steady state)
   thread_local QX qx;
-  if (static_cast<int64_t>(qx.q.size()) < M * K) qx.q.resize(M * K);
-  if (static_cast<int64_t>(qx.d.size()) < M * G) {
-    qx.d.resize(M * G);
-    qx.sum.resize(M * G);
-    qx.nls.resize(M * G * 8);
-  }
+  qx.reserve(M, K, G);
   QX& qr = qx;
   at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t m0, int64_t m1) {
     quantize_rows(xp, K, qr, m0, m1);

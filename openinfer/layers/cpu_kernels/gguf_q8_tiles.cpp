@@ -531,15 +531,8 @@ void gguf_linear_q8_tiled(at::Tensor y, const at::Tensor& x, const at::Tensor& d
   const float* xp = x.data_ptr<float>();
   thread_local QX qx;
   thread_local std::vector<uint8_t> u;
-  if (static_cast<int64_t>(qx.q.size()) < M * K) {
-    qx.q.resize(M * K);
-    u.resize(M * K);
-  }
-  if (static_cast<int64_t>(qx.d.size()) < M * G) {
-    qx.d.resize(M * G);
-    qx.sum.resize(M * G);
-    qx.nls.resize(M * G * 8);
-  }
+  qx.reserve(M, K, G);
+  if (static_cast<int64_t>(u.size()) < M * K) u.resize(M * K);
   QX& qr = qx;
   uint8_t* up = u.data();
   at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t m0, int64_t m1) {

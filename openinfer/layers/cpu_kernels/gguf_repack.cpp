@@ -350,12 +350,7 @@ void gguf_linear_q8_r8(at::Tensor y, const at::Tensor& x, const at::Tensor& data
   const float* xp = x.data_ptr<float>();
   thread_local QX qx;
   thread_local Q6Offsets q6;
-  if (static_cast<int64_t>(qx.q.size()) < M * K) qx.q.resize(M * K);
-  if (static_cast<int64_t>(qx.d.size()) < M * G) {
-    qx.d.resize(M * G);
-    qx.sum.resize(M * G);
-    qx.nls.resize(M * G * 8);
-  }
+  qx.reserve(M, K, G);
   if (t == Q6_K && static_cast<int64_t>(q6.v.size()) < M * 2 * G) q6.v.resize(M * 2 * G);
   QX& qr = qx;
   int32_t* offp = q6.v.data();
