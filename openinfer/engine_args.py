@@ -3,10 +3,10 @@
 ``LLM(**kwargs)``, the engine flags of ``openinfer generate / serve / bench throughput / bench peers`` and the
 engine settings a benchmark hands its child processes are all derived from this dataclass's fields, so a new
 setting added here reaches every entrypoint. ``create_engine_config`` turns it into the validated, typed
-``EngineConfig`` (config.py) that the engine is built from.
+``EngineConfig`` (config/) that the engine is built from.
 
 Pure Python: importable without torch (the CLI parsers and the scheduler's tests build on it); torch is only
-imported inside ``create_engine_config``, through config.py's resolvers.
+imported inside ``create_engine_config``, through the config package's resolvers.
 """
 from __future__ import annotations
 

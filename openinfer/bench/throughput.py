@@ -301,7 +301,8 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _run_here(args: argparse.Namespace, batches: list[int]) -> dict[str, Any]:
-    from openinfer.config import resolve_device, resolve_dtype
+    from openinfer.config import resolve_dtype
+    from openinfer.platform import resolve_device
 
     engines = [e for e in ("openinfer", "hf" if args.vs else None) if e and args.only_engine in (None, e)]
     device = resolve_device(args.device)
