@@ -1,5 +1,5 @@
 """Images in chat requests: OpenAI ``image_url`` content parts and Anthropic ``image`` blocks (mapped onto
-``image_url`` parts by request_validation.anthropic_messages). Each image becomes the model's image placeholder
+``image_url`` parts by anthropic_request.anthropic_messages). Each image becomes the model's image placeholder
 token in the message text the chat template renders, and after the template its positions are placed
 (multimodal/processor.py). Only ``data:`` URLs and files under ``--allowed-local-media-path`` are read: nothing is
 fetched. Every refusal is a 400 naming the field."""

@@ -2,7 +2,7 @@
 
 The request becomes a chat completion request (system, text, tool_use / tool_result blocks -> OpenAI messages;
 tools' ``input_schema`` -> ``parameters``; tool_choice auto / any / tool / none -> auto / required / named /
-none: ``request_validation.anthropic_to_chat``), checked by the same validator and tokenized by the same
+none: ``anthropic_request.anthropic_to_chat``), checked by the same validator and tokenized by the same
 ``prepare_chat``; the output goes through the same reasoning and tool-call parsers and comes back as content
 blocks (thinking, text, tool_use) - streamed as Anthropic's SSE events (message_start, content_block_start /
 _delta / _stop, message_delta, message_stop)."""
