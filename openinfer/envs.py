@@ -2,7 +2,7 @@
 
 Each variable is a function of the environment read when asked (``envs.CPU_KERNELS``), so a test or a benchmark
 that sets one before building an engine sees it take effect. The kernel switches are not read by the layers:
-``KernelConfig.from_env`` (config.py) maps them into the typed config once, when the engine config is built, and
+``KernelConfig.from_env`` (config/model.py) maps them into the typed config once, when the engine config is built, and
 ``layers/dispatch.py`` decides every op's implementation from that config at load.
 """
 from __future__ import annotations
@@ -50,7 +50,7 @@ def _choice(name: str, default: str, choices: tuple[str, ...]) -> Callable[[], s
 
 # name (as ``envs.NAME``) -> reader; the variable is ``OPENINFER_`` + name.
 environment_variables: dict[str, Callable[[], Any]] = {
-    # -- CPU kernels: mapped into KernelConfig (config.py) by KernelConfig.from_env --------------------------
+    # -- CPU kernels: mapped into KernelConfig (config/model.py) by KernelConfig.from_env --------------------------
     # 0 = --kernel-backend torch (the C++ kernels are neither built nor used)
     "CPU_KERNELS": _flag("OPENINFER_CPU_KERNELS"),
     # extra compiler flags appended to the kernel build's (later flags win), e.g. -march=x86-64-v3 builds the
@@ -72,6 +72,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "CPU_PREPACK": _flag("OPENINFER_CPU_PREPACK"),
     # 0 = no fused C++ decode blocks (the layers' Python path runs every decode step)
     "DECODE_BLOCKS": _flag("OPENINFER_DECODE_BLOCKS"),
+    # 0 = a CPU model's weights stay in the pages they were loaded into (worker/huge_pages.py: else collapsed into
+    # 2 MiB transparent huge pages after load)
+    "HUGE_PAGES": _flag("OPENINFER_HUGE_PAGES"),
     # packed | dequantize: FP8 block-quantised linears kept packed, or dequantised at load
     "FP8_WEIGHTS": _choice("OPENINFER_FP8_WEIGHTS", "packed", ("packed", "dequantize")),
     # packed | dequantize: MXFP4 routed experts kept packed, or dequantised at load

@@ -24,6 +24,7 @@ from openinfer.kv_cache_interface import KVGroupSpec, blocks_for_tokens, check_g
 from openinfer.sampling_params import SamplingParams
 from openinfer.step_io import ExpertLoadStats, ModelRunnerOutput, NewRequestData, SampledToken, SchedulerOutput
 from openinfer.worker.eplb import ExpertRebalancer
+from openinfer.worker.huge_pages import weights_to_huge_pages
 from openinfer.worker.proposers import ProposeInputs, make_proposer
 from openinfer.worker.rejection_sampler import verify
 from openinfer.worker.input_batch import InputBatch, ScheduledRow
@@ -76,6 +77,9 @@ class ModelRunner:
         prepack_linears(self.model)
         self.rebalancer = ExpertRebalancer(self.model, self.config.parallel.eplb_step_interval)
         self.proposer = make_proposer(self.config, self.device, self.model)
+        if self.device.type == "cpu" and envs.HUGE_PAGES:  # the weights are final now (packed, repacked)
+            drafter = getattr(self.proposer, "model", None)
+            weights_to_huge_pages(self.model, drafter if isinstance(drafter, torch.nn.Module) else None)
 
     # -- KV cache ----------------------------------------------------------------------------------------
     def kv_cache_spec(self) -> list[KVGroupSpec]:
