@@ -23,7 +23,17 @@ def pytest_configure(config):
     init_logging()
     logging.getLogger("openinfer").propagate = True
     if not hasattr(config, "workerinput"):  # the main process (xdist's controller, or a plain run)
+        import kernel_prebuild
+
+        kernel_prebuild.start(config)  # the x86-64-v3 variant, at idle priority, beside the tests
         _build_kernels_once()
+
+
+def pytest_unconfigure(config):
+    if not hasattr(config, "workerinput"):
+        import kernel_prebuild
+
+        kernel_prebuild.stop()
 
 
 def _build_kernels_once() -> None:
@@ -72,4 +82,6 @@ def pytest_collection_modifyitems(config, items):
     if not hasattr(config, "workerinput"):
         return
     heavy = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in heavy)  # stable: file and test order kept within each group
+    # the x86-64-v3 reruns last of the heavy files: their build (kernel_prebuild) runs at idle priority meanwhile
+    variant = Path(__file__).parent / "test_avx2_variant.py"
+    items.sort(key=lambda item: (item.path not in heavy, item.path == variant))  # stable within each group

@@ -18,6 +18,7 @@ import subprocess
 import sys
 
 import gguf
+import kernel_prebuild
 import numpy as np
 import pytest
 import torch
@@ -237,9 +238,8 @@ import numpy as np, torch
 from gguf import quants as gq
 from torch.utils import cpp_extension
 sys.path.insert(0, {tests!r})
-cpp_extension.load(name="gguf_variant_" + {march!r}.replace("-", "_"), sources={srcs!r},
-                   extra_cflags=["-O3", "-march=" + {march!r}, "-fopenmp"], extra_ldflags=["-fopenmp"],
-                   build_directory={build!r}, is_python_module=False)
+from kernel_prebuild import gguf_load_args
+cpp_extension.load(**gguf_load_args({march!r}, {build!r}))
 ops = torch.ops.openinfer_cpu
 import test_gguf_quant as t
 import test_gguf_q8 as t8
@@ -303,7 +303,8 @@ def test_gguf_kernel_isa_variants(march, tmp_path):
     (x86-64-v3: the maddubs code CI's AVX2 hosts run) and for plain x86-64 (the portable loop, what non-x86 hosts
     run), checked as above in a subprocess (its ops register under the same names as the main build's). On an
     AVX-512 host the x86-64-v3 build is test_avx2_variant.py's, which reruns this file's, the int8 files' and the
-    repack's kernel tests on it (one build, not two); on a plain AVX2 host the native build is that build."""
+    repack's kernel tests on it (one build, not two); on a plain AVX2 host the native build is that build. Under
+    xdist the x86-64 build is compiled at idle priority from the run's start (kernel_prebuild) and loaded here."""
     import platform
 
     from openinfer.platform import cpu_info
@@ -315,10 +316,10 @@ def test_gguf_kernel_isa_variants(march, tmp_path):
     if march == "x86-64-v3" and "avx_vnni" not in cpu_info()[1]:
         pytest.skip("no AVX-VNNI here: the native build is the x86-64-v3 build, which the tests above ran")
     tests = os.path.dirname(os.path.abspath(__file__))
-    kdir = os.path.join(os.path.dirname(tests), "openinfer", "layers", "cpu_kernels")
-    srcs = [os.path.join(kdir, f) for f in ("gguf_gemm.cpp", "gguf_q8_gemm.cpp", "gguf_q8_tiles.cpp",
-                                                   "gguf_repack.cpp")]
-    code = _VARIANT_CHECK.format(tests=tests, march=march, srcs=srcs, build=str(tmp_path))
+    build = str(tmp_path)
+    if march == "x86-64" and kernel_prebuild.wait("gguf-x86-64", timeout_s=840) is not None:
+        build = kernel_prebuild.build_dir("gguf-x86-64")  # xdist's controller built it at idle priority
+    code = _VARIANT_CHECK.format(tests=tests, march=march, build=build)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900,
                        check=False, cwd=os.path.dirname(tests))
