@@ -6,9 +6,9 @@ on servers, ranks, sockets) instead of holding a worker for the minutes of the b
 Each test waits for its build (``wait``) and then loads it from the cache: the same name, sources and flags in
 the same folder, so ninja finds nothing to do. A build starts only where its test will run in this pytest run
 (xdist on, the host the test needs, its file among the paths, the marker expression keeping ``slow`` tests). One
-builder process runs them in turn. ``SCHED_IDLE`` (not ``nice``) because ninja and the compilers inherit it, and the
-builder stays in pytest's session (a new session gets its own autogroup, which the scheduler would share the cores
-with as an equal).
+builder process runs them in turn, each in a process of its own (every build registers the same op names).
+``SCHED_IDLE`` (not ``nice``) because ninja and the compilers inherit it, and the builder stays in pytest's session
+(a new session gets its own autogroup, which the scheduler would share the cores with as an equal).
 """
 from __future__ import annotations
 
@@ -55,15 +55,12 @@ assert sel.kernels, sel.build
 }
 
 _BUILDER = """
-import json, os, sys, traceback
-os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+import json, os, subprocess, sys
+os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # inherited by each build's process, ninja, compilers
 top = sys.argv[1]
-for name in sys.argv[2:]:
-    out = {{"ok": True}}
-    try:
-        exec(open(os.path.join(top, name + ".py")).read(), {{}})
-    except BaseException as e:  # the test builds it again and reports the error
-        out = {{"ok": False, "error": traceback.format_exc()[-1500:]}}
+for name in sys.argv[2:]:  # a process each: every build registers the same op names
+    r = subprocess.run([sys.executable, os.path.join(top, name + ".py")], capture_output=True, text=True)
+    out = {{"ok": r.returncode == 0, "error": (r.stdout + r.stderr)[-1500:] if r.returncode else ""}}
     with open(os.path.join(top, name + ".tmp"), "w") as f:
         json.dump(out, f)
     os.replace(os.path.join(top, name + ".tmp"), os.path.join(top, name + ".done"))

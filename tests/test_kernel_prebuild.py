@@ -76,3 +76,21 @@ def test_wait_reads_the_outcome_or_notices_a_dead_builder(tmp_path, monkeypatch)
     assert kernel_prebuild.wait("gguf-x86-64", 5) == {"ok": False, "error": "the builder exited without a result"}
     (tmp_path / "gguf-x86-64.done").write_text(json.dumps({"ok": True}))
     assert kernel_prebuild.wait("gguf-x86-64", 5) == {"ok": True}
+
+
+def test_the_builder_runs_each_build_in_a_process_of_its_own(avx512, monkeypatch):
+    """Two builds registering the same op name (as every kernel build registers openinfer_cpu's): in one process the
+    second would abort it."""
+    code = ("import torch\ntorch.library.define('prebuild_test::op', '(Tensor x) -> Tensor')\n"
+            "open({d!r} + '.ran', 'w').close()\n")
+    me = HERE / "test_kernel_prebuild.py"
+    monkeypatch.setattr(kernel_prebuild, "BUILDS", {"one": (me, lambda f: True, code), "two": (me, lambda f: True, code)})
+    monkeypatch.setenv(kernel_prebuild.ENV_DIR, "")  # restored after the test; start() sets it
+    kernel_prebuild.start(_Config([me]))
+    try:
+        assert kernel_prebuild.wait("one", 120) == {"ok": True, "error": ""}
+        assert kernel_prebuild.wait("two", 120) == {"ok": True, "error": ""}
+        top = os.environ[kernel_prebuild.ENV_DIR]
+        assert os.path.exists(os.path.join(top, "one.ran")) and os.path.exists(os.path.join(top, "two.ran"))
+    finally:
+        kernel_prebuild.stop()
