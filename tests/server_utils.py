@@ -146,7 +146,11 @@ class ServerProcess(_Endpoint):
                 self.proc.wait(15)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-                self.proc.wait(5)
+                try:  # a killed process with rank children and a NIXL agent can take a while on a loaded host
+                    self.proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    raise RuntimeError(f"server pid {self.proc.pid} alive 30 s after SIGKILL: "
+                                       f"{_proc_state(self.proc.pid)}\n{self.log()}") from None
         self._log.close()
 
 
@@ -199,3 +203,15 @@ class InProcessServer(_Endpoint):
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(30)
+
+
+def _proc_state(pid: int) -> str:
+    """What the kernel says a process is doing (state and wait channel), for a process that will not die."""
+    try:
+        stat = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+        wchan = open(f"/proc/{pid}/wchan").read()
+        threads = {t: open(f"/proc/{pid}/task/{t}/stat").read().rsplit(")", 1)[1].split()[0]
+                   for t in os.listdir(f"/proc/{pid}/task")}
+        return f"state {stat}, wchan {wchan}, threads {threads}"
+    except OSError as e:
+        return f"(/proc unreadable: {e})"
