@@ -20,6 +20,20 @@ def thp_mode() -> str | None:
     return text[text.index("[") + 1:text.index("]")]
 
 
+def huge_page_bytes(lo: int, hi: int) -> int:
+    """How much of the mappings overlapping [lo, hi) /proc/self/smaps says is in anonymous huge pages."""
+    total, cur = 0, None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+                cur = (start, end) if start < hi and end > lo else None
+            elif cur is not None and head == "AnonHugePages:":
+                total += int(line.split()[1]) * 1024
+    return total
+
+
 def test_spans_join_neighbours_inside_their_mapping_and_keep_whole_huge_pages():
     mapping = (100 * H, 120 * H)
     # three weights side by side (small gaps), one far away, one in no mapping
@@ -64,7 +78,7 @@ def test_weights_land_in_huge_pages_with_their_values():
     if moved == 0:
         pytest.skip("the kernel refused MADV_COLLAPSE (older than 6.1, or no huge page free)")
     assert moved >= 8 * M
-    assert hp.huge_page_bytes(lo, hi) >= moved
+    assert huge_page_bytes(lo, hi) >= moved
     assert all(torch.equal(m.weight, b) for m, b in zip(model, before))
 
 
@@ -90,5 +104,5 @@ def test_the_engine_puts_a_cpu_models_weights_in_huge_pages(tmp_path, monkeypatc
             pytest.skip(f"the kernel refused MADV_COLLAPSE: {said}")
         else:
             emb = llm.engine.core.executor.driver_worker.model_runner.model.model.embed_tokens.weight
-            assert hp.huge_page_bytes(emb.data_ptr(), emb.data_ptr() + emb.untyped_storage().nbytes()) > 0
+            assert huge_page_bytes(emb.data_ptr(), emb.data_ptr() + emb.untyped_storage().nbytes()) > 0
         del llm

@@ -64,7 +64,8 @@ def weight_ranges(modules: Iterable[nn.Module], min_bytes: int = MIN_STORAGE) ->
                 if t.device.type != "cpu" or t.layout != torch.strided or t.is_mkldnn:
                     continue  # oneDNN's prepacked weights are opaque: no storage to point at
                 try:
-                    ptr, n = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+                    storage = t.untyped_storage()
+                    ptr, n = storage.data_ptr(), storage.nbytes()
                 except (RuntimeError, NotImplementedError):  # other opaque tensors
                     continue
                 if n >= min_bytes:
@@ -133,17 +134,3 @@ def weights_to_huge_pages(*modules: nn.Module | None) -> int:
     logger.info("weights in huge pages: %.0f MiB for %.0f MiB of weights in %d storages, in %.2f s", done / 2**20,
                 total / 2**20, len(ranges), time.perf_counter() - t0)
     return done
-
-
-def huge_page_bytes(lo: int, hi: int) -> int:
-    """How much of [lo, hi) /proc/self/smaps says is in anonymous huge pages (for tests and reports)."""
-    total, cur = 0, None
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                start, end = (int(x, 16) for x in head.split("-"))
-                cur = (start, end) if start < hi and end > lo else None
-            elif cur is not None and head == "AnonHugePages:":
-                total += int(line.split()[1]) * 1024
-    return total
