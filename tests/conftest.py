@@ -25,7 +25,7 @@ def pytest_configure(config):
     if not hasattr(config, "workerinput"):  # the main process (xdist's controller, or a plain run)
         import kernel_prebuild
 
-        kernel_prebuild.start(config)  # the x86-64-v3 variant, at idle priority, beside the tests
+        kernel_prebuild.start(config)  # the slow tests' extra kernel builds, at idle priority, beside the tests
         _build_kernels_once()
 
 
