@@ -4,11 +4,11 @@ block runs them (q/k/v, o, gate/up, down per layer; same-type neighbours concate
 ``gguf_linear_q8_tiled`` at the others; best of REPS steps. Where a step's linear time goes per M, and where the
 tiles pass the small-M kernel. R8: row counts for the same step with the Q4_K / Q6_K groups repacked 8 rows at a
 time (``gguf_repack8``, as ``GGUFWeight.repacked`` does at load) through ``gguf_linear_q8`` (the repacked kernel at
-every M; other types as before).
+every M; other types as before). HUGE_PAGES=1: the R8 weights collapsed into 2 MiB pages first (as after load).
 
     python scripts/gguf_linears_per_m.py FILE.gguf THREADS 1,8,16,32 REPS [SMALL: 4,8,12] [R8: 1,2,4,8,16,32,64]
 """
-import sys, time, numpy as np, torch, gguf
+import os, sys, time, numpy as np, torch, gguf
 path = sys.argv[1]; threads = int(sys.argv[2]); Ms = [int(m) for m in sys.argv[3].split(",")]; reps = int(sys.argv[4])
 SMALL = [int(m) for m in sys.argv[5].split(",")] if len(sys.argv) > 5 and sys.argv[5] else []
 R8 = [int(m) for m in sys.argv[6].split(",")] if len(sys.argv) > 6 and sys.argv[6] else []
@@ -67,5 +67,11 @@ for M in R8:
     if M == R8[0]:
         layers = [[repacked(lin) for lin in L] for L in layers]
         head = repacked(head)
+        if os.environ.get("HUGE_PAGES") == "1":  # the weights in 2 MiB pages, as the engine has them after load
+            from openinfer.worker.huge_pages import weights_to_huge_pages
+            holder = torch.nn.Module()
+            for i, (_, data, _) in enumerate([g for L in layers for lin in L for g in lin] + head):
+                holder.register_buffer(f"w{i}", data)
+            print(f"huge pages: {weights_to_huge_pages(holder) / 1e6:.1f} MB")
     best = best_step(ops.gguf_linear_q8, M)
     print(f"r8 M={M} t{threads}: {best*1e3:.2f} ms/step, {nbytes/best/1e9:.1f} GB/s")

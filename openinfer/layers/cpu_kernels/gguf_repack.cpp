@@ -183,6 +183,12 @@ at::Tensor gguf_unpack8(const at::Tensor& data, int64_t code, int64_t N) {
 
 // ---- the kernel ---------------------------------------------------------------------------------------------------
 
+// Bytes ahead in the weight stream that the kernel prefetches. At batch 1 two threads stream ~30 GB/s, so ~100 ns of
+// memory latency is ~1.5 KB in flight a thread; 1 KB ahead left the loads waiting. 4 KB: the Q4_K_M bench file's
+// fused decode layers (scripts/gguf_layers_replay.py, 2 threads, 2-core EPYC, 23 pairs of alternating processes)
+// had the lower median in 18 pairs (by up to 15 %) and the lower min in most (by 5-10 %); 8 KB was no better.
+constexpr int64_t kPrefetch = 4096;
+
 // Per activation row and 16-column group of Q6_K: 32 x the negated sum of q (the offset's share of the dot).
 struct Q6Offsets {
   std::vector<int32_t> v;
@@ -201,7 +207,6 @@ inline __m256i bcast4(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
-constexpr int64_t kPrefetch = 1024;  // bytes ahead in the weight stream
 
 // MR activation rows (xq [MR][K] int8, their scales dx and rounded sums xs [MR][G]) times one group's 8 rows: out
 // [MR][8] (no bias).
