@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "kernels.h"
@@ -61,9 +62,9 @@ inline vfloat4 reduce4(vfloat a0, vfloat a1, vfloat a2, vfloat a3) {
   return __builtin_shufflevector(d, d, 0, 2, 4, 6) + __builtin_shufflevector(d, d, 1, 3, 5, 7);
 }
 
-// Dots of qg with the four rows at k0 (row stride D): 16 floats of each row per step, in 16 / kW independent
+// Dots of qg with the four rows at k0 (row stride rs): 16 floats of each row per step, in 16 / kW independent
 // FMA chains per row (four 8-lane chains would leave AVX2's two FMA units waiting on latency).
-inline vfloat4 dots4(const float* __restrict__ qg, const float* __restrict__ k0, int64_t D) {
+inline vfloat4 dots4(const float* __restrict__ qg, const float* __restrict__ k0, int64_t D, int64_t rs) {
   constexpr int U = 16 / kW;
   vfloat a[4][U] = {};
   int64_t c = 0;
@@ -72,13 +73,13 @@ inline vfloat4 dots4(const float* __restrict__ qg, const float* __restrict__ k0,
     for (int u = 0; u < U; ++u) {
       const vfloat qv = loadv(qg + c + u * kW);
 #pragma GCC unroll 4
-      for (int r = 0; r < 4; ++r) a[r][u] += qv * loadv(k0 + r * D + c + u * kW);
+      for (int r = 0; r < 4; ++r) a[r][u] += qv * loadv(k0 + r * rs + c + u * kW);
     }
   }
   for (; c < D; c += kW) {  // D % 16 == 8 on 8-lane builds
     const vfloat qv = loadv(qg + c);
 #pragma GCC unroll 4
-    for (int r = 0; r < 4; ++r) a[r][0] += qv * loadv(k0 + r * D + c);
+    for (int r = 0; r < 4; ++r) a[r][0] += qv * loadv(k0 + r * rs + c);
   }
 #pragma GCC unroll 4
   for (int r = 0; r < 4; ++r) {
@@ -88,12 +89,12 @@ inline vfloat4 dots4(const float* __restrict__ qg, const float* __restrict__ k0,
   return reduce4(a[0][0], a[1][0], a[2][0], a[3][0]);
 }
 
-// The scores of the kW rows at k0, as one vector.
-inline vfloat dots_w(const float* __restrict__ qg, const float* __restrict__ k0, int64_t D) {
-  const vfloat4 s0 = dots4(qg, k0, D), s1 = dots4(qg, k0 + 4 * D, D);
+// The scores of the kW rows at k0 (row stride rs), as one vector.
+inline vfloat dots_w(const float* __restrict__ qg, const float* __restrict__ k0, int64_t D, int64_t rs) {
+  const vfloat4 s0 = dots4(qg, k0, D, rs), s1 = dots4(qg, k0 + 4 * rs, D, rs);
   const vfloat8 s01 = __builtin_shufflevector(s0, s1, 0, 1, 2, 3, 4, 5, 6, 7);
 #if OI_VEC_LANES == 16
-  const vfloat4 s2 = dots4(qg, k0 + 8 * D, D), s3 = dots4(qg, k0 + 12 * D, D);
+  const vfloat4 s2 = dots4(qg, k0 + 8 * rs, D, rs), s3 = dots4(qg, k0 + 12 * rs, D, rs);
   const vfloat8 s23 = __builtin_shufflevector(s2, s3, 0, 1, 2, 3, 4, 5, 6, 7);
   return __builtin_shufflevector(s01, s23, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 #else
@@ -101,26 +102,26 @@ inline vfloat dots_w(const float* __restrict__ qg, const float* __restrict__ k0,
 #endif
 }
 
-// sg[t] = qg . keys[t] for t < n; keys are n rows of D floats. kW keys at a time are one vector store
+// sg[t] = qg . keys[t] for t < n; keys are n rows of D floats, rs apart. kW keys at a time are one vector store
 // (the softmax reads them back as a vector: no store-forwarding stall from scalar stores).
 inline void block_scores(const float* __restrict__ qg, const float* __restrict__ keys, float* __restrict__ sg,
-                         int64_t n, int64_t D) {
+                         int64_t n, int64_t D, int64_t rs) {
   int64_t t = 0;
   if (D % kW == 0) {
-    for (; t + kW <= n; t += kW) storev(sg + t, dots_w(qg, keys + t * D, D));
+    for (; t + kW <= n; t += kW) storev(sg + t, dots_w(qg, keys + t * rs, D, rs));
     for (; t + 4 <= n; t += 4) {
-      const vfloat4 s4 = dots4(qg, keys + t * D, D);
+      const vfloat4 s4 = dots4(qg, keys + t * rs, D, rs);
       std::memcpy(sg + t, &s4, sizeof(s4));
     }
     for (; t < n; ++t) {
       vfloat a = {};
-      for (int64_t c = 0; c < D; c += kW) a += loadv(qg + c) * loadv(keys + t * D + c);
+      for (int64_t c = 0; c < D; c += kW) a += loadv(qg + c) * loadv(keys + t * rs + c);
       sg[t] = hsum(a);
     }
     return;
   }
   for (; t < n; ++t) {
-    const float* __restrict__ kt = keys + t * D;
+    const float* __restrict__ kt = keys + t * rs;
     float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
     for (int64_t d = 0; d < D; ++d) dot += qg[d] * kt[d];
@@ -138,10 +139,10 @@ inline void scale_row(float* __restrict__ row, float a, int64_t D) {
   for (int64_t d = 0; d < D; ++d) row[d] *= a;
 }
 
-// ag += sum_t pg[t] * vals[t] for t < n; vals are n rows of D floats. 64 floats of ag at a time stay in
+// ag += sum_t pg[t] * vals[t] for t < n; vals are n rows of D floats, rs apart. 64 floats of ag at a time stay in
 // registers across the block, 64 / kW vectors, so that four (AVX-512) or eight (AVX2) FMA chains run side by side.
 inline void block_values(float* __restrict__ ag, const float* __restrict__ pg, const float* __restrict__ vals,
-                         int64_t n, int64_t D) {
+                         int64_t n, int64_t D, int64_t rs) {
   constexpr int U = 64 / kW;
   if (D % 64 == 0) {
     for (int64_t c = 0; c < D; c += 64) {
@@ -149,7 +150,7 @@ inline void block_values(float* __restrict__ ag, const float* __restrict__ pg, c
 #pragma GCC unroll 8
       for (int u = 0; u < U; ++u) a[u] = loadv(ag + c + u * kW);
       for (int64_t t = 0; t < n; ++t) {
-        const float* vt = vals + t * D + c;
+        const float* vt = vals + t * rs + c;
         const float p = pg[t];
 #pragma GCC unroll 8
         for (int u = 0; u < U; ++u) a[u] += p * loadv(vt + u * kW);
@@ -162,14 +163,14 @@ inline void block_values(float* __restrict__ ag, const float* __restrict__ pg, c
   if (D % kW == 0) {
     for (int64_t c = 0; c < D; c += kW) {
       vfloat a = loadv(ag + c);
-      for (int64_t t = 0; t < n; ++t) a += pg[t] * loadv(vals + t * D + c);
+      for (int64_t t = 0; t < n; ++t) a += pg[t] * loadv(vals + t * rs + c);
       storev(ag + c, a);
     }
     return;
   }
   for (int64_t t = 0; t < n; ++t) {
     const float p = pg[t];
-    const float* __restrict__ vt = vals + t * D;
+    const float* __restrict__ vt = vals + t * rs;
 #pragma omp simd
     for (int64_t d = 0; d < D; ++d) ag[d] += p * vt[d];
   }
@@ -239,10 +240,18 @@ void run(const Problem& pb, char* out, const char* q, const CT* kc, const CT* vc
             prefetch_rows(vc + nb, nn, pb.c_st, D);
           }
           // scores, then the online softmax: new max, rescale what was accumulated under the old one
-          for (int64_t t = 0; t < n; ++t) load_row(kc + base + t * pb.c_st, buf + t * D, D);
+          // fp32 rows are read where they are in the cache (a slot's stride apart); other dtypes as fp32 in buf
+          const float* keys = buf;
+          int64_t rs = D;
+          if constexpr (std::is_same_v<CT, float>) {
+            keys = kc + base;
+            rs = pb.c_st;
+          } else {
+            for (int64_t t = 0; t < n; ++t) load_row(kc + base + t * pb.c_st, buf + t * D, D);
+          }
           for (int64_t g = 0; g < G; ++g) {
             float* __restrict__ sg = sc + g * bsp;
-            block_scores(qf + g * D, buf, sg, n, D);
+            block_scores(qf + g * D, keys, sg, n, D, rs);
             for (int64_t t = n; t < bsp; ++t) sg[t] = ninf;  // padding: exp() -> ~0, never used for V
             vfloat m = loadv(sg);
             for (int64_t c = kW; c < bsp; c += kW) m = vmax(m, loadv(sg + c));
@@ -262,8 +271,12 @@ void run(const Problem& pb, char* out, const char* q, const CT* kc, const CT* vc
             sum[g] += hsum(s);
           }
           // values
-          for (int64_t t = 0; t < n; ++t) load_row(vc + base + t * pb.c_st, buf + t * D, D);
-          for (int64_t g = 0; g < G; ++g) block_values(acc + g * D, sc + g * bsp, buf, n, D);
+          const float* vals = buf;
+          if constexpr (std::is_same_v<CT, float>)
+            vals = vc + base;
+          else
+            for (int64_t t = 0; t < n; ++t) load_row(vc + base + t * pb.c_st, buf + t * D, D);
+          for (int64_t g = 0; g < G; ++g) block_values(acc + g * D, sc + g * bsp, vals, n, D, rs);
         }
         for (int64_t g = 0; g < G; ++g) {
           scale_row(acc + g * D, 1.0f / sum[g], D);  // sum >= 1: the max score contributes exp(0)
