@@ -7,7 +7,7 @@ import signal
 import time
 
 import pytest
-from helpers import make_dense_checkpoint
+from helpers import make_dense_checkpoint, random_prompts
 
 from openinfer import LLM, SamplingParams
 from openinfer.engine.core import EngineDeadError
@@ -57,41 +57,32 @@ def test_tp2_on_ray_matches_one_process_and_a_killed_actor_fails_it(ray_local, t
     assert time.monotonic() - t0 < 15 and not eng.has_unfinished_requests()
 
 
-def test_pd_between_two_tp2_deployments_on_ray(ray_local, tmp_path):
-    """The KV connector under the Ray executor: every actor runs its rank's NIXL agent and side channel, as under
-    mp (tests/test_pd_parallel.py); a TP 2 decoder reads a TP 2 producer's shards, tokens as one process, both
-    pools whole afterwards."""
+def test_pd_deepseek_tp2_and_dp2_ep_with_mtp_on_ray(ray_local, tmp_path_factory):
+    """DeepSeek's serving shape with every rank a Ray actor: each actor runs its rank's NIXL agent and side channel
+    as under mp. Prefill TP 2 -> decode DP 2 + EP by pull, then the reverse by push (each replica's rank registers
+    with the producer's one rank), MTP k = 2 on both sides (test_pd_parallel.py's
+    test_tp2_to_dp2_ep_and_back_deepseek_v3, on Ray): tokens as one process, every prompt token but the last
+    moved, both pools whole."""
     pytest.importorskip("nixl")
     import json
 
-    from helpers import random_prompts
-    from test_kv_nixl_engines import stepping
+    from test_pd_parallel import KW, _check_pd  # (it puts scripts/ on the path)
 
-    path = str(make_dense_checkpoint(tmp_path / "llama"))
-    kw = dict(dtype="float32", max_model_len=256, num_kv_blocks=64, block_size=16)
+    from make_deepseek_checkpoint import make_v3
 
-    def pd(role):
-        return LLM(path, kv_transfer_config=json.dumps({"kv_connector": "NixlConnector", "kv_role": role,
-                                                        "load_timeout_s": 5.0}),
-                   tensor_parallel_size=2, distributed_executor_backend="ray", **kw)
-
-    prod, cons, ref = pd("kv_producer"), pd("kv_consumer"), LLM(path, **kw)
+    ck = make_v3(tmp_path_factory.mktemp("pd-ray"), "tiny", overrides={"num_nextn_predict_layers": 1})
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    kt = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "load_timeout_s": 5.0}
+    push = json.dumps({**kt, "kv_connector_extra_config": {"send_type": "PUT"}})  # send_type: the decoding side's
+    tp2 = LLM(str(ck), kv_transfer_config=push, speculative_config=spec, tensor_parallel_size=2,
+              distributed_executor_backend="ray", **KW)
+    dep = LLM(str(ck), kv_transfer_config=json.dumps(kt), speculative_config=spec, data_parallel_size=2,
+              enable_expert_parallel=True, distributed_executor_backend="ray", **KW)
+    ref = LLM(str(ck), speculative_config=spec, **KW)
     try:
-        for prompt in random_prompts(0, [40, 17]):
-            sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-            want = ref.generate([prompt], sp, use_tqdm=False)[0].outputs[0].token_ids
-            held = prod.generate([prompt], SamplingParams(temperature=0, max_tokens=1, kv_transfer_params={
-                "do_remote_decode": True}), use_tqdm=False)[0].kv_transfer_params
-            with stepping(prod):
-                got = cons.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
-                                                             kv_transfer_params=held), use_tqdm=False)[0]
-            assert got.outputs[0].token_ids == want and got.num_cached_tokens == len(prompt) - 1
-        for _ in range(200):
-            if not prod.engine.has_unfinished_requests():
-                break
-            prod.engine.step()
-        assert cons.engine.stats().kv_transfer.loads_ok == 2
-        assert prod.engine.core.kv.all_free() and cons.engine.core.kv.all_free()
+        for prod, cons, send_type in ((tp2, dep, "GET"), (dep, tp2, "PUT")):
+            _check_pd({"prod": prod, send_type: cons, "ref": ref}, send_type, random_prompts(3, [40, 17, 33]))
+            assert cons.engine.stats().spec_decode.num_draft_tokens > 0
     finally:
-        for llm in (prod, cons, ref):
+        for llm in (tp2, dep, ref):
             llm.engine.shutdown()
