@@ -7,7 +7,8 @@
 // and G = Hq / Hk query heads per kv head (GQA; G = 1 is MHA).
 //
 // One task per (sequence, kv head): its G query rows are loaded once as fp32 (pre-scaled), then each cache
-// block is read once: the block's K rows are converted to fp32, G x n scores computed, the running max / sum
+// block is read once: the block's K rows are read in place (fp32 caches) or converted to fp32 into scratch (bf16,
+// fp8), G x n scores computed, the running max / sum
 // of an online softmax updated (accumulators rescaled when the max grows), and the block's V rows
 // accumulated into G fp32 rows. Everything is fp32 internally; bf16 -> fp32 is a 16-bit shift, fp8 e4m3 -> fp32
 // (kv_cache_dtype fp8) a few integer ops in registers (vec.h). The inner
