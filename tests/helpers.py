@@ -131,3 +131,26 @@ def peer_args(model, *extra: str):
     args = p.parse_args(["--model", str(model), "--output-dir", "unused", *extra])
     resolve_workload(args)
     return args
+
+
+# A local Ray instance must stay on loopback: ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER once, at import, and only
+# with it 0 honours _node_ip_address (else the node, its actors and the executor's socket sit on the host's external
+# address). tests/conftest.py sets it too, for a worker process that imported ray earlier.
+RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
+           "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+
+
+def start_local_ray(temp_dir: str | Path, num_cpus: int = 4):
+    """Start a Ray instance on 127.0.0.1 with this process as its head driver; returns the ray module. Other
+    processes join it with ``RAY_ADDRESS=ray.get_runtime_context().gcs_address`` (and RAY_ENV). ray.shutdown()
+    stops it."""
+    import os
+
+    import pytest
+
+    os.environ.update(RAY_ENV)
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=num_cpus, _node_ip_address="127.0.0.1", include_dashboard=False, _temp_dir=str(temp_dir),
+             log_to_driver=False)
+    assert ray.util.get_node_ip_address() == "127.0.0.1", "the test Ray node must stay on loopback"
+    return ray

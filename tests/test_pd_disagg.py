@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -300,8 +301,10 @@ def _deepseek_with_mtp(arch, tmp_path_factory) -> tuple[str, tuple[str, ...]]:
     return str(model), ("--block-size", "8")
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v4", "deepseek_v41"])
-def test_router_pd_full_deepseek_shape(arch, tmp_path_factory):
+# V3's servers run every rank as a Ray actor (both join one local Ray instance through RAY_ADDRESS, as servers join
+# a cluster), V4's and V4.1's as processes (mp): both executors behind the router without a fourth server pair.
+@pytest.mark.parametrize("arch,backend", [("deepseek_v3", "ray"), ("deepseek_v4", "mp"), ("deepseek_v41", "mp")])
+def test_router_pd_full_deepseek_shape(arch, backend, tmp_path_factory):
     """The production DeepSeek shape at toy scale, as processes behind the unmodified router: a prefill instance and
     a decode instance, each DP 2 + EP with MTP k = 2 (V4.1: DSpark, its MTP; the prefill's prompt pass fills the
     drafter's KV, which moves with the target's groups). Two requests at once (the least-loaded pick spreads them
@@ -315,6 +318,12 @@ def test_router_pd_full_deepseek_shape(arch, tmp_path_factory):
         pytest.skip("vllm-router is not installed (pip install 'openinfer[pd]')")
     from concurrent.futures import ThreadPoolExecutor
 
+    ray, env = None, {}
+    if backend == "ray":
+        from helpers import RAY_ENV, start_local_ray
+
+        ray = start_local_ray(tmp_path_factory.mktemp("ray"))  # 4 CPUs: two servers' placement groups of 2
+        env = {**RAY_ENV, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
     model, model_args = _deepseek_with_mtp(arch, tmp_path_factory)
     # Chunked prefill (8-token chunks) and pools small enough that a replica holding two of the four requests runs
     # out of blocks while they decode, though both are admitted (with the k = 2 lookahead, 3 of 16-token blocks each
@@ -325,10 +334,11 @@ def test_router_pd_full_deepseek_shape(arch, tmp_path_factory):
     args = (*COMMON, *model_args, "--data-parallel-size", "2", "--enable-expert-parallel",
             "--num-kv-blocks", pool,  # after COMMON's: the last one counts
             "--max-num-batched-tokens", "8",
-            "--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 2}))
+            "--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 2}),
+            "--distributed-executor-backend", backend)
     push_kv = {**KV, "kv_connector_extra_config": {"send_type": "PUT"}}
-    a = ServerProcess(model, *args, "--kv-transfer-config", json.dumps(push_kv), wait=False)
-    b = ServerProcess(model, *args, "--kv-transfer-config", json.dumps(KV), wait=False)
+    a = ServerProcess(model, *args, "--kv-transfer-config", json.dumps(push_kv), wait=False, env=env)
+    b = ServerProcess(model, *args, "--kv-transfer-config", json.dumps(KV), wait=False, env=env)
     router = None
     # Both past V4's 16-token window (and V4.1's 8): the window groups send released (-1) blocks too.
     prompts = ["the full shape: prefill and decode, too.", "MTP drafts on the decoder, four requests",
@@ -375,7 +385,14 @@ def test_router_pd_full_deepseek_shape(arch, tmp_path_factory):
             _stop_router(router)
             router = None
         assert preempted > 0
+        if ray is not None:  # each server's two ranks are actors of the one Ray instance (their output comes
+            # to the server's log, tagged with the actor's pid), whose four CPUs the two placement groups hold
+            for s in (a, b):
+                assert len(set(re.findall(r"\(RayWorkerHost pid=(\d+)\)", s.log_path.read_text()))) == 2, s.log()
+            assert ray.available_resources().get("CPU", 0) == 0, ray.available_resources()
     finally:
         _stop_router(router)
         a.stop()
         b.stop()
+        if ray is not None:
+            ray.shutdown()

@@ -7,7 +7,7 @@ import signal
 import time
 
 import pytest
-from helpers import make_dense_checkpoint, random_prompts
+from helpers import make_dense_checkpoint, random_prompts, start_local_ray
 
 from openinfer import LLM, SamplingParams
 from openinfer.engine.core import EngineDeadError
@@ -19,16 +19,7 @@ PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 44))]
 
 @pytest.fixture(scope="module")
 def ray_local(tmp_path_factory):
-    # Before ray is imported: it reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER once, at import, and only with it 0 does
-    # it honour _node_ip_address (else the node, its actors and the executor's socket sit on the host's external
-    # address). tests/conftest.py sets it too, for a worker process that imported ray earlier.
-    for k, v in {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
-                 "RAY_USAGE_STATS_ENABLED": "0", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}.items():
-        os.environ[k] = v
-    ray = pytest.importorskip("ray")
-    ray.init(num_cpus=4, _node_ip_address="127.0.0.1", include_dashboard=False,
-             _temp_dir=str(tmp_path_factory.mktemp("ray")), log_to_driver=False)
-    assert ray.util.get_node_ip_address() == "127.0.0.1", "the test Ray node must stay on loopback"
+    ray = start_local_ray(tmp_path_factory.mktemp("ray"))
     yield ray
     ray.shutdown()
 
