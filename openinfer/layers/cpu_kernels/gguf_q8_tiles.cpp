@@ -6,7 +6,8 @@
 // tile, column-interleaved: for 32-column block b and k-quad j (columns 32 b + 4 j .. + 3), 16 columns x 4 bytes
 // (one 256-bit vector holds 8 columns' 4 bytes), the offset taken off (Q4_0 q - 8, Q6_K q - 32: signed), next to
 // each scale group's fp32 scale (d, d sc_j; Q6_K two per block, one per 16 columns), each block's min (Q4_1 m,
-// Q4_K -dmin mn_j) and each group's -128 Σ q_w. Then every activation row, kMR at a time, runs over the tile:
+// Q4_K -dmin mn_j) and each group's -128 Σ q_w. Then every activation row, kMR at a time (AVX-512 VNNI: kMRW,
+// 512-bit, over packed panels: tile_rows512), runs over the tile:
 // activations u = q + 128 (unsigned) broadcast 4 bytes at a time, weights signed, _mm256_dpbusd_epi32 (AVX512-VNNI
 // with VL, or AVX-VNNI) or AVX2's _mm256_maddubs_epi16 + _mm256_madd_epi16 into 8 columns' int32 lanes, started at
 // -128 Σ q_w so the group's sum is Σ q_x q_w exactly:
@@ -438,6 +439,91 @@ void tile_rows(const Tile& t, const uint8_t* u, const float* dx, const float* xs
   }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+// tile_rows with 512-bit vectors over packed activations. A 16-column tile row (64 bytes of quads, 16 scales, 16
+// comps, 16 mins) is one register, so a row needs one int32 and one fp32 accumulator instead of two of each: 12
+// rows in 24 registers. The activations come packed in panels of kMRW rows (pack_panels: quad k of the panel's rows
+// side by side, their scales and sums likewise), so every broadcast is one base pointer plus a constant: with rows
+// K bytes apart the 256-bit kernel spilled its accumulators at every scale group and spent about as many cycles on
+// the epilogue and addressing as on the dots (perf, Zen 4). Per lane the same operations in the same order as
+// tile_rows: the same bits.
+constexpr bool kWide = true;
+constexpr int kMRW = 12;
+
+template <int MR, int S, bool kMin>
+void tile_rows512(const Tile& t, const int32_t* a, const float* dx, const float* xs, int64_t G, float* out) {
+  constexpr int kQuads = 8 / S;
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < G; ++b, a += 8 * kMRW, dx += kMRW, xs += kMRW) {
+    const int32_t* wq = t.q.data() + b * 8 * kNC;
+    for (int g = 0; g < S; ++g) {
+      const __m512i c = _mm512_loadu_si512(t.comp.data() + (b * S + g) * kNC);
+      __m512i ia[MR];
+      for (int r = 0; r < MR; ++r) ia[r] = c;
+#pragma GCC unroll 8
+      for (int j = g * kQuads; j < (g + 1) * kQuads; ++j) {
+        const __m512i w = _mm512_loadu_si512(wq + j * kNC);
+        for (int r = 0; r < MR; ++r) ia[r] = _mm512_dpbusd_epi32(ia[r], _mm512_set1_epi32(a[j * kMRW + r]), w);
+      }
+      const __m512 s = _mm512_loadu_ps(t.s.data() + (b * S + g) * kNC);
+      for (int r = 0; r < MR; ++r)
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[r]), _mm512_mul_ps(s, _mm512_set1_ps(dx[r])), acc[r]);
+    }
+    if constexpr (kMin) {
+      const __m512 m = _mm512_loadu_ps(t.mn.data() + b * kNC);
+      for (int r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r]), acc[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(out + r * kNC, acc[r]);
+}
+
+// mr (1 .. MR) packed rows over the tile.
+template <int MR, int S, bool kMin>
+inline void rows_over_tile(int mr, const Tile& t, const int32_t* a, const float* dx, const float* xs, int64_t G,
+                           float* out) {
+  if constexpr (MR > 1) {
+    if (mr < MR) return rows_over_tile<MR - 1, S, kMin>(mr, t, a, dx, xs, G, out);
+  }
+  tile_rows512<MR, S, kMin>(t, a, dx, xs, G, out);
+}
+
+// Panel p of the activations (rows kMRW p .. + kMRW): quad k of row r at a[p][k][r] (u = q + 128 as four bytes),
+// block b's scale and sum at dx[p][b][r], xs[p][b][r]; rows past M are zeros (u 128, scale 0).
+void pack_panels(const uint8_t* u, const QX& qx, int64_t M, int64_t K, int64_t G, int64_t p0, int64_t p1, int32_t* a,
+                 float* dx, float* xs) {
+  const int64_t Q = K / 4;
+  for (int64_t p = p0; p < p1; ++p) {
+    int32_t* ap = a + p * Q * kMRW;
+    float *dp = dx + p * G * kMRW, *sp = xs + p * G * kMRW;
+    for (int r = 0; r < kMRW; ++r) {
+      const int64_t m = p * kMRW + r;
+      if (m < M) {
+        const uint8_t* um = u + m * K;
+        for (int64_t k = 0; k < Q; ++k) std::memcpy(ap + k * kMRW + r, um + 4 * k, 4);
+        for (int64_t b = 0; b < G; ++b) {
+          dp[b * kMRW + r] = qx.d[m * G + b];
+          sp[b * kMRW + r] = qx.sum[m * G + b];
+        }
+      } else {
+        for (int64_t k = 0; k < Q; ++k) ap[k * kMRW + r] = static_cast<int32_t>(0x80808080u);
+        for (int64_t b = 0; b < G; ++b) dp[b * kMRW + r] = sp[b * kMRW + r] = 0.f;
+      }
+    }
+  }
+}
+#else
+constexpr bool kWide = false;
+constexpr int kMRW = 1;
+#endif
+
+// The packed activations of the 512-bit kernel (empty otherwise).
+struct Panels {
+  const int32_t* a = nullptr;
+  const float* dx = nullptr;
+  const float* xs = nullptr;
+};
+
 // A thread's chunks, kGroup at a time: the group's tiles are decoded first (K x 16 bytes each: 8 of them for
 // K = 2816 are 360 KB, in L2), then each kMR activation rows run over all of them, so a row's K bytes are read
 // from L1 once per group rather than from L3 once per 16 columns: with one tile per pass, prefill of 1,024 rows
@@ -446,13 +532,13 @@ constexpr int kGroup = 8;
 
 template <int64_t T, bool kR8 = false>
 void run_chunks(int64_t n0, int64_t n1, const uint8_t* wp, int64_t row_bytes, int64_t nb, const uint8_t* u,
-                const QX& qx, int64_t M, int64_t N, int64_t K, const float* bias, float* y) {
+                const QX& qx, const Panels& pn, int64_t M, int64_t N, int64_t K, const float* bias, float* y) {
   constexpr int S = T == Q6_K ? 2 : 1;
   constexpr bool kMin = T == Q4_1 || T == Q4_K;
-  constexpr int kR = S == 2 && kMR > 4 ? 4 : kMR;  // rows per pass for this type
+  constexpr int kR = kWide ? kMRW : S == 2 && kMR > 4 ? 4 : kMR;  // rows per pass for this type
   const int64_t G = K / 32;
   thread_local Tile tiles[kGroup];
-  alignas(32) float out[kMR * kNC];
+  alignas(64) float out[(kMR > kMRW ? kMR : kMRW) * kNC];
   for (int64_t g0 = n0; g0 < n1; g0 += kGroup) {
     const int64_t g1 = std::min(n1, g0 + kGroup);
     for (int64_t ch = g0; ch < g1; ++ch) {
@@ -478,6 +564,13 @@ void run_chunks(int64_t n0, int64_t n1, const uint8_t* wp, int64_t row_bytes, in
       const float* xs = qx.sum.data() + m * G;
       for (int64_t ch = g0; ch < g1; ++ch) {
         const Tile& tile = tiles[ch - g0];
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+        const int64_t p = m / kMRW;
+        rows_over_tile<kMRW, S, kMin>(mr, tile, pn.a + p * (K / 4) * kMRW, pn.dx + p * G * kMRW,
+                                      pn.xs + p * G * kMRW, G, out);
+        (void)um, (void)dx, (void)xs;
+#else
+        (void)pn;
         switch (mr) {
           case 6: tile_rows<(kMR >= 6 ? 6 : 1), S, kMin>(tile, um, dx, xs, K, G, out); break;
           case 5: tile_rows<(kMR >= 5 ? 5 : 1), S, kMin>(tile, um, dx, xs, K, G, out); break;
@@ -486,6 +579,7 @@ void run_chunks(int64_t n0, int64_t n1, const uint8_t* wp, int64_t row_bytes, in
           case 2: tile_rows<2, S, kMin>(tile, um, dx, xs, K, G, out); break;
           default: tile_rows<1, S, kMin>(tile, um, dx, xs, K, G, out); break;
         }
+#endif
         const int64_t c0 = ch * kNC;
         const int nc = static_cast<int>(std::min<int64_t>(kNC, N - c0));
         for (int r = 0; r < mr; ++r) {
@@ -541,6 +635,18 @@ void gguf_linear_q8_tiled(at::Tensor y, const at::Tensor& x, const at::Tensor& d
     for (int64_t i = m0 * K; i < m1 * K; i += 32)  // q + 128: the unsigned operand
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(up + i), _mm256_xor_si256(load32(qr.q.data() + i), flip));
   });
+  Panels pn;
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+  thread_local std::vector<int32_t> pa;
+  thread_local std::vector<float> pd, ps;
+  const int64_t panels = (M + kMRW - 1) / kMRW;
+  if (static_cast<int64_t>(pa.size()) < panels * kMRW * K / 4) pa.resize(panels * kMRW * K / 4);
+  if (static_cast<int64_t>(pd.size()) < panels * kMRW * G) pd.resize(panels * kMRW * G), ps.resize(panels * kMRW * G);
+  int32_t* pap = pa.data();
+  float *pdp = pd.data(), *psp = ps.data();
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) { pack_panels(up, qr, M, K, G, p0, p1, pap, pdp, psp); });
+  pn = Panels{pap, pdp, psp};
+#endif
   const uint8_t* wp = data.data_ptr<uint8_t>();
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
@@ -548,15 +654,15 @@ void gguf_linear_q8_tiled(at::Tensor y, const at::Tensor& x, const at::Tensor& d
   at::parallel_for(0, chunks, 1, [&](int64_t n0, int64_t n1) {
     if (r8) {  // row_bytes * 8 / 8: a group of 8 rows holds 8 rows' bytes (+ Q4_K's 4 per super-block and row)
       const int64_t gb = nb * (qtype == Q4_K ? 1184 : 1680);
-      if (qtype == Q4_K) return run_chunks<Q4_K, true>(n0, n1, wp, gb, nb, up, qr, M, N, K, bp, yp);
-      return run_chunks<Q6_K, true>(n0, n1, wp, gb, nb, up, qr, M, N, K, bp, yp);
+      if (qtype == Q4_K) return run_chunks<Q4_K, true>(n0, n1, wp, gb, nb, up, qr, pn, M, N, K, bp, yp);
+      return run_chunks<Q6_K, true>(n0, n1, wp, gb, nb, up, qr, pn, M, N, K, bp, yp);
     }
     switch (qtype) {
-      case Q8_0: return run_chunks<Q8_0>(n0, n1, wp, row_bytes, nb, up, qr, M, N, K, bp, yp);
-      case Q4_0: return run_chunks<Q4_0>(n0, n1, wp, row_bytes, nb, up, qr, M, N, K, bp, yp);
-      case Q4_1: return run_chunks<Q4_1>(n0, n1, wp, row_bytes, nb, up, qr, M, N, K, bp, yp);
-      case Q4_K: return run_chunks<Q4_K>(n0, n1, wp, row_bytes, nb, up, qr, M, N, K, bp, yp);
-      default: return run_chunks<Q6_K>(n0, n1, wp, row_bytes, nb, up, qr, M, N, K, bp, yp);
+      case Q8_0: return run_chunks<Q8_0>(n0, n1, wp, row_bytes, nb, up, qr, pn, M, N, K, bp, yp);
+      case Q4_0: return run_chunks<Q4_0>(n0, n1, wp, row_bytes, nb, up, qr, pn, M, N, K, bp, yp);
+      case Q4_1: return run_chunks<Q4_1>(n0, n1, wp, row_bytes, nb, up, qr, pn, M, N, K, bp, yp);
+      case Q4_K: return run_chunks<Q4_K>(n0, n1, wp, row_bytes, nb, up, qr, pn, M, N, K, bp, yp);
+      default: return run_chunks<Q6_K>(n0, n1, wp, row_bytes, nb, up, qr, pn, M, N, K, bp, yp);
     }
   });
 #endif
