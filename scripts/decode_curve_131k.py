@@ -228,6 +228,8 @@ def main() -> None:
                     help="with --replot: also merge the runs of another output directory's runs/ for these "
                          "(model, context) pairs, e.g. an earlier branch's points this one did not re-measure "
                          "(each run keeps its file path in decode_curve.json)")
+    ap.add_argument("--host-note", default="how each run was scheduled: the README beside the picture",
+                    help="what the caption says of the host's conditions (e.g. 'nice 19', 'alone')")
     ap.add_argument("--replot", action="store_true",
                     help="run nothing: reduce every raw JSON in OUT/runs (from several invocations, each a subset of "
                          "the grid) into decode_curve.json and decode_curve.png")
@@ -276,7 +278,7 @@ def main() -> None:
     prompts = (f"shared prefix = context - {args.tail} (prefilled once, prefix-cache hits)" if shared.pop() else
                "distinct prompts (no prefix-cache hits)")
     caption = (f"openinfer bench throughput --mode decode, MTP k=3, {prompts}, {args.decode_steps} timed steps; "
-               f"median of up to {args.repeats} repeats, band = min-max; 2-core shared CPU host, nice 19")
+               f"median of up to {args.repeats} repeats, band = min-max; 2-core shared CPU host ({args.host_note})")
     prediction = None
     if args.ns_per_score > 0:
         prediction = predicted(rows, doc["models"], args.ns_per_score)
