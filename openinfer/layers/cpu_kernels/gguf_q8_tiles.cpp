@@ -440,6 +440,12 @@ void tile_rows(const Tile& t, const uint8_t* u, const float* dx, const float* xs
 }
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
+#define OI_WIDE_TILES 1
+#else
+#define OI_WIDE_TILES 0
+#endif
+
+#if OI_WIDE_TILES
 // tile_rows with 512-bit vectors over packed activations. A 16-column tile row (64 bytes of quads, 16 scales, 16
 // comps, 16 mins) is one register, so a row needs one int32 and one fp32 accumulator instead of two of each: 12
 // rows in 24 registers. The activations come packed in panels of kMRW rows (pack_panels: quad k of the panel's rows
@@ -447,7 +453,6 @@ void tile_rows(const Tile& t, const uint8_t* u, const float* dx, const float* xs
 // K bytes apart the 256-bit kernel spilled its accumulators at every scale group and spent about as many cycles on
 // the epilogue and addressing as on the dots (perf, Zen 4). Per lane the same operations in the same order as
 // tile_rows: the same bits.
-constexpr bool kWide = true;
 constexpr int kMRW = 12;
 
 template <int MR, int S, bool kMin>
@@ -488,36 +493,41 @@ inline void rows_over_tile(int mr, const Tile& t, const int32_t* a, const float*
   tile_rows512<MR, S, kMin>(t, a, dx, xs, G, out);
 }
 
-// Panel p of the activations (rows kMRW p .. + kMRW): quad k of row r at a[p][k][r] (u = q + 128 as four bytes),
-// block b's scale and sum at dx[p][b][r], xs[p][b][r]; rows past M are zeros (u 128, scale 0).
-void pack_panels(const uint8_t* u, const QX& qx, int64_t M, int64_t K, int64_t G, int64_t p0, int64_t p1, int32_t* a,
-                 float* dx, float* xs) {
+// Panel p of the activations (rows kMRW p .. + kMRW), straight from the quantised rows: quad k of row r at
+// a[p][k][r] as u = q + 128 (four bytes, the unsigned operand), block b's scale and sum at dx[p][b][r], xs[p][b][r];
+// rows past M are zeros (u 128, scale 0).
+void pack_panels(const QX& qx, int64_t M, int64_t K, int64_t G, int64_t p0, int64_t p1, int32_t* a, float* dx,
+                 float* xs) {
   const int64_t Q = K / 4;
+  const int32_t flip = static_cast<int32_t>(0x80808080u);
   for (int64_t p = p0; p < p1; ++p) {
     int32_t* ap = a + p * Q * kMRW;
     float *dp = dx + p * G * kMRW, *sp = xs + p * G * kMRW;
     for (int r = 0; r < kMRW; ++r) {
       const int64_t m = p * kMRW + r;
       if (m < M) {
-        const uint8_t* um = u + m * K;
-        for (int64_t k = 0; k < Q; ++k) std::memcpy(ap + k * kMRW + r, um + 4 * k, 4);
+        const int8_t* qm = qx.q.data() + m * K;
+        for (int64_t k = 0; k < Q; ++k) {
+          int32_t quad;
+          std::memcpy(&quad, qm + 4 * k, 4);
+          ap[k * kMRW + r] = quad ^ flip;
+        }
         for (int64_t b = 0; b < G; ++b) {
           dp[b * kMRW + r] = qx.d[m * G + b];
           sp[b * kMRW + r] = qx.sum[m * G + b];
         }
       } else {
-        for (int64_t k = 0; k < Q; ++k) ap[k * kMRW + r] = static_cast<int32_t>(0x80808080u);
+        for (int64_t k = 0; k < Q; ++k) ap[k * kMRW + r] = flip;
         for (int64_t b = 0; b < G; ++b) dp[b * kMRW + r] = sp[b * kMRW + r] = 0.f;
       }
     }
   }
 }
 #else
-constexpr bool kWide = false;
 constexpr int kMRW = 1;
 #endif
 
-// The packed activations of the 512-bit kernel (empty otherwise).
+// The packed activations of the 512-bit kernel (empty otherwise; the 256-bit kernel reads u and qx).
 struct Panels {
   const int32_t* a = nullptr;
   const float* dx = nullptr;
@@ -535,7 +545,7 @@ void run_chunks(int64_t n0, int64_t n1, const uint8_t* wp, int64_t row_bytes, in
                 const QX& qx, const Panels& pn, int64_t M, int64_t N, int64_t K, const float* bias, float* y) {
   constexpr int S = T == Q6_K ? 2 : 1;
   constexpr bool kMin = T == Q4_1 || T == Q4_K;
-  constexpr int kR = kWide ? kMRW : S == 2 && kMR > 4 ? 4 : kMR;  // rows per pass for this type
+  constexpr int kR = OI_WIDE_TILES ? kMRW : S == 2 && kMR > 4 ? 4 : kMR;  // rows per pass for this type
   const int64_t G = K / 32;
   thread_local Tile tiles[kGroup];
   alignas(64) float out[(kMR > kMRW ? kMR : kMRW) * kNC];
@@ -559,18 +569,22 @@ void run_chunks(int64_t n0, int64_t n1, const uint8_t* wp, int64_t row_bytes, in
     }
     for (int64_t m = 0; m < M; m += kR) {
       const int mr = static_cast<int>(std::min<int64_t>(kR, M - m));
+#if OI_WIDE_TILES
+      const int64_t p = m / kMRW;
+      const int32_t* pa = pn.a + p * (K / 4) * kMRW;
+      const float *dx = pn.dx + p * G * kMRW, *xs = pn.xs + p * G * kMRW;
+      (void)u, (void)qx;
+#else
       const uint8_t* um = u + m * K;
       const float* dx = qx.d.data() + m * G;
       const float* xs = qx.sum.data() + m * G;
+      (void)pn;
+#endif
       for (int64_t ch = g0; ch < g1; ++ch) {
         const Tile& tile = tiles[ch - g0];
-#if defined(__AVX512F__) && defined(__AVX512VNNI__)
-        const int64_t p = m / kMRW;
-        rows_over_tile<kMRW, S, kMin>(mr, tile, pn.a + p * (K / 4) * kMRW, pn.dx + p * G * kMRW,
-                                      pn.xs + p * G * kMRW, G, out);
-        (void)um, (void)dx, (void)xs;
+#if OI_WIDE_TILES
+        rows_over_tile<kMRW, S, kMin>(mr, tile, pa, dx, xs, G, out);
 #else
-        (void)pn;
         switch (mr) {
           case 6: tile_rows<(kMR >= 6 ? 6 : 1), S, kMin>(tile, um, dx, xs, K, G, out); break;
           case 5: tile_rows<(kMR >= 5 ? 5 : 1), S, kMin>(tile, um, dx, xs, K, G, out); break;
@@ -624,19 +638,11 @@ void gguf_linear_q8_tiled(at::Tensor y, const at::Tensor& x, const at::Tensor& d
 #ifdef __AVX2__
   const float* xp = x.data_ptr<float>();
   thread_local QX qx;
-  thread_local std::vector<uint8_t> u;
   qx.reserve(M, K, G);
-  if (static_cast<int64_t>(u.size()) < M * K) u.resize(M * K);
   QX& qr = qx;
-  uint8_t* up = u.data();
-  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t m0, int64_t m1) {
-    quantize_rows(xp, K, qr, m0, m1);
-    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-    for (int64_t i = m0 * K; i < m1 * K; i += 32)  // q + 128: the unsigned operand
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(up + i), _mm256_xor_si256(load32(qr.q.data() + i), flip));
-  });
   Panels pn;
-#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+#if OI_WIDE_TILES
+  const uint8_t* up = nullptr;  // the 512-bit kernel reads the panels: each panel's rows quantised, then packed
   thread_local std::vector<int32_t> pa;
   thread_local std::vector<float> pd, ps;
   const int64_t panels = (M + kMRW - 1) / kMRW;
@@ -644,8 +650,22 @@ void gguf_linear_q8_tiled(at::Tensor y, const at::Tensor& x, const at::Tensor& d
   if (static_cast<int64_t>(pd.size()) < panels * kMRW * G) pd.resize(panels * kMRW * G), ps.resize(panels * kMRW * G);
   int32_t* pap = pa.data();
   float *pdp = pd.data(), *psp = ps.data();
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) { pack_panels(up, qr, M, K, G, p0, p1, pap, pdp, psp); });
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    quantize_rows(xp, K, qr, p0 * kMRW, std::min(M, p1 * kMRW));
+    pack_panels(qr, M, K, G, p0, p1, pap, pdp, psp);
+  });
   pn = Panels{pap, pdp, psp};
+#else
+  thread_local std::vector<uint8_t> u;
+  if (static_cast<int64_t>(u.size()) < M * K) u.resize(M * K);
+  uint8_t* uw = u.data();
+  const uint8_t* up = uw;
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t m0, int64_t m1) {
+    quantize_rows(xp, K, qr, m0, m1);
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+    for (int64_t i = m0 * K; i < m1 * K; i += 32)  // q + 128: the unsigned operand
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(uw + i), _mm256_xor_si256(load32(qr.q.data() + i), flip));
+  });
 #endif
   const uint8_t* wp = data.data_ptr<uint8_t>();
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
