@@ -25,10 +25,11 @@ def _routed_counts(experts: int, topk: int, tokens: int, seed: int) -> list[int]
 
 
 # Decode steps of a DeepSeek-V3-like layer (32 experts top-6) at batch 1 (six one-row experts, 26 empty) and batch
-# 32 (0 to ~12 rows each: several 4-row chunks and their tails), H / I off every block size (32-wide bf16 pair
-# runs, 4-row blocks, 4-row chunks); and one expert with 9 rows (two full chunks and a one-row tail).
+# 32 (0 to ~12 rows each: one to three chunks of rows), H / I off every block size (32-wide bf16 pair runs, 4-row
+# blocks); and experts with 9, 7 and 13 rows (the FMA path's 2-row chunks with a tail; the AVX512-BF16 path's
+# chunks of at most 6 split evenly: 5 + 4, 4 + 3, 5 + 4 + 4).
 DECODE_CASES = [(_routed_counts(32, 6, 1, 1), 97, 45), (_routed_counts(32, 6, 32, 2), 130, 70),
-                ([0, 9, 0], 64, 36)]
+                ([0, 9, 0], 64, 36), ([7, 0, 13, 6], 96, 40)]
 
 
 # dtype, OPENINFER_CPU_BF16_DOT: bf16's two paths (on: the AVX512-BF16 one where the build has it; off: the FMA one)
@@ -72,6 +73,22 @@ def test_moe_gemv_matches_torch(kernel_ops, monkeypatch, dtype, dot, limit):
             assert torch.equal(cpu_ops.moe_experts_gemv(rows, counts, w13, w2, limit), y)
         finally:
             torch.set_num_threads(prev)
+
+
+def test_moe_gemv_bf16_dot_row_is_the_same_sum_in_any_chunk(kernel_ops, monkeypatch):
+    """On the AVX512-BF16 path each output is one accumulator and one reduction tree whatever rows share its chunk:
+    an expert's 13 rows at once (chunks 5 + 4 + 4) give the bits of each row run alone, so batching never changes
+    a request's numbers there. (The FMA path gives a lone row two accumulator chains: not this test's claim.)"""
+    if not kernel_ops.moe_bf16_dot():
+        pytest.skip("this build has no AVX512-BF16 expert path")
+    monkeypatch.setenv("OPENINFER_CPU_BF16_DOT", "1")
+    counts = [0, 13, 7, 1]
+    rows, w13, w2 = _data(counts, 131, 70, torch.bfloat16, 7)
+    y = cpu_ops.moe_experts_gemv(rows, counts, w13, w2, 0.7)
+    experts = [e for e, c in enumerate(counts) for _ in range(c)]
+    for r, e in enumerate(experts):
+        alone = [1 if j == e else 0 for j in range(len(counts))]
+        assert torch.equal(cpu_ops.moe_experts_gemv(rows[r:r + 1], alone, w13, w2, 0.7), y[r:r + 1]), (r, e)
 
 
 # The panel-layout experts kernel (cpu_kernels/moe_panels.cpp): I a multiple of 16, H any; row counts per expert from

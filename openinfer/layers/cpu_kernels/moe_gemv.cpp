@@ -20,12 +20,13 @@
 // with the dot products on vdpbf16ps, which multiplies 32 bf16 pairs into 16 fp32 sums per instruction, in place of
 // widening each weight to fp32 (shift / mask) and two FMAs per 32 weights per activation row. The activations stay
 // bf16 (no widened copy of the rows), h is kept in bf16 (it is rounded to bf16 anyway: the torch path's
-// roundings), up to 4 activation rows share each weight load (16 accumulators for 4 weight rows), and the 16 sums
-// of a block reduce in one transpose-add tree instead of 16 horizontal sums. The products of two bf16 are exact in
+// roundings), up to 6 activation rows share each weight load (24 accumulators for 4 weight rows), and the sums of
+// a row reduce in one transpose-add tree instead of 4 horizontal sums. The products of two bf16 are exact in
 // fp32 as with the FMA path; only the summation order differs (and bf16 subnormals count as zero, as the
-// instruction defines: far below the bf16 rounding of the result). Phase 1 streams each routed expert's gate / up
-// rows once for all its rows (a 4-row block stays in L1 while every 4-row chunk of tokens passes over it), SiLU *
-// up fused on the block's sums; phase 2 its down rows once. ``moe_bf16_dot()`` says whether the build has it
+// instruction defines: far below the bf16 rounding of the result), and each output's sum is the same whatever
+// rows share its chunk. Phase 1 streams each routed expert's gate / up rows once for all its rows (a 4-row block
+// stays in L1 while every chunk of up to 6 tokens passes over it, the blocks ahead prefetched into L2 meanwhile),
+// SiLU * up fused on the block's sums; phase 2 its down rows once. ``moe_bf16_dot()`` says whether the build has it
 // (layers/dispatch.py reports it and decides it: the op's bf16_dot argument).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -147,9 +148,9 @@ void moe_impl(WT* out, const float* x, const std::vector<int64_t>& counts, const
 namespace dp {
 
 using BF = c10::BFloat16;
-constexpr int kR = 4;   // weight rows per block
-constexpr int kMB = 4;  // activation rows sharing each weight load
-constexpr int kAhead = 2;  // blocks of weight rows prefetched ahead (dot)
+constexpr int kR = 4;      // weight rows per block
+constexpr int kMB = 6;     // activation rows sharing each weight load (24 accumulators + 4 weight rows + 1 of 32)
+constexpr int kAhead = 4;  // blocks of weight rows prefetched ahead, into L2 (see Prefetch)
 
 inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
 
@@ -170,33 +171,47 @@ inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
   return _mm512_castps512_ps128(w);
 }
 
+// What one call prefetches: the lines of columns [k0, k1) of R rows at pf (row stride as the weights'), one line
+// per row per 32 columns, issued as the call reads the same columns of its own rows, into L2 (T1). The caller
+// splits a block's columns over all the chunks of rows that pass over it, so the blocks ahead arrive while the
+// arithmetic of every chunk runs. Measured on a Zen 4 (issue 38's DeepSeek-V3 shape, 5 layers of 32 experts, one
+// process, each variant interleaved with the one before, bits equal): prefetching into L1 (T0) two blocks ahead
+// from the first chunk only, as this kernel first did, left compute and streaming adding up (batch 32: 23.4 ms =
+// ~11 ms of arithmetic + ~12 ms of weights at 24 GB/s), likely because the blocks ahead, the block in use and the
+// rows (~45 KB at 6 rows) overflow a 32 KB L1 and the lines are gone again before use. Into L2, 4 blocks ahead,
+// against T0 2 ahead spread over the chunks: batch 8 16.3 -> 10.2 ms, batch 32 20.3 -> 13.4 ms, batch 64 26.7 ->
+// 20.3 ms (2, 3, 4 and 6 blocks ahead within the host's noise of each other, 8 worse; no software prefetch at all
+// ~20 % slower than T0).
+struct Prefetch {
+  const BF* pf = nullptr;
+  int64_t k0 = 0, k1 = 0;
+};
+
 // acc[m][r] = x[m] . w[r] over K, for R <= kR weight rows (row stride ws) and M <= kMB activation rows (row stride
 // xs), all bf16; each output is the same sum whatever R and M (an accumulator per output, one reduction order).
-// pf (or null): rows to prefetch into L1 at the pace this call reads w (one line per weight row per step, at the
-// same offsets): the block kAhead blocks on. With the hardware prefetchers alone the batch-32 step of the issue-38
-// model took ~20 % longer on a Zen 4 (52 vs 43 ms median; 0, 1, 2 and 4 blocks ahead tried, 2 and 4 the same).
 template <int R, int M>
 inline void dot(const BF* __restrict__ x, int64_t xs, const BF* __restrict__ w, int64_t ws, int64_t K,
-                float acc[kMB][kR], const BF* pf) {
+                float acc[kMB][kR], Prefetch p) {
   __m512 a[M][kR];
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < kR; ++r) a[m][r] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 32 <= K; k += 32) {
-    __m512bh xv[M];
-    for (int m = 0; m < M; ++m) xv[m] = as_bh(_mm512_loadu_si512(x + m * xs + k));
-    for (int r = 0; r < R; ++r) {
-      if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + r * ws + k), _MM_HINT_T0);  // never faults
-      const __m512bh wv = as_bh(_mm512_loadu_si512(w + r * ws + k));
-      for (int m = 0; m < M; ++m) a[m][r] = _mm512_dpbf16_ps(a[m][r], wv, xv[m]);
+    __m512bh wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = as_bh(_mm512_loadu_si512(w + r * ws + k));
+    if (k >= p.k0 && k < p.k1)
+      for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(p.pf + r * ws + k), _MM_HINT_T1);
+    for (int m = 0; m < M; ++m) {
+      const __m512bh xv = as_bh(_mm512_loadu_si512(x + m * xs + k));
+      for (int r = 0; r < R; ++r) a[m][r] = _mm512_dpbf16_ps(a[m][r], wv[r], xv);
     }
   }
   if (k < K) {  // zeros past K on both sides: their products add nothing
-    __m512bh xv[M];
-    for (int m = 0; m < M; ++m) xv[m] = as_bh(load_tail(x + m * xs + k, K - k));
-    for (int r = 0; r < R; ++r) {
-      const __m512bh wv = as_bh(load_tail(w + r * ws + k, K - k));
-      for (int m = 0; m < M; ++m) a[m][r] = _mm512_dpbf16_ps(a[m][r], wv, xv[m]);
+    __m512bh wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = as_bh(load_tail(w + r * ws + k, K - k));
+    for (int m = 0; m < M; ++m) {
+      const __m512bh xv = as_bh(load_tail(x + m * xs + k, K - k));
+      for (int r = 0; r < R; ++r) a[m][r] = _mm512_dpbf16_ps(a[m][r], wv[r], xv);
     }
   }
   for (int m = 0; m < M; ++m) _mm_storeu_ps(acc[m], hsum4(a[m][0], a[m][1], a[m][2], a[m][3]));
@@ -204,26 +219,42 @@ inline void dot(const BF* __restrict__ x, int64_t xs, const BF* __restrict__ w, 
 
 template <int R>
 inline void dot_m(int M, const BF* x, int64_t xs, const BF* w, int64_t ws, int64_t K, float acc[kMB][kR],
-                  const BF* pf) {
+                  Prefetch p) {
   switch (M) {
-    case 4: dot<R, 4>(x, xs, w, ws, K, acc, pf); break;
-    case 3: dot<R, 3>(x, xs, w, ws, K, acc, pf); break;
-    case 2: dot<R, 2>(x, xs, w, ws, K, acc, pf); break;
-    default: dot<R, 1>(x, xs, w, ws, K, acc, pf); break;
+    case 6: dot<R, 6>(x, xs, w, ws, K, acc, p); break;
+    case 5: dot<R, 5>(x, xs, w, ws, K, acc, p); break;
+    case 4: dot<R, 4>(x, xs, w, ws, K, acc, p); break;
+    case 3: dot<R, 3>(x, xs, w, ws, K, acc, p); break;
+    case 2: dot<R, 2>(x, xs, w, ws, K, acc, p); break;
+    default: dot<R, 1>(x, xs, w, ws, K, acc, p); break;
   }
 }
 
 inline void dot_any(int R, int M, const BF* x, int64_t xs, const BF* w, int64_t ws, int64_t K,
-                    float acc[kMB][kR], const BF* pf) {
+                    float acc[kMB][kR], Prefetch p) {
   switch (R) {
-    case 4: dot_m<4>(M, x, xs, w, ws, K, acc, pf); break;
-    case 3: dot_m<3>(M, x, xs, w, ws, K, acc, pf); break;
-    case 2: dot_m<2>(M, x, xs, w, ws, K, acc, pf); break;
-    default: dot_m<1>(M, x, xs, w, ws, K, acc, pf); break;
+    case 4: dot_m<4>(M, x, xs, w, ws, K, acc, p); break;
+    case 3: dot_m<3>(M, x, xs, w, ws, K, acc, p); break;
+    case 2: dot_m<2>(M, x, xs, w, ws, K, acc, p); break;
+    default: dot_m<1>(M, x, xs, w, ws, K, acc, p); break;
   }
 }
 
 inline float rnd(float v) { return static_cast<float>(BF(v)); }
+
+// An expert's n rows in nc = ceil(n / kMB) chunks of near-equal size (7 rows: 4 + 3, not 6 + 1, whose one-row
+// chunk would load 4 weight vectors per 4 products); chunk c starts at row chunk_start(c) of the expert.
+struct Chunks {
+  int64_t n, nc;
+  explicit Chunks(int64_t rows) : n(rows), nc((rows + kMB - 1) / kMB) {}
+  int64_t start(int64_t c) const { return c * n / nc; }
+};
+
+// The columns of a K-wide block that chunk c of nc prefetches (whole 32-column steps, the last chunk to the end)
+inline Prefetch share(const BF* pf, int64_t K, int64_t c, int64_t nc) {
+  const int64_t steps = (K + 31) / 32;
+  return {pf, c * steps / nc * 32, c + 1 == nc ? K : (c + 1) * steps / nc * 32};
+}
 
 void moe(BF* out, const BF* x, const std::vector<int64_t>& counts, const BF* w13, const BF* w2, int64_t H, int64_t I,
          float limit) {
@@ -234,8 +265,8 @@ void moe(BF* out, const BF* x, const std::vector<int64_t>& counts, const BF* w13
   const bool clamp = std::isfinite(limit);
   std::vector<BF> h(R * I);  // silu(gate) * up per row, bf16 (the torch path rounds it there too)
 
-  // phase 1: (expert, block of kR gate rows + the kR matching up rows); every chunk of kMB rows of the expert
-  // passes over the block while it is in L1, so the expert's gate / up bytes come from memory once
+  // phase 1: (expert, block of kR gate rows + the kR matching up rows); every chunk of the expert's rows passes
+  // over the block while it is in L1, so the expert's gate / up bytes come from memory once
   const Items p1 = make_items(counts, (I + kR - 1) / kR);
   const int64_t grain1 = std::max<int64_t>(1, 65536 / std::max<int64_t>(2 * kR * H * sizeof(BF), 1));
   at::parallel_for(0, static_cast<int64_t>(p1.expert.size()), grain1, [&](int64_t i0, int64_t i1) {
@@ -244,12 +275,13 @@ void moe(BF* out, const BF* x, const std::vector<int64_t>& counts, const BF* w13
       const int nr = static_cast<int>(std::min<int64_t>(kR, I - j0));
       const BF* wg = w13 + (e * 2 * I + j0) * H;
       const BF* wu = w13 + (e * 2 * I + I + j0) * H;
-      for (int64_t m = start[e]; m < start[e + 1]; m += kMB) {
-        const int MB = static_cast<int>(std::min<int64_t>(kMB, start[e + 1] - m));
+      const Chunks ch(counts[e]);
+      for (int64_t c = 0; c < ch.nc; ++c) {
+        const int64_t m = start[e] + ch.start(c);
+        const int MB = static_cast<int>(ch.start(c + 1) - ch.start(c));
         float g[kMB][kR], u[kMB][kR];
-        const bool first = m == start[e];  // the first chunk reads the block from memory: prefetch ahead
-        dot_any(nr, MB, x + m * H, H, wg, H, H, g, first ? wg + kAhead * kR * H : nullptr);
-        dot_any(nr, MB, x + m * H, H, wu, H, H, u, first ? wu + kAhead * kR * H : nullptr);
+        dot_any(nr, MB, x + m * H, H, wg, H, H, g, share(wg + kAhead * kR * H, H, c, ch.nc));
+        dot_any(nr, MB, x + m * H, H, wu, H, H, u, share(wu + kAhead * kR * H, H, c, ch.nc));
         for (int a = 0; a < MB; ++a)
           for (int r = 0; r < nr; ++r) {
             float gv = rnd(g[a][r]), uv = rnd(u[a][r]);
@@ -271,10 +303,12 @@ void moe(BF* out, const BF* x, const std::vector<int64_t>& counts, const BF* w13
       const int64_t e = p2.expert[i], n = p2.block[i] * kR;
       const int nr = static_cast<int>(std::min<int64_t>(kR, H - n));
       const BF* wd = w2 + (e * H + n) * I;
-      for (int64_t m = start[e]; m < start[e + 1]; m += kMB) {
-        const int MB = static_cast<int>(std::min<int64_t>(kMB, start[e + 1] - m));
+      const Chunks ch(counts[e]);
+      for (int64_t c = 0; c < ch.nc; ++c) {
+        const int64_t m = start[e] + ch.start(c);
+        const int MB = static_cast<int>(ch.start(c + 1) - ch.start(c));
         float acc[kMB][kR];
-        dot_any(nr, MB, h.data() + m * I, I, wd, I, I, acc, m == start[e] ? wd + kAhead * kR * I : nullptr);
+        dot_any(nr, MB, h.data() + m * I, I, wd, I, I, acc, share(wd + kAhead * kR * I, I, c, ch.nc));
         for (int a = 0; a < MB; ++a)
           for (int r = 0; r < nr; ++r) out[(m + a) * H + n + r] = BF(acc[a][r]);
       }
