@@ -184,6 +184,54 @@ def test_mla_absorbed_panels_follow_kv_b_and_match_bmm(monkeypatch):
     torch.testing.assert_close(fast, run("0"), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mla_absorbed_bmm_weights_contiguous_and_follow_kv_b(monkeypatch, dtype):
+    """Without panels (native-bf16 CPUs, or panels off) the absorbed decode's bmm reads contiguous W_UK and W_UV^T
+    copies, not strided views of kv_b (which bmm re-copied every call): in bf16 the same bits as the views, and
+    rebuilt when kv_b's weight is written in place."""
+    from openinfer.forward_context import AttentionMetadata, set_forward_context
+    from openinfer.layers import mla
+
+    monkeypatch.setenv("OPENINFER_CPU_PANELS", "0")
+    torch.manual_seed(1)
+    h, lr, dn, r, dv, bs = 4, 40, 16, 8, 24, 4
+    attn = mla.MLAAttention(h, lr, dn, r, dv, scale=0.2)
+    cache = torch.randn(24, bs, lr + r).to(dtype)
+    kv_b = (0.2 * torch.randn(h * (dn + dv), lr)).to(dtype)
+    seqs = [([3, 7], 6, 1), ([10, 2, 20, 5], 13, 1)]  # two decodes
+    md = AttentionMetadata.build([n for _, _, n in seqs], [ctx for _, ctx, _ in seqs],
+                                 {"full": [t for t, _, _ in seqs]}, {"full": bs}, bs, torch.device("cpu"))
+    q_nope, q_pe = torch.randn(md.num_tokens, h, dn).to(dtype), torch.randn(md.num_tokens, h, r).to(dtype)
+    c_kv, k_pe = torch.randn(md.num_tokens, lr).to(dtype), torch.randn(md.num_tokens, r).to(dtype)
+
+    def run():
+        attn.kv_cache = cache.clone()
+        with set_forward_context(md):
+            return attn(q_nope, q_pe, c_kv, k_pe, kv_b)
+
+    def views(self, w):
+        w_uk, w_uv = self._split_kv_b(w)
+        return w_uk, w_uv.transpose(1, 2)
+
+    prev = None
+    for _ in range(2):  # then again after kv_b is written in place
+        got = run()
+        built = attn._absorbed_bmm
+        assert built is not None and built is not prev and built[0] is kv_b
+        assert built[2].is_contiguous() and built[3].is_contiguous()
+        with monkeypatch.context() as m:
+            m.setattr(mla.MLAAttention, "_absorbed_dense", views)
+            want = run()
+        if dtype == torch.bfloat16:  # oneDNN's bf16 bmm: the views were copied to this same layout first
+            assert torch.equal(got, want)
+        else:  # fp32 bmm blocks strided operands differently: summation order only
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        run()
+        assert attn._absorbed_bmm is built  # kept while kv_b is unchanged
+        prev = built
+        kv_b.mul_(-1.5)
+
+
 @pytest.mark.parametrize("limit", [None, 0.5])
 def test_moe_experts_panels_match_reference(limit):
     """The routed experts on panels at every row count per expert: none, 1 (decode), a few, many (prefill)."""

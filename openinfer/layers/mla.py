@@ -45,6 +45,8 @@ class MLAAttention(nn.Module):
         self.kv_cache: torch.Tensor | None = None
         # (kv_b weight, its version, W_UK^T panels, W_UV panels, kv_b panels): see _absorbed_panels
         self._absorbed: tuple | None = None
+        # (kv_b weight, its version, W_UK [H, Dn, L], W_UV^T [H, L, Dv], both contiguous): see _absorbed_dense
+        self._absorbed_bmm: tuple | None = None
 
     @property
     def latent_dim(self) -> int:
@@ -89,6 +91,24 @@ class MLAAttention(nn.Module):
             self._absorbed = cached
         return cached[2], cached[3], cached[4]
 
+    def _absorbed_dense(self, kv_b_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [H, Dn, L] and W_UV^T [H, L, Dv] for the absorbed decode's two torch.bmm calls where there are no
+        panels. On CPU (native bf16: oneDNN's GEMMs) they are contiguous copies, built on first use and again
+        whenever kv_b's weight changes: given the strided views of kv_b, bmm copied them to a contiguous layout on
+        every call (W_UV^T a transposing copy, ~0.4 ms a layer for a 12-head, 512-rank layer on a Zen 4, 12 % of a
+        batch-8 decode step of issue 38's DeepSeek-V3 shape). In bf16 the same bits (oneDNN copied the views to
+        this layout); fp32 bmm may block the two layouts differently (summation order only). Two more copies of
+        kv_b's bytes, as the panels. Elsewhere the views as they are (cuBLAS takes the strides)."""
+        w_uk, w_uv = self._split_kv_b(kv_b_weight)
+        if kv_b_weight.device.type != "cpu":
+            return w_uk, w_uv.transpose(1, 2)
+        cached = self._absorbed_bmm
+        if cached is None or cached[0] is not kv_b_weight or cached[1] != kv_b_weight._version:
+            with torch.no_grad():
+                cached = (kv_b_weight, kv_b_weight._version, w_uk.contiguous(), w_uv.transpose(1, 2).contiguous())
+            self._absorbed_bmm = cached
+        return cached[2], cached[3]
+
     def _decompress(self, c_kv: torch.Tensor, kv_b_weight: torch.Tensor) -> torch.Tensor:
         """c_kv [S, L] @ kv_b^T -> [S, H * (Dn + Dv)], on kv_b's panels where there are any."""
         panels = self._absorbed_panels(kv_b_weight)
@@ -103,19 +123,19 @@ class MLAAttention(nn.Module):
 
     def _fast(self, q_nope, q_pe, latent, kv_b_weight, md: AttentionMetadata, tables: KVGroupTables) -> torch.Tensor:
         h, lr, dv = self.num_heads, self.kv_lora_rank, self.v_head_dim
-        w_uk, w_uv = self._split_kv_b(kv_b_weight)
         out = q_nope.new_empty(q_nope.shape[0], h, dv)
         nd = md.num_decodes
         if nd:
             # Head-major throughout: W_UK and W_UV are applied as one batched GEMM over the heads each
-            # ([H, B, Dn] @ [H, Dn, L], [H, B, L] @ [H, L, Dv]; on per-head panels, else torch.bmm on strided
-            # views of kv_b),
-            # and the attention reads q and writes o through [B, H, .] views of head-major buffers, so no
+            # ([H, B, Dn] @ [H, Dn, L], [H, B, L] @ [H, L, Dv]; on per-head panels, else torch.bmm on the
+            # layouts _absorbed_dense gives), and the attention reads q and writes o through [B, H, .] views of head-major buffers, so no
             # permuted copy is made on the way in or out (einsum made one of q and o per call).
             panels = self._absorbed_panels(kv_b_weight)
             q_lat = None if panels is None else cpu_ops.panel_gemm(q_nope[:nd].transpose(0, 1), panels[0], lr)
+            dense = None
             if q_lat is None:
-                q_lat = torch.bmm(q_nope[:nd].transpose(0, 1), w_uk)
+                dense = self._absorbed_dense(kv_b_weight)
+                q_lat = torch.bmm(q_nope[:nd].transpose(0, 1), dense[0])
             q = torch.cat((q_lat, q_pe[:nd].transpose(0, 1)), dim=-1).transpose(0, 1)  # [B, H, L+R] view
             # The C++ kernel reads each sequence's latent rows in place (cpu_kernels/mla_decode.cpp); the torch
             # path below gathers them into a tensor padded to the longest sequence.
@@ -130,7 +150,8 @@ class MLAAttention(nn.Module):
                                                    scale=self.scale, enable_gqa=True).squeeze(2)  # [B, H, L]
                 o_hm = o.transpose(0, 1)
             if panels is None or cpu_ops.panel_gemm(o_hm, panels[1], dv, out=out[:nd].transpose(0, 1)) is None:
-                out[:nd] = torch.bmm(o_hm, w_uv.transpose(1, 2)).transpose(0, 1)
+                w_uv_t = (dense or self._absorbed_dense(kv_b_weight))[1]
+                out[:nd] = torch.bmm(o_hm, w_uv_t).transpose(0, 1)
         for span in md.prefills:
             s, n, ctx = span.query_start, span.query_len, span.context_len
             if ctx == n:  # nothing cached before this chunk: use the fresh latents (as cached), skip the gather
