@@ -193,6 +193,7 @@ def test_mla_absorbed_bmm_weights_contiguous_and_follow_kv_b(monkeypatch, dtype)
     from openinfer.layers import mla
 
     monkeypatch.setenv("OPENINFER_CPU_PANELS", "0")
+    monkeypatch.setenv("OPENINFER_CPU_BF16_DOT", "0")  # no pair panels either (the next test has them)
     torch.manual_seed(1)
     h, lr, dn, r, dv, bs = 4, 40, 16, 8, 24, 4
     attn = mla.MLAAttention(h, lr, dn, r, dv, scale=0.2)
@@ -228,6 +229,70 @@ def test_mla_absorbed_bmm_weights_contiguous_and_follow_kv_b(monkeypatch, dtype)
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         run()
         assert attn._absorbed_bmm is built  # kept while kv_b is unchanged
+        prev = built
+        kv_b.mul_(-1.5)
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 13, 32])
+def test_pair_panel_gemm_matches_torch(kernel_ops, m):
+    """The AVX512-BF16 pair-panel GEMM (pair_panel_gemm.cpp) against fp32 torch on bf16 inputs: N off the 16-column
+    panel and the 4-panel group (N = 40, 136), odd and even K, strided x and out (the MLA head-major views), row
+    counts across the 6-row chunks; exact up to fp32 summation order and the one rounding to bf16. Each row's
+    output is the same bits whatever rows share its chunk."""
+    if not kernel_ops.pair_panels_built():
+        pytest.skip("this build has no AVX512-BF16 pair-panel GEMM")
+    g = torch.Generator().manual_seed(m)
+    for h, n, k in ((3, 40, 17), (2, 136, 64), (1, 16, 1)):
+        w = (torch.randn(h, n, k, generator=g) / k ** 0.5).bfloat16()
+        wq = cpu_ops.pack_pair_panels(w)
+        assert wq.shape == (h, -(-n // 16), -(-k // 2), 16, 2)
+        x = torch.randn(m, h, k, generator=g).bfloat16().transpose(0, 1)  # [h, m, k] view, as MLA passes it
+        out = torch.empty(m, h, n, dtype=torch.bfloat16).transpose(0, 1)
+        y = cpu_ops.pair_panel_gemm(x, wq, n, out=out)
+        assert y is out
+        want = torch.bmm(x.float(), w.float().transpose(1, 2))
+        # fp32 sums of exact products: the order costs ~k * 2^-24 relative; then one bf16 rounding (2^-8 relative)
+        assert ((y.float() - want).abs() <= want.abs() * 2 ** -8 + 1e-5 * k ** 0.5).all(), (h, n, k)
+        for r in range(m):  # a lone row: the same bits
+            assert torch.equal(cpu_ops.pair_panel_gemm(x[:, r:r + 1], wq, n), y[:, r:r + 1]), (h, n, k, r)
+
+
+def test_mla_absorbed_pair_panels_follow_kv_b_and_match_bmm(monkeypatch):
+    """bf16 MLA decode on a native-bf16 CPU whose build has AVX512-BF16: the absorbed GEMMs on pair panels, within
+    bf16 rounding of the bmm path (OPENINFER_CPU_BF16_DOT=0), rebuilt when kv_b is written in place."""
+    from openinfer.forward_context import AttentionMetadata, set_forward_context
+    from openinfer.layers import dispatch, mla
+
+    monkeypatch.setenv("OPENINFER_CPU_PANELS", "0")
+    monkeypatch.setenv("OPENINFER_CPU_BF16_DOT", "1")
+    if not dispatch.active().mla_pair_panels(torch.device("cpu"), torch.bfloat16):
+        pytest.skip("bf16 stays on torch.bmm here (no native bf16 or no AVX512-BF16 build)")
+    torch.manual_seed(2)
+    h, lr, dn, r, dv, bs = 4, 40, 17, 8, 24, 4  # Dn odd: the last pair of W_UK^T is half zeros
+    attn = mla.MLAAttention(h, lr, dn, r, dv, scale=0.2)
+    cache = torch.randn(24, bs, lr + r).bfloat16()
+    kv_b = (0.2 * torch.randn(h * (dn + dv), lr)).bfloat16()
+    seqs = [([3, 7], 6, 1), ([10, 2, 20, 5], 13, 1)]
+    md = AttentionMetadata.build([n for _, _, n in seqs], [ctx for _, ctx, _ in seqs],
+                                 {"full": [t for t, _, _ in seqs]}, {"full": bs}, bs, torch.device("cpu"))
+    q_nope, q_pe = torch.randn(md.num_tokens, h, dn).bfloat16(), torch.randn(md.num_tokens, h, r).bfloat16()
+    c_kv, k_pe = torch.randn(md.num_tokens, lr).bfloat16(), torch.randn(md.num_tokens, r).bfloat16()
+
+    def run(dot: str):
+        monkeypatch.setenv("OPENINFER_CPU_BF16_DOT", dot)
+        attn.kv_cache = cache.clone()
+        with set_forward_context(md):
+            return attn(q_nope, q_pe, c_kv, k_pe, kv_b)
+
+    prev = None
+    for _ in range(2):
+        got = run("1")
+        built = attn._absorbed_pair
+        assert built is not None and built is not prev and built[0] is kv_b
+        want = run("0")
+        assert attn._absorbed_pair is built  # the bmm run did not touch it
+        # two bf16 roundings of q_lat / o apart at most: relative 2^-7 of the values they scale, plus the sums
+        torch.testing.assert_close(got.float(), want.float(), atol=0.05 * float(want.abs().max()), rtol=0)
         prev = built
         kv_b.mul_(-1.5)
 

@@ -334,6 +334,30 @@ def panel_gemm(x: torch.Tensor, wp: torch.Tensor, n: int, bias: torch.Tensor | N
     return y
 
 
+def pack_pair_panels(w: torch.Tensor) -> torch.Tensor:
+    """[..., N, K] bf16 -> the pair-panel layout [..., ceil(N / 16), ceil(K / 2), 16, 2], contiguous: panel p, pair k
+    holds w[..., 16p + c, 2k + j] at [c, j] (rows past N and the column past an odd K zero), one 64-byte vdpbf16ps
+    operand per pair (``cpu_kernels/pair_panel_gemm.cpp``). Exact: a permutation of w's values and zeros."""
+    n, k = w.shape[-2:]
+    np_, kp = -(-n // PANEL), -(-k // 2)
+    padded = w.new_zeros(*w.shape[:-2], np_ * PANEL, kp * 2)
+    padded[..., :n, :k] = w
+    return padded.view(*w.shape[:-2], np_, PANEL, kp, 2).transpose(-3, -2).contiguous()
+
+
+def pair_panel_gemm(x: torch.Tensor, wq: torch.Tensor, n: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x [H, M, K] W^T -> [H, M, n] for per-head W in pair panels ``wq`` [H, NP, KP, 16, 2] (``pack_pair_panels``),
+    bf16, x and ``out`` possibly strided views with unit stride in the last dim; None when the kernel cannot take
+    the call (not built, not bf16, not on the CPU: the caller runs torch.bmm)."""
+    ops = ops_for(x, wq)
+    if ops is None or not dispatch.active().pair_panels_built or x.dtype != torch.bfloat16 or wq.dtype != x.dtype:
+        return None
+    x3 = x if x.stride(-1) == 1 else x.contiguous()
+    y = out if out is not None else x.new_empty(x3.shape[0], x3.shape[1], n)
+    ops.pair_panel_gemm(y, x3, wq)
+    return y
+
+
 def moe_experts_panels(rows: torch.Tensor, counts: list[int], p13: torch.Tensor, p2: torch.Tensor,
                        limit: float | None) -> torch.Tensor | None:
     """swiglu(rows W13[e]^T) W2[e]^T for rows [R, H] sorted by expert (``counts[e]`` rows for expert e), W13 and W2

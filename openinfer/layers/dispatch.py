@@ -76,6 +76,8 @@ class KernelSelection:
     fast_bf16: bool = False  # the CPU has bf16 matrix hardware (oneDNN's AMX / AVX512-BF16 GEMMs)
     # the build's bf16 routed-expert kernel has AVX512-BF16 dot products (moe_gemv.cpp); used when bf16_dot is on
     bf16_dot_built: bool = False
+    # the build has the AVX512-BF16 pair-panel GEMM (pair_panel_gemm.cpp) for MLA's absorbed decode
+    pair_panels_built: bool = False
 
     @property
     def kernels(self) -> bool:
@@ -111,6 +113,13 @@ class KernelSelection:
         on), unless ``bf16_dot`` is off. Same roundings either way (bf16 products are exact in fp32); the sums'
         order differs. scripts/moe_experts_bandwidth.py measures the two (docs/results/moe_bf16_avx512)."""
         return self.kernels and self.bf16_dot_built and self.config.bf16_dot
+
+    def mla_pair_panels(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """MLA's absorbed decode GEMMs (W_UK, W_UV per head) on AVX512-BF16 pair panels (``pair_panel_gemm.cpp``):
+        bf16 on a CPU where the fp32-widening panels are off (native bf16) and the build has the instruction,
+        unless ``bf16_dot`` is off (then torch.bmm, oneDNN). Summation order differs from bmm, nothing else."""
+        return (device.type == "cpu" and dtype == torch.bfloat16 and self.kernels and self.pair_panels_built
+                and self.config.bf16_dot and not self.panels(device, dtype))
 
     @property
     def decode_blocks(self) -> bool:
@@ -175,6 +184,7 @@ class KernelSelection:
              f"C++ fp8 kernel{isa}, packed" if k else "torch reference, packed (dequantised per call)"),
             ("attention (paged)", (attn_kernel if k else "gather + SDPA") + "; prefill: SDPA"),
             ("MLA", (f"decode: C++ MLA decode{isa}" + (", AMX tiles for bf16" if self.amx else "")
+                     + (", absorbed GEMMs on AVX512-BF16 pair panels" if self.mla_pair_panels(dev, dtype) else "")
                      + "; prefill: C++ (fp32) else SDPA") if k else "decode: torch bmm; prefill: SDPA"),
             ("MoE routed experts", (f"C++ expert GEMM on panels{isa}" if self.panels(dev, dtype) else
                                     "C++ expert kernel on AVX512-BF16 dot products" if dtype == torch.bfloat16
@@ -225,12 +235,13 @@ def select(config: KernelConfig, device: torch.device | str = "cpu") -> KernelSe
     ops.mla_decode_use_amx(config.amx)
     int_dot = int(ops.gguf_int_dot())
     bf16_dot_built = bool(ops.moe_bf16_dot())
+    pair_panels_built = bool(ops.pair_panels_built())
     lanes = int(ops.vector_lanes())
     build_isa = {16: "AVX-512", 8: "AVX2"}.get(lanes, f"{lanes}-lane") if _platform.machine() in (
         "x86_64", "AMD64") else f"{lanes}-lane"
     flags = " ".join(f for f in built.cflags if f.startswith("-m"))
     return KernelSelection(backend="cpu", ops=ops, build_isa=build_isa, amx=amx, gguf_int_dot=int_dot,
-                           bf16_dot_built=bf16_dot_built,
+                           bf16_dot_built=bf16_dot_built, pair_panels_built=pair_panels_built,
                            build=f"{built.how}, loaded in {built.seconds:.1f} s ({built.name}, {flags})", **base)
 
 

@@ -23,7 +23,7 @@ from torch import nn
 
 from openinfer.config import AttentionBackend
 from openinfer.forward_context import AttentionMetadata, KVGroupTables, get_forward_context
-from openinfer.layers import cpu_ops
+from openinfer.layers import cpu_ops, dispatch
 from openinfer.layers.kv_quant import as_cached, is_fp8, write_rows
 from openinfer.layers.attention import FULL_ATTENTION_GROUP
 
@@ -47,6 +47,8 @@ class MLAAttention(nn.Module):
         self._absorbed: tuple | None = None
         # (kv_b weight, its version, W_UK [H, Dn, L], W_UV^T [H, L, Dv], both contiguous): see _absorbed_dense
         self._absorbed_bmm: tuple | None = None
+        # (kv_b weight, its version, W_UK^T and W_UV in pair panels): see _absorbed_pairs
+        self._absorbed_pair: tuple | None = None
 
     @property
     def latent_dim(self) -> int:
@@ -74,40 +76,77 @@ class MLAAttention(nn.Module):
         w = kv_b_weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
         return w[:, :self.qk_nope_head_dim], w[:, self.qk_nope_head_dim:]  # W_UK [H,Dn,L], W_UV [H,Dv,L]
 
+    def _derived(self, slot: str, kv_b_weight: torch.Tensor, make) -> tuple:
+        """``make(kv_b)``'s tensors, kept in attribute ``slot`` as (kv_b weight, its version, *tensors) and built
+        again whenever kv_b's weight changes (another tensor, or written in place: a stale copy would keep the old
+        weights)."""
+        cached = getattr(self, slot)
+        if cached is None or cached[0] is not kv_b_weight or cached[1] != kv_b_weight._version:
+            with torch.no_grad():
+                cached = (kv_b_weight, kv_b_weight._version, *make(kv_b_weight.detach()))
+            setattr(self, slot, cached)
+        return cached[2:]
+
     def _absorbed_panels(self, kv_b_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Where ``cpu_ops.panels_enabled`` (CPU fp32, bf16 without native bf16): W_UK^T and W_UV per head in the panel
         layout (``cpu_ops.pack_panels``) for the two absorbed decode GEMMs, and kv_b whole for the prefill
-        decompression, built on first use and again whenever kv_b's weight changes (another tensor, or written in
-        place). Two more copies of kv_b's bytes. torch.bmm on strided views of kv_b read them at ~half the copy
+        decompression. Two more copies of kv_b's bytes. torch.bmm on strided views of kv_b read them at ~half the copy
         bandwidth at batch 1 (1.6 ms of a 14 ms V3 bench decode step); aten::mm packs kv_b afresh on every call, so a
         128-token prefill span's decompression ran at ~37 GFLOP/s (~20 % of a V3 bench prefill)."""
         if not cpu_ops.panels_enabled(kv_b_weight.device, kv_b_weight.dtype):
             return None
-        cached = self._absorbed
-        if cached is None or cached[0] is not kv_b_weight or cached[1] != kv_b_weight._version:
-            w_uk, w_uv = self._split_kv_b(kv_b_weight.detach())
-            cached = (kv_b_weight, kv_b_weight._version, cpu_ops.pack_panels(w_uk.transpose(1, 2)),
-                      cpu_ops.pack_panels(w_uv), cpu_ops.pack_panels(kv_b_weight.detach()))
-            self._absorbed = cached
-        return cached[2], cached[3], cached[4]
+
+        def make(w):
+            w_uk, w_uv = self._split_kv_b(w)
+            return cpu_ops.pack_panels(w_uk.transpose(1, 2)), cpu_ops.pack_panels(w_uv), cpu_ops.pack_panels(w)
+        return self._derived("_absorbed", kv_b_weight, make)
+
+    def _absorbed_pairs(self, kv_b_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Where ``KernelSelection.mla_pair_panels`` (bf16 on a native-bf16 CPU whose build has AVX512-BF16): W_UK^T
+        [H, L, Dn] and W_UV [H, Dv, L] in pair panels (``cpu_ops.pack_pair_panels``) for the two absorbed decode
+        GEMMs on vdpbf16ps. torch.bmm (oneDNN) ran these per-head GEMMs of 1-32 rows far under the copy bandwidth
+        (docs/results/moe_bf16_avx512). Two more copies of kv_b's bytes, as the panels."""
+        if not dispatch.active().mla_pair_panels(kv_b_weight.device, kv_b_weight.dtype):
+            return None
+
+        def make(w):
+            w_uk, w_uv = self._split_kv_b(w)
+            return cpu_ops.pack_pair_panels(w_uk.transpose(1, 2)), cpu_ops.pack_pair_panels(w_uv)
+        return self._derived("_absorbed_pair", kv_b_weight, make)
 
     def _absorbed_dense(self, kv_b_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK [H, Dn, L] and W_UV^T [H, L, Dv] for the absorbed decode's two torch.bmm calls where there are no
-        panels. On CPU (native bf16: oneDNN's GEMMs) they are contiguous copies, built on first use and again
-        whenever kv_b's weight changes: given the strided views of kv_b, bmm copied them to a contiguous layout on
-        every call (W_UV^T a transposing copy, ~0.4 ms a layer for a 12-head, 512-rank layer on a Zen 4, 12 % of a
-        batch-8 decode step of issue 38's DeepSeek-V3 shape). In bf16 the same bits (oneDNN copied the views to
-        this layout); fp32 bmm may block the two layouts differently (summation order only). Two more copies of
-        kv_b's bytes, as the panels. Elsewhere the views as they are (cuBLAS takes the strides)."""
-        w_uk, w_uv = self._split_kv_b(kv_b_weight)
+        panels. On CPU (native bf16: oneDNN's GEMMs) they are contiguous copies: given the strided views of kv_b,
+        bmm copied them to a contiguous layout on every call (W_UV^T a transposing copy, ~0.4 ms a layer for a
+        12-head, 512-rank layer on a Zen 4, 12 % of a batch-8 decode step of issue 38's DeepSeek-V3 shape). In bf16
+        the same bits (oneDNN copied the views to this layout); fp32 bmm may block the two layouts differently
+        (summation order only). Two more copies of kv_b's bytes, as the panels. Elsewhere the views as they are
+        (cuBLAS takes the strides)."""
         if kv_b_weight.device.type != "cpu":
+            w_uk, w_uv = self._split_kv_b(kv_b_weight)
             return w_uk, w_uv.transpose(1, 2)
-        cached = self._absorbed_bmm
-        if cached is None or cached[0] is not kv_b_weight or cached[1] != kv_b_weight._version:
-            with torch.no_grad():
-                cached = (kv_b_weight, kv_b_weight._version, w_uk.contiguous(), w_uv.transpose(1, 2).contiguous())
-            self._absorbed_bmm = cached
-        return cached[2], cached[3]
+
+        def make(w):
+            w_uk, w_uv = self._split_kv_b(w)
+            return w_uk.contiguous(), w_uv.transpose(1, 2).contiguous()
+        return self._derived("_absorbed_bmm", kv_b_weight, make)
+
+    def _absorbed_gemm(self, which: int, x_hm: torch.Tensor, kv_b_weight: torch.Tensor, n: int,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+        """x_hm [H, B, K] times W_UK (which 0: K = Dn -> [H, B, L]) or W_UV^T (1: K = L -> [H, B, Dv]) per head, into
+        ``out`` (a [H, B, n] view) when given: on the panels where the selection keeps them, else on the pair
+        panels, else torch.bmm."""
+        panels = self._absorbed_panels(kv_b_weight)
+        pairs = self._absorbed_pairs(kv_b_weight) if panels is None else None
+        y = None
+        if panels is not None:
+            y = cpu_ops.panel_gemm(x_hm, panels[which], n, out=out)
+        elif pairs is not None:
+            y = cpu_ops.pair_panel_gemm(x_hm, pairs[which], n, out=out)
+        if y is not None:
+            return y
+        y = torch.bmm(x_hm, self._absorbed_dense(kv_b_weight)[which])
+        return y if out is None else out.copy_(y)
 
     def _decompress(self, c_kv: torch.Tensor, kv_b_weight: torch.Tensor) -> torch.Tensor:
         """c_kv [S, L] @ kv_b^T -> [S, H * (Dn + Dv)], on kv_b's panels where there are any."""
@@ -127,15 +166,10 @@ class MLAAttention(nn.Module):
         nd = md.num_decodes
         if nd:
             # Head-major throughout: W_UK and W_UV are applied as one batched GEMM over the heads each
-            # ([H, B, Dn] @ [H, Dn, L], [H, B, L] @ [H, L, Dv]; on per-head panels, else torch.bmm on the
-            # layouts _absorbed_dense gives), and the attention reads q and writes o through [B, H, .] views of head-major buffers, so no
-            # permuted copy is made on the way in or out (einsum made one of q and o per call).
-            panels = self._absorbed_panels(kv_b_weight)
-            q_lat = None if panels is None else cpu_ops.panel_gemm(q_nope[:nd].transpose(0, 1), panels[0], lr)
-            dense = None
-            if q_lat is None:
-                dense = self._absorbed_dense(kv_b_weight)
-                q_lat = torch.bmm(q_nope[:nd].transpose(0, 1), dense[0])
+            # ([H, B, Dn] @ [H, Dn, L], [H, B, L] @ [H, L, Dv]: _absorbed_gemm), and the attention reads q and
+            # writes o through [B, H, .] views of head-major buffers, so no permuted copy is made on the way in or
+            # out (einsum made one of q and o per call).
+            q_lat = self._absorbed_gemm(0, q_nope[:nd].transpose(0, 1), kv_b_weight, lr)
             q = torch.cat((q_lat, q_pe[:nd].transpose(0, 1)), dim=-1).transpose(0, 1)  # [B, H, L+R] view
             # The C++ kernel reads each sequence's latent rows in place (cpu_kernels/mla_decode.cpp); the torch
             # path below gathers them into a tensor padded to the longest sequence.
@@ -149,9 +183,7 @@ class MLAAttention(nn.Module):
                 o = F.scaled_dot_product_attention(q.unsqueeze(2), kv, kv[..., :lr], attn_mask=md.decode_mask,
                                                    scale=self.scale, enable_gqa=True).squeeze(2)  # [B, H, L]
                 o_hm = o.transpose(0, 1)
-            if panels is None or cpu_ops.panel_gemm(o_hm, panels[1], dv, out=out[:nd].transpose(0, 1)) is None:
-                w_uv_t = (dense or self._absorbed_dense(kv_b_weight))[1]
-                out[:nd] = torch.bmm(o_hm, w_uv_t).transpose(0, 1)
+            self._absorbed_gemm(1, o_hm, kv_b_weight, dv, out=out[:nd].transpose(0, 1))
         for span in md.prefills:
             s, n, ctx = span.query_start, span.query_len, span.context_len
             if ctx == n:  # nothing cached before this chunk: use the fresh latents (as cached), skip the gather
