@@ -257,6 +257,33 @@ def test_pair_panel_gemm_matches_torch(kernel_ops, m):
             assert torch.equal(cpu_ops.pair_panel_gemm(x[:, r:r + 1], wq, n), y[:, r:r + 1]), (h, n, k, r)
 
 
+@pytest.mark.parametrize("m", [1, 3, 8, 40])
+def test_linear_on_pair_panels(kernel_ops, monkeypatch, m):
+    """A bf16 Linear on a native-bf16 CPU without AMX whose build has AVX512-BF16 keeps its weight in pair panels:
+    exact round trip (dense_weight), bias added before the one rounding, within a bf16 step of F.linear at every M,
+    counted at its logical size."""
+    from openinfer.layers import dispatch
+    from openinfer.layers.linear import Linear, num_parameters, weight_bytes
+
+    monkeypatch.setenv("OPENINFER_CPU_BF16_DOT", "1")
+    if not dispatch.active().pair_panels(torch.device("cpu"), torch.bfloat16):
+        pytest.skip("bf16 linears are not on pair panels here (AMX, no native bf16, or no AVX512-BF16 build)")
+    g = torch.Generator().manual_seed(m)
+    lin = Linear(67, 50, bias=True).bfloat16()  # odd K, N off the panels and the 4-panel group
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(50, 67, generator=g) / 67 ** 0.5)
+        lin.bias.copy_(torch.randn(50, generator=g))
+    w, b = lin.weight.detach().clone(), lin.bias.detach().clone()
+    assert lin.prepack_cpu() and lin._pairs is not None and lin._packed is None and lin.weight.numel() == 0
+    assert torch.equal(lin.dense_weight(), w)
+    assert num_parameters(lin) == 67 * 50 + 50 and weight_bytes(lin) >= 2 * 67 * 50
+    x = torch.randn(2, m, 67, generator=g).bfloat16()
+    want = x.float() @ w.float().t() + b.float()
+    got = lin(x)
+    assert got.shape == (2, m, 50) and got.dtype == torch.bfloat16
+    assert ((got.float() - want).abs() <= want.abs() * 2 ** -8 + 1e-4).all()
+
+
 def test_mla_absorbed_pair_panels_follow_kv_b_and_match_bmm(monkeypatch):
     """bf16 MLA decode on a native-bf16 CPU whose build has AVX512-BF16: the absorbed GEMMs on pair panels, within
     bf16 rounding of the bmm path (OPENINFER_CPU_BF16_DOT=0), rebuilt when kv_b is written in place."""

@@ -354,8 +354,30 @@ def pair_panel_gemm(x: torch.Tensor, wq: torch.Tensor, n: int, out: torch.Tensor
         return None
     x3 = x if x.stride(-1) == 1 else x.contiguous()
     y = out if out is not None else x.new_empty(x3.shape[0], x3.shape[1], n)
-    ops.pair_panel_gemm(y, x3, wq)
+    ops.pair_panel_gemm(y, x3, wq, None)
     return y
+
+
+def pair_panel_linear(x: torch.Tensor, wq: torch.Tensor, n: int, bias: torch.Tensor | None = None
+                      ) -> torch.Tensor | None:
+    """x [..., K] W^T (+ bias) -> [..., n] for one W in pair panels ``wq`` [1, NP, KP, 16, 2], bf16 (the bias added
+    before the one rounding); None when the kernel cannot take the call."""
+    ops = ops_for(x, wq)
+    if ops is None or not dispatch.active().pair_panels_built or x.dtype != torch.bfloat16 or wq.dtype != x.dtype:
+        return None
+    k = x.shape[-1]
+    x3 = x.reshape(1, -1, k)
+    if x3.stride(-1) != 1:
+        x3 = x3.contiguous()
+    y = x.new_empty(1, x3.shape[1], n)
+    ops.pair_panel_gemm(y, x3, wq, bias)
+    return y.view(*x.shape[:-1], n)
+
+
+def unpack_pair_panels(wq: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The [..., n, k] matrix a ``pack_pair_panels`` layout holds."""
+    *lead, np_, kp, _, _ = wq.shape
+    return wq.transpose(-3, -2).reshape(*lead, np_ * PANEL, kp * 2)[..., :n, :k]
 
 
 def moe_experts_panels(rows: torch.Tensor, counts: list[int], p13: torch.Tensor, p2: torch.Tensor,

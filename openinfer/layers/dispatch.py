@@ -74,6 +74,7 @@ class KernelSelection:
     # 1 AVX2 maddubs, 0 a portable loop; -1 not built
     gguf_int_dot: int = -1
     fast_bf16: bool = False  # the CPU has bf16 matrix hardware (oneDNN's AMX / AVX512-BF16 GEMMs)
+    cpu_amx: bool = False  # ... and it is AMX tiles (amx_bf16)
     # the build's bf16 routed-expert kernel has AVX512-BF16 dot products (moe_gemv.cpp); used when bf16_dot is on
     bf16_dot_built: bool = False
     # the build has the AVX512-BF16 pair-panel GEMM (pair_panel_gemm.cpp) for MLA's absorbed decode
@@ -92,12 +93,23 @@ class KernelSelection:
             return False
         return dtype == torch.float32 or (dtype == torch.bfloat16 and not self.fast_bf16)
 
+    def pair_panels(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """bf16 weights that are only multiplied go into AVX512-BF16 pair panels (``pair_panel_gemm.cpp``) instead
+        of oneDNN's layout: on a native-bf16 CPU without AMX (Zen 4, Cooper Lake) whose build has the instruction,
+        unless ``bf16_dot`` is off. There it matched oneDNN from 32 rows up (350-360 GFLOP/s at 128-512 on a Zen 4)
+        and streamed the weights faster at 1-4 rows (26 against 13-17 GB/s at batch 1). AMX Xeons keep oneDNN, whose
+        AMX tiles a prefill needs."""
+        return (self.kernels and self.pair_panels_built and self.config.bf16_dot and self.config.prepack
+                and device.type == "cpu" and dtype == torch.bfloat16 and self.fast_bf16 and not self.cpu_amx)
+
     def onednn_prepack(self, device: torch.device, dtype: torch.dtype) -> bool:
         """oneDNN's blocked weight layout where panels do not apply: CPU fp32 always, bf16 only where the CPU has
-        native bf16 (elsewhere torch's bf16 GEMMs are emulated and slow whatever the layout). Needs no kernels."""
+        native bf16 (elsewhere torch's bf16 GEMMs are emulated and slow whatever the layout) and pair panels do not
+        take it. Needs no kernels."""
         if not self.config.prepack or device.type != "cpu" or not torch.backends.mkldnn.is_available():
             return False
-        return dtype == torch.float32 or (dtype == torch.bfloat16 and self.fast_bf16)
+        return dtype == torch.float32 or (dtype == torch.bfloat16 and self.fast_bf16
+                                          and not self.pair_panels(device, dtype))
 
     def gemv_max_rows(self, dtype: torch.dtype) -> float:
         """Up to how many activation rows a plain (unpacked) weight runs the gemv kernel: 0 = never; bf16 without
@@ -160,6 +172,8 @@ class KernelSelection:
         dname = str(dtype).removeprefix("torch.")
         if self.panels(dev, dtype):
             dense = f"C++ 16-column panel GEMM{isa}"
+        elif self.pair_panels(dev, dtype):
+            dense = "C++ pair-panel GEMM on AVX512-BF16 dot products"
         elif self.onednn_prepack(dev, dtype):
             dense = "oneDNN, prepacked" + (" (AMX / AVX512-BF16)" if dtype == torch.bfloat16 else "")
         else:
@@ -213,7 +227,8 @@ def select(config: KernelConfig, device: torch.device | str = "cpu") -> KernelSe
     build."""
     device = torch.device(device)
     fast_bf16 = device.type == "cpu" and cpu_has_fast_bf16()
-    base = dict(config=config, device_type=device.type, fast_bf16=fast_bf16)
+    base = dict(config=config, device_type=device.type, fast_bf16=fast_bf16,
+                cpu_amx=device.type == "cpu" and "amx_bf16" in cpu_info()[1])
     if config.backend == "torch":
         return KernelSelection(backend="torch", build="not built: --kernel-backend torch", **base)
     if device.type != "cpu":

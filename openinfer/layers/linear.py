@@ -80,22 +80,26 @@ GEMV_MAX_M = dispatch.GEMV_MAX_M  # the gemv kernel's row bound for fp32 (Kernel
 class Linear(nn.Linear):
     _packed: torch.Tensor | None = None  # oneDNN's blocked layout
     _panels: torch.Tensor | None = None  # or ours: [ceil(out / 16), in, 16] fp32 (cpu_ops.pack_panels)
+    # or, bf16 on AVX512-BF16 without AMX: [1, ceil(out / 16), ceil(in / 2), 16, 2] (cpu_ops.pack_pair_panels)
+    _pairs: torch.Tensor | None = None
     _quant: QuantizedWeight | None = None  # set by ``quantize`` (--quantization): the weight, packed low-bit
     # False for a module whose weight other code reads as a matrix (packing empties ``weight``).
     prepack: bool = True
 
     @torch.no_grad()
     def prepack_cpu(self, keep_weight: bool = False) -> bool:
-        """Reorder the weight into a blocked layout (our panels for fp32 and for bf16 without native bf16, oneDNN's
-        for native bf16); returns whether it did."""
+        """Reorder the weight into a blocked layout (our panels for fp32 and for bf16 without native bf16, our pair
+        panels for bf16 on AVX512-BF16 without AMX, oneDNN's for bf16 on AMX); returns whether it did."""
         w = self.weight
         if self._quant is not None:
             return False
-        if self._packed is not None or self._panels is not None:
+        if self._packed is not None or self._panels is not None or self._pairs is not None:
             return True
         kernels = dispatch.active()
         if kernels.panels(w.device, w.dtype):
             self._panels = cpu_ops.pack_panels(w.detach())
+        elif kernels.pair_panels(w.device, w.dtype):
+            self._pairs = cpu_ops.pack_pair_panels(w.detach().unsqueeze(0))
         elif kernels.onednn_prepack(w.device, w.dtype):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), _PACK_BATCH_HINT)
         else:
@@ -109,7 +113,7 @@ class Linear(nn.Linear):
         """Replace the weight by its low-bit form (``quant_linear.py``); ``weight`` becomes an empty placeholder."""
         w = self.dense_weight()
         self._quant = QuantizedWeight.quantize(w.detach(), method)
-        self._packed = self._panels = None
+        self._packed = self._panels = self._pairs = None
         self.weight = nn.Parameter(w.new_empty(0), requires_grad=False)
 
     @torch.no_grad()
@@ -131,7 +135,7 @@ class Linear(nn.Linear):
                 return
             self._quant = type(parts[0]).cat([parts[i] for i in range(len(sizes))])
             del self.__dict__["_quant_parts"]
-        self._packed = self._panels = None
+        self._packed = self._panels = self._pairs = None
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def dense_weight(self) -> torch.Tensor:
@@ -141,6 +145,8 @@ class Linear(nn.Linear):
             return self._quant.to_dense()
         if self._panels is not None:
             return cpu_ops.unpack_panels(self._panels, self.out_features)
+        if self._pairs is not None:
+            return cpu_ops.unpack_pair_panels(self._pairs, self.out_features, self.in_features)[0]
         return self._packed.to_dense() if self._packed is not None else self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -152,6 +158,9 @@ class Linear(nn.Linear):
             return self._quant.matmul(x, bias)
         if self._panels is not None:
             y = cpu_ops.panel_gemm(x, self._panels, self.out_features, bias)
+            return y if y is not None else F.linear(x, self.dense_weight(), bias)
+        if self._pairs is not None:
+            y = cpu_ops.pair_panel_linear(x, self._pairs, self.out_features, bias)
             return y if y is not None else F.linear(x, self.dense_weight(), bias)
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
@@ -240,6 +249,8 @@ def weight_bytes(model: nn.Module) -> int:
             total += m.in_features * m.out_features * m._packed.element_size()
         if isinstance(m, Linear) and m._panels is not None:  # zero rows up to a multiple of 16 included
             total += m._panels.numel() * m._panels.element_size()
+        if isinstance(m, Linear) and m._pairs is not None:  # zero rows / column padding included
+            total += m._pairs.numel() * m._pairs.element_size()
         if isinstance(m, Linear) and m._quant is not None:
             total += m._quant.nbytes
         elif not isinstance(m, Linear) and isinstance(getattr(m, "_packed", None), tuple):  # stacked experts
@@ -255,8 +266,8 @@ def num_parameters(model: nn.Module) -> int:
     placeholder once packed)."""
     n = sum(p.numel() for p in model.parameters())
     for m in model.modules():
-        if (isinstance(m, Linear) and (m._packed is not None or m._panels is not None or m._quant is not None)
-                and m.weight.numel() == 0):
+        if (isinstance(m, Linear) and (m._packed is not None or m._panels is not None or m._pairs is not None
+                                       or m._quant is not None) and m.weight.numel() == 0):
             n += m.in_features * m.out_features
         elif not isinstance(m, Linear) and isinstance(getattr(m, "_packed", None), tuple):  # packed experts
             n += sum(w.numel() for ws in m._packed for w in ws)

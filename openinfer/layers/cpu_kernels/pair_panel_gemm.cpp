@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
@@ -57,7 +58,7 @@ inline __m512bh last(const BF* x) {
 // y[m][16 g + c] for M rows (stride xs / ys) and G panels of wq (panel stride ps = KP * 32 elements)
 template <int M, int G>
 inline void tile(const BF* __restrict__ x, int64_t xs, const BF* __restrict__ wq, int64_t ps, int64_t K,
-                 BF* __restrict__ y, int64_t ys, int cols) {
+                 BF* __restrict__ y, int64_t ys, int cols, const float* bias) {
   __m512 a[M][G];
   for (int m = 0; m < M; ++m)
     for (int g = 0; g < G; ++g) a[m][g] = _mm512_setzero_ps();
@@ -76,7 +77,8 @@ inline void tile(const BF* __restrict__ x, int64_t xs, const BF* __restrict__ wq
     for (int g = 0; g < G; ++g) {
       const int n = std::min(kPanel, cols - g * kPanel);
       if (n <= 0) break;
-      const __m256i h = (__m256i)_mm512_cvtneps_pbh(a[m][g]);  // round to nearest even, as c10::BFloat16
+      const __m512 v = bias ? _mm512_add_ps(a[m][g], _mm512_loadu_ps(bias + g * kPanel)) : a[m][g];
+      const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);  // round to nearest even, as c10::BFloat16
       if (n == kPanel) {
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * ys + g * kPanel), h);
       } else {
@@ -87,21 +89,22 @@ inline void tile(const BF* __restrict__ x, int64_t xs, const BF* __restrict__ wq
 
 template <int G>
 inline void tile_m(int M, const BF* x, int64_t xs, const BF* wq, int64_t ps, int64_t K, BF* y, int64_t ys,
-                   int cols) {
+                   int cols, const float* bias) {
   switch (M) {
-    case 6: tile<6, G>(x, xs, wq, ps, K, y, ys, cols); break;
-    case 5: tile<5, G>(x, xs, wq, ps, K, y, ys, cols); break;
-    case 4: tile<4, G>(x, xs, wq, ps, K, y, ys, cols); break;
-    case 3: tile<3, G>(x, xs, wq, ps, K, y, ys, cols); break;
-    case 2: tile<2, G>(x, xs, wq, ps, K, y, ys, cols); break;
-    default: tile<1, G>(x, xs, wq, ps, K, y, ys, cols); break;
+    case 6: tile<6, G>(x, xs, wq, ps, K, y, ys, cols, bias); break;
+    case 5: tile<5, G>(x, xs, wq, ps, K, y, ys, cols, bias); break;
+    case 4: tile<4, G>(x, xs, wq, ps, K, y, ys, cols, bias); break;
+    case 3: tile<3, G>(x, xs, wq, ps, K, y, ys, cols, bias); break;
+    case 2: tile<2, G>(x, xs, wq, ps, K, y, ys, cols, bias); break;
+    default: tile<1, G>(x, xs, wq, ps, K, y, ys, cols, bias); break;
   }
 }
 #endif
 
-// y [H, M, N] = x [H, M, K] Wq^T; Wq [H, NP, KP, 16, 2] contiguous bf16; x and y bf16, possibly strided views with
-// unit stride in the last dim.
-void pair_panel_gemm(at::Tensor y, const at::Tensor& x, const at::Tensor& wq) {
+// y [H, M, N] = x [H, M, K] Wq^T (+ bias [N], H = 1); Wq [H, NP, KP, 16, 2] contiguous bf16; x, y and the bias
+// bf16, x and y possibly strided views with unit stride in the last dim. The bias is added to the fp32 sums before
+// the one rounding (as torch's CPU bf16 linear).
+void pair_panel_gemm(at::Tensor y, const at::Tensor& x, const at::Tensor& wq, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(wq.dim() == 5 && wq.size(3) == kPanel && wq.size(4) == 2 && wq.is_contiguous() &&
                   wq.scalar_type() == at::kBFloat16,
               "pair_panel_gemm: wq must be contiguous bf16 [H, NP, KP, 16, 2]");
@@ -113,7 +116,17 @@ void pair_panel_gemm(at::Tensor y, const at::Tensor& x, const at::Tensor& wq) {
   TORCH_CHECK(y.dim() == 3 && y.size(0) == H && y.size(1) == M && y.stride(2) == 1 &&
                   y.scalar_type() == at::kBFloat16 && (y.size(2) + kPanel - 1) / kPanel == NP,
               "pair_panel_gemm: y must be bf16 [H, M, N] with unit stride in N, N in wq's ", NP, " panels");
+  const bool has_bias = bias.has_value() && bias->defined();
+  TORCH_CHECK(!has_bias || (H == 1 && bias->dim() == 1 && bias->size(0) == y.size(2)),
+              "pair_panel_gemm: bias must be [N] (one matrix, H = 1)");
 #ifdef OI_PAIR_PANELS
+  std::vector<float> bf;  // the bias widened once, padded to whole panels
+  if (has_bias) {
+    const at::Tensor b = bias->to(at::kFloat).contiguous();
+    bf.assign(NP * kPanel, 0.f);
+    std::copy(b.data_ptr<float>(), b.data_ptr<float>() + b.numel(), bf.begin());
+  }
+  const float* bp = has_bias ? bf.data() : nullptr;
   const int64_t N = y.size(2), groups = (NP + kG - 1) / kG, ps = KP * 2 * kPanel;
   const BF* xp = x.data_ptr<BF>();
   const BF* wp = wq.data_ptr<BF>();
@@ -131,10 +144,10 @@ void pair_panel_gemm(at::Tensor y, const at::Tensor& x, const at::Tensor& wq) {
         const BF* xr = xp + h * xs0 + m0 * xs1;
         BF* yr = yp + h * ys0 + m0 * ys1 + n0;
         switch (G) {
-          case 4: tile_m<4>(static_cast<int>(mb), xr, xs1, w, ps, K, yr, ys1, cols); break;
-          case 3: tile_m<3>(static_cast<int>(mb), xr, xs1, w, ps, K, yr, ys1, cols); break;
-          case 2: tile_m<2>(static_cast<int>(mb), xr, xs1, w, ps, K, yr, ys1, cols); break;
-          default: tile_m<1>(static_cast<int>(mb), xr, xs1, w, ps, K, yr, ys1, cols); break;
+          case 4: tile_m<4>(static_cast<int>(mb), xr, xs1, w, ps, K, yr, ys1, cols, bp ? bp + n0 : nullptr); break;
+          case 3: tile_m<3>(static_cast<int>(mb), xr, xs1, w, ps, K, yr, ys1, cols, bp ? bp + n0 : nullptr); break;
+          case 2: tile_m<2>(static_cast<int>(mb), xr, xs1, w, ps, K, yr, ys1, cols, bp ? bp + n0 : nullptr); break;
+          default: tile_m<1>(static_cast<int>(mb), xr, xs1, w, ps, K, yr, ys1, cols, bp ? bp + n0 : nullptr); break;
         }
       }
     }
@@ -147,7 +160,7 @@ void pair_panel_gemm(at::Tensor y, const at::Tensor& x, const at::Tensor& wq) {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(openinfer_cpu, m) {
-  m.def("pair_panel_gemm(Tensor(a!) y, Tensor x, Tensor wq) -> ()");
+  m.def("pair_panel_gemm(Tensor(a!) y, Tensor x, Tensor wq, Tensor? bias) -> ()");
   m.impl("pair_panel_gemm", c10::DispatchKey::CPU, &pair_panel_gemm);
   m.def("pair_panels_built() -> bool", []() -> bool {
 #ifdef OI_PAIR_PANELS
