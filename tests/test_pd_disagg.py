@@ -385,10 +385,17 @@ def test_router_pd_full_deepseek_shape(arch, backend, tmp_path_factory):
             _stop_router(router)
             router = None
         assert preempted > 0
-        if ray is not None:  # each server's two ranks are actors of the one Ray instance (their output comes
-            # to the server's log, tagged with the actor's pid), whose four CPUs the two placement groups hold
+        if ray is not None:  # each server's two ranks are actors of the one Ray instance, whose four CPUs the two
+            # placement groups hold. Counted in Ray's actor table: the ranks' output also reaches the server's log
+            # tagged with the actor's pid, but Ray forwards it asynchronously (one rank's lines were still missing
+            # at this point in a CI run), so the log only has to show each server's ranks logging through Ray.
+            from ray._private import state as ray_state
+
+            alive = [x for x in ray_state.actors(actor_state_name="ALIVE").values()
+                     if x["ActorClassName"] == "RayWorkerHost"]
+            assert len({x["Pid"] for x in alive}) == len(alive) == 4, alive
             for s in (a, b):
-                assert len(set(re.findall(r"\(RayWorkerHost pid=(\d+)\)", s.log_path.read_text()))) == 2, s.log()
+                assert re.search(r"\(RayWorkerHost pid=\d+\)", s.log_path.read_text()), s.log()
             assert ray.available_resources().get("CPU", 0) == 0, ray.available_resources()
     finally:
         _stop_router(router)
