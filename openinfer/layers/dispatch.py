@@ -96,8 +96,9 @@ class KernelSelection:
     def pair_panels(self, device: torch.device, dtype: torch.dtype) -> bool:
         """bf16 weights that are only multiplied go into AVX512-BF16 pair panels (``pair_panel_gemm.cpp``) instead
         of oneDNN's layout: on a native-bf16 CPU without AMX (Zen 4, Cooper Lake) whose build has the instruction,
-        unless ``bf16_dot`` is off. There it matched oneDNN from 32 rows up (350-360 GFLOP/s at 128-512 on a Zen 4)
-        and streamed the weights faster at 1-4 rows (26 against 13-17 GB/s at batch 1). AMX Xeons keep oneDNN, whose
+        unless ``bf16_dot`` is off. There it matched oneDNN at 32-512 rows (350-360 GFLOP/s at 128-512 on a Zen 4),
+        was 7-8 % slower at prefill chunks of 1024-2048 rows, and streamed the weights faster at 1-4 rows (18-26
+        against 13-17 GB/s at batch 1): decode is the larger share of a serving step. AMX Xeons keep oneDNN, whose
         AMX tiles a prefill needs."""
         return (self.kernels and self.pair_panels_built and self.config.bf16_dot and self.config.prepack
                 and device.type == "cpu" and dtype == torch.bfloat16 and self.fast_bf16 and not self.cpu_amx)
