@@ -345,33 +345,27 @@ def pack_pair_panels(w: torch.Tensor) -> torch.Tensor:
     return padded.view(*w.shape[:-2], np_, PANEL, kp, 2).transpose(-3, -2).contiguous()
 
 
-def pair_panel_gemm(x: torch.Tensor, wq: torch.Tensor, n: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
-    """x [H, M, K] W^T -> [H, M, n] for per-head W in pair panels ``wq`` [H, NP, KP, 16, 2] (``pack_pair_panels``),
-    bf16, x and ``out`` possibly strided views with unit stride in the last dim; None when the kernel cannot take
-    the call (not built, not bf16, not on the CPU: the caller runs torch.bmm)."""
+def pair_panel_gemm(x: torch.Tensor, wq: torch.Tensor, n: int, out: torch.Tensor | None = None,
+                    bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x [H, M, K] W^T (+ bias [n], H = 1) -> [H, M, n] for per-head W in pair panels ``wq`` [H, NP, KP, 16, 2]
+    (``pack_pair_panels``), bf16 (the bias added before the one rounding), x and ``out`` possibly strided views with
+    unit stride in the last dim; None when the kernel cannot take the call (not built, not bf16, not on the CPU: the
+    caller runs torch)."""
     ops = ops_for(x, wq)
     if ops is None or not dispatch.active().pair_panels_built or x.dtype != torch.bfloat16 or wq.dtype != x.dtype:
         return None
     x3 = x if x.stride(-1) == 1 else x.contiguous()
     y = out if out is not None else x.new_empty(x3.shape[0], x3.shape[1], n)
-    ops.pair_panel_gemm(y, x3, wq, None)
+    ops.pair_panel_gemm(y, x3, wq, bias)
     return y
 
 
 def pair_panel_linear(x: torch.Tensor, wq: torch.Tensor, n: int, bias: torch.Tensor | None = None
                       ) -> torch.Tensor | None:
-    """x [..., K] W^T (+ bias) -> [..., n] for one W in pair panels ``wq`` [1, NP, KP, 16, 2], bf16 (the bias added
-    before the one rounding); None when the kernel cannot take the call."""
-    ops = ops_for(x, wq)
-    if ops is None or not dispatch.active().pair_panels_built or x.dtype != torch.bfloat16 or wq.dtype != x.dtype:
-        return None
-    k = x.shape[-1]
-    x3 = x.reshape(1, -1, k)
-    if x3.stride(-1) != 1:
-        x3 = x3.contiguous()
-    y = x.new_empty(1, x3.shape[1], n)
-    ops.pair_panel_gemm(y, x3, wq, bias)
-    return y.view(*x.shape[:-1], n)
+    """x [..., K] W^T (+ bias) -> [..., n] for one W in pair panels ``wq`` [1, NP, KP, 16, 2] (``pair_panel_gemm``
+    on x's rows as one head); None when the kernel cannot take the call."""
+    y = pair_panel_gemm(x.reshape(1, -1, x.shape[-1]), wq, n, bias=bias)
+    return None if y is None else y.view(*x.shape[:-1], n)
 
 
 def unpack_pair_panels(wq: torch.Tensor, n: int, k: int) -> torch.Tensor:

@@ -131,21 +131,27 @@ class MLAAttention(nn.Module):
             return w_uk.contiguous(), w_uv.transpose(1, 2).contiguous()
         return self._derived("_absorbed_bmm", kv_b_weight, make)
 
-    def _absorbed_gemm(self, which: int, x_hm: torch.Tensor, kv_b_weight: torch.Tensor, n: int,
-                       out: torch.Tensor | None = None) -> torch.Tensor:
-        """x_hm [H, B, K] times W_UK (which 0: K = Dn -> [H, B, L]) or W_UV^T (1: K = L -> [H, B, Dv]) per head, into
-        ``out`` (a [H, B, n] view) when given: on the panels where the selection keeps them, else on the pair
-        panels, else torch.bmm."""
+    def _absorbed_weights(self, kv_b_weight: torch.Tensor) -> tuple:
+        """(gemm, (W_UK side, W_UV side)) for this step's two absorbed GEMMs, chosen once per call of ``_fast``:
+        the panels where the selection keeps them, else the pair panels, else (None, the bmm layouts)."""
         panels = self._absorbed_panels(kv_b_weight)
-        pairs = self._absorbed_pairs(kv_b_weight) if panels is None else None
-        y = None
         if panels is not None:
-            y = cpu_ops.panel_gemm(x_hm, panels[which], n, out=out)
-        elif pairs is not None:
-            y = cpu_ops.pair_panel_gemm(x_hm, pairs[which], n, out=out)
+            return cpu_ops.panel_gemm, panels[:2]
+        pairs = self._absorbed_pairs(kv_b_weight)
+        if pairs is not None:
+            return cpu_ops.pair_panel_gemm, pairs
+        return None, self._absorbed_dense(kv_b_weight)
+
+    def _absorbed_gemm(self, weights: tuple, which: int, x_hm: torch.Tensor, kv_b_weight: torch.Tensor, n: int,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+        """x_hm [H, B, K] times W_UK (which 0: K = Dn -> [H, B, L]) or W_UV^T (1: K = L -> [H, B, Dv]) per head, on
+        ``weights`` (``_absorbed_weights``), into ``out`` (a [H, B, n] view) when given; torch.bmm where the kernel
+        cannot take the call."""
+        gemm, ws = weights
+        y = None if gemm is None else gemm(x_hm, ws[which], n, out=out)
         if y is not None:
             return y
-        y = torch.bmm(x_hm, self._absorbed_dense(kv_b_weight)[which])
+        y = torch.bmm(x_hm, (ws if gemm is None else self._absorbed_dense(kv_b_weight))[which])
         return y if out is None else out.copy_(y)
 
     def _decompress(self, c_kv: torch.Tensor, kv_b_weight: torch.Tensor) -> torch.Tensor:
@@ -169,7 +175,8 @@ class MLAAttention(nn.Module):
             # ([H, B, Dn] @ [H, Dn, L], [H, B, L] @ [H, L, Dv]: _absorbed_gemm), and the attention reads q and
             # writes o through [B, H, .] views of head-major buffers, so no permuted copy is made on the way in or
             # out (einsum made one of q and o per call).
-            q_lat = self._absorbed_gemm(0, q_nope[:nd].transpose(0, 1), kv_b_weight, lr)
+            weights = self._absorbed_weights(kv_b_weight)
+            q_lat = self._absorbed_gemm(weights, 0, q_nope[:nd].transpose(0, 1), kv_b_weight, lr)
             q = torch.cat((q_lat, q_pe[:nd].transpose(0, 1)), dim=-1).transpose(0, 1)  # [B, H, L+R] view
             # The C++ kernel reads each sequence's latent rows in place (cpu_kernels/mla_decode.cpp); the torch
             # path below gathers them into a tensor padded to the longest sequence.
@@ -183,7 +190,7 @@ class MLAAttention(nn.Module):
                 o = F.scaled_dot_product_attention(q.unsqueeze(2), kv, kv[..., :lr], attn_mask=md.decode_mask,
                                                    scale=self.scale, enable_gqa=True).squeeze(2)  # [B, H, L]
                 o_hm = o.transpose(0, 1)
-            self._absorbed_gemm(1, o_hm, kv_b_weight, dv, out=out[:nd].transpose(0, 1))
+            self._absorbed_gemm(weights, 1, o_hm, kv_b_weight, dv, out=out[:nd].transpose(0, 1))
         for span in md.prefills:
             s, n, ctx = span.query_start, span.query_len, span.context_len
             if ctx == n:  # nothing cached before this chunk: use the fresh latents (as cached), skip the gather
